@@ -1,0 +1,1 @@
+"""HTTP surface: the OpenAI-compatible API and the operator endpoints."""

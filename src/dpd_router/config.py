@@ -1,0 +1,169 @@
+"""Settings: the one place every default lives.
+
+Each setting has one name, used the same way everywhere: `routing_threshold` in YAML,
+`DPD_ROUTING_THRESHOLD` in the environment and `--routing-threshold` on the command line.
+Precedence, highest first: command-line flags, environment, YAML file, defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+PrefillStrategy = Literal["roundrobin"]
+KVConnectorName = Literal["nixl"]
+LogFormat = Literal["json", "text"]
+
+UrlList = Annotated[list[str], NoDecode]
+
+
+class SettingsError(ValueError):
+    """The configuration is invalid; the message names the offending setting."""
+
+
+def _split_urls(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+def _normalise_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    scheme = url.split("://", 1)[0]
+    if scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} must be an http:// or https:// URL")
+    return url
+
+
+class Settings(BaseSettings):
+    """Everything the router can be told, with its defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DPD_",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    # Where the config file came from (set by the CLI or DPD_CONFIG); not itself read from YAML.
+    config: Path | None = Field(default=None, exclude=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+    prefill_urls: UrlList = Field(default_factory=list)
+    decode_urls: UrlList = Field(default_factory=list)
+
+    model: str | None = None
+    tokenizer: Path | None = None
+
+    routing_threshold: int = Field(default=4096, ge=1)
+    prefill_strategy: PrefillStrategy = "roundrobin"
+    kv_connector: KVConnectorName = "nixl"
+
+    # Timeouts per phase, in seconds.
+    connect_timeout: float = Field(default=5.0, gt=0)
+    prefill_timeout: float = Field(default=120.0, gt=0)
+    first_token_timeout: float = Field(default=120.0, gt=0)
+    idle_timeout: float = Field(default=120.0, gt=0)
+    request_timeout: float = Field(default=600.0, gt=0)
+
+    # The shared HTTP client's connection pool.
+    max_connections: int = Field(default=4096, ge=1)
+    max_keepalive_connections: int = Field(default=512, ge=0)
+
+    # Prompts longer than this many characters are tokenized in a worker thread.
+    tokenize_inline_max_chars: int = Field(default=2048, ge=0)
+    tokenizer_threads: int = Field(default=2, ge=1)
+
+    health_interval: float = Field(default=5.0, gt=0)
+    health_timeout: float = Field(default=2.0, gt=0)
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: LogFormat = "json"
+
+    @field_validator("prefill_urls", "decode_urls", mode="before")
+    @classmethod
+    def _parse_url_list(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("prefill_urls", "decode_urls")
+    @classmethod
+    def _check_urls(cls, value: list[str]) -> list[str]:
+        urls = [_normalise_url(url) for url in value]
+        return list(dict.fromkeys(urls))
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _check_tokenizer(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        value = value.expanduser()
+        if not value.is_dir():
+            raise ValueError(f"{value} is not a directory holding a Hugging Face tokenizer")
+        return value
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> Settings:
+        if not self.decode_urls:
+            raise ValueError("decode_urls: at least one decoder URL is required")
+        overlap = set(self.prefill_urls) & set(self.decode_urls)
+        if overlap:
+            raise ValueError(f"prefill_urls and decode_urls both list {sorted(overlap)}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = _config_file_from(init_settings)
+        if config_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+        return tuple(sources)
+
+
+def _config_file_from(init_settings: PydanticBaseSettingsSource) -> Path | None:
+    given = init_settings().get("config") or os.environ.get("DPD_CONFIG")
+    if not given:
+        return None
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise SettingsError(f"config: file {path} does not exist")
+    return path
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build Settings from flags, env and YAML; raise SettingsError naming the bad setting."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown setting"
+        lines.append(f"{where}: {message}")
+    return "invalid configuration: " + "; ".join(lines)

@@ -1,0 +1,62 @@
+"""Errors the router raises, grouped by family; each maps to one HTTP status in api/errors.py."""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base of every error the router turns into an OpenAI-style error body."""
+
+    status_code = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(RouterError):
+    """The client's request cannot be served as sent."""
+
+    status_code = 400
+    error_type = "BadRequestError"
+
+
+class ModelNotFound(RouterError):
+    """The request names a model this router does not serve."""
+
+    status_code = 404
+    error_type = "NotFoundError"
+
+
+class UpstreamError(RouterError):
+    """An engine failed in a way the router could not recover from."""
+
+    status_code = 502
+    error_type = "BadGatewayError"
+
+
+class UpstreamTimeout(UpstreamError):
+    """An engine did not answer within the phase's timeout."""
+
+    status_code = 504
+    error_type = "GatewayTimeoutError"
+
+
+class NoHealthyDecoder(RouterError):
+    """Every decoder is down or unreachable."""
+
+    status_code = 503
+    error_type = "ServiceUnavailableError"
+
+
+class PrefillFailed(Exception):
+    """The prefill hop did not stage KV; the gateway falls back or fails per policy.
+
+    `reason` is a short label for metrics (connect_error, timeout, status_5xx, no_kv_params, ...).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail

@@ -1,0 +1,125 @@
+"""Every Prometheus metric the router exports, defined once, in a registry of its own."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from dpd_router.pool.endpoint import Endpoint
+
+PREFIX = "dpd_router"
+
+# From a millisecond to ten minutes: relay overhead, TTFT and whole generations share these.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+# Per-token gaps: from a tenth of a millisecond to a few seconds.
+TOKEN_GAP_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
+    0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+# Token counts, powers of two from 16 to a million: the audit operators run before choosing a threshold.
+TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 21))
+
+
+class RouterMetrics:
+    """The router's metrics; one instance per app, passed to whoever records."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Requests finished, by path and outcome.", ["path", "outcome"], registry=r
+        )
+        self.route_decisions = Counter(
+            f"{PREFIX}_route_decisions",
+            "Routing decisions by the path taken and the reason for it.",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            f"{PREFIX}_prefill_fallbacks",
+            "Disaggregated requests served on the decoder alone because the prefill hop failed.",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from the request's arrival to the first generated token relayed, by path.",
+            ["path"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time between output chunks after the first, per streamed request, by path.",
+            ["path"],
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_latency_seconds",
+            "Time from the request's arrival to its last byte, by path.",
+            ["path"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokenize = Histogram(
+            f"{PREFIX}_tokenize_seconds",
+            "Time spent counting the prompt's tokens.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            f"{PREFIX}_prefill_seconds",
+            "Duration of the prefill hop (the KV-staging call to a prefiller), by outcome.",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            f"{PREFIX}_prompt_tokens",
+            "Prompt tokens per request, by path.",
+            ["path"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            f"{PREFIX}_output_tokens",
+            "Output tokens per request as the decoder reported them, by path.",
+            ["path"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "Requests being served now.", registry=r)
+        self.routing_threshold = Gauge(
+            f"{PREFIX}_routing_threshold_tokens",
+            "Prompt tokens at or above which a request is disaggregated.",
+            registry=r,
+        )
+        self.endpoint_healthy = Gauge(
+            f"{PREFIX}_endpoint_healthy",
+            "1 when the endpoint may receive traffic, 0 when it is marked unhealthy.",
+            ["endpoint", "role"],
+            registry=r,
+        )
+        self.endpoint_in_flight = Gauge(
+            f"{PREFIX}_endpoint_in_flight_requests",
+            "Calls the router has open to the endpoint now.",
+            ["endpoint", "role"],
+            registry=r,
+        )
+
+    def watch_endpoint(self, endpoint: Endpoint) -> None:
+        """Export the endpoint's live state; its in-flight count is read at scrape time, O(1)."""
+        self.endpoint_in_flight.labels(endpoint.url, endpoint.role).set_function(lambda: endpoint.in_flight)
+        self.set_endpoint_health(endpoint)
+
+    def set_endpoint_health(self, endpoint: Endpoint) -> None:
+        self.endpoint_healthy.labels(endpoint.url, endpoint.role).set(1 if endpoint.healthy else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,118 @@
+"""What one request did, recorded once at its end: the metrics and the one log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpd_router.metrics import RouterMetrics
+
+log = logging.getLogger("dpd_router.request")
+
+
+@dataclass
+class RequestTrace:
+    """The facts of one request, filled in step by step along its path."""
+
+    request_id: str
+    kind: str
+    stream: bool
+    started: float = field(default_factory=time.perf_counter)
+    path: str = "direct"
+    reason: str = ""
+    threshold: int | None = None
+    prompt_tokens: int | None = None
+    tokenize_seconds: float | None = None
+    prefiller: str | None = None
+    decoder: str | None = None
+    prefill_seconds: float | None = None
+    prefill_error: str | None = None
+    first_token_at: float | None = None
+    last_chunk_at: float | None = None
+    token_chunks: int = 0
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    status: int = 200
+    outcome: str = "ok"
+    error: str | None = None
+    finished: bool = False
+
+    def mark_token_chunk(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_chunk_at = now
+        self.token_chunks += 1
+
+    def fail(self, outcome: str, error: str, status: int | None = None) -> None:
+        self.outcome = outcome
+        self.error = error
+        if status is not None:
+            self.status = status
+
+
+class Observer:
+    """Turns finished traces into metrics and one structured log line each."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def finish(self, trace: RequestTrace) -> None:
+        if trace.finished:
+            return
+        trace.finished = True
+        now = time.perf_counter()
+        m = self.metrics
+        path = trace.path
+        m.requests.labels(path, trace.outcome).inc()
+        m.e2e.labels(path).observe(now - trace.started)
+        if trace.first_token_at is not None:
+            m.ttft.labels(path).observe(trace.first_token_at - trace.started)
+            if trace.token_chunks > 1 and trace.last_chunk_at is not None:
+                m.tpot.labels(path).observe(
+                    (trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1)
+                )
+        if trace.prompt_tokens is not None:
+            m.prompt_tokens.labels(path).observe(trace.prompt_tokens)
+        if trace.completion_tokens is not None:
+            m.output_tokens.labels(path).observe(trace.completion_tokens)
+        self._log(trace, now)
+
+    def _log(self, trace: RequestTrace, now: float) -> None:
+        fields: dict[str, Any] = {
+            "request_id": trace.request_id,
+            "kind": trace.kind,
+            "stream": trace.stream,
+            "path": trace.path,
+            "reason": trace.reason,
+            "prompt_tokens": trace.prompt_tokens,
+            "threshold": trace.threshold,
+            "prefiller": trace.prefiller,
+            "decoder": trace.decoder,
+            "cached_tokens": trace.cached_tokens,
+            "completion_tokens": trace.completion_tokens,
+            "tokenize_ms": _ms(trace.tokenize_seconds),
+            "prefill_ms": _ms(trace.prefill_seconds),
+            "ttft_ms": _ms(None if trace.first_token_at is None else trace.first_token_at - trace.started),
+            "e2e_ms": _ms(now - trace.started),
+            "status": trace.status,
+            "outcome": trace.outcome,
+        }
+        if trace.prefill_error:
+            fields["prefill_error"] = trace.prefill_error
+        if trace.error:
+            fields["error"] = trace.error
+        level = logging.INFO if trace.outcome in ("ok", "client_disconnect") else logging.WARNING
+        log.log(
+            level,
+            "Conditional routing: tokens=%s, threshold=%s, disaggregate=%s",
+            trace.prompt_tokens,
+            trace.threshold,
+            trace.path == "disaggregated",
+            extra={"fields": fields},
+        )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

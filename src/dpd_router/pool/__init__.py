@@ -1,0 +1,1 @@
+"""The engines the router sends work to: endpoints, pools and their health."""

@@ -1,0 +1,177 @@
+"""Relaying the decoder's answer to the client: bytes in, bytes out, watched on the way.
+
+The stream is passed on event by event as it arrives. Events are parsed only as far as the
+metrics need: until the first token (TTFT), and the usage event at the end, whose
+`cached_tokens` is reconciled to the prefiller's view on the disaggregated path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+
+from dpd_router.observe import RequestTrace
+
+_EVENT_END = b"\n\n"
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+
+
+def _has_token(payload: dict[str, Any]) -> bool:
+    """Whether a completion chunk carries output (content, text, tool calls or a finish)."""
+    choices = payload.get("choices")
+    if not choices:
+        return False
+    for choice in choices:
+        if choice.get("finish_reason") is not None or choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if delta and (delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")):
+            return True
+    return False
+
+
+def _errored(payload: dict[str, Any]) -> str | None:
+    if "error" in payload:
+        error = payload["error"]
+        return str(error.get("message") if isinstance(error, dict) else error)
+    for choice in payload.get("choices") or ():
+        if choice.get("finish_reason") == "error":
+            return "the engine ended the request with finish_reason=error"
+    return None
+
+
+def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
+    """Record the usage block; report the prefiller's cached tokens instead of the decoder's.
+
+    Returns True when the payload was changed.
+    """
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return False
+    completion = usage.get("completion_tokens")
+    if isinstance(completion, int):
+        trace.completion_tokens = completion
+    details = usage.get("prompt_tokens_details")
+    if cached_tokens is None:
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            trace.cached_tokens = details["cached_tokens"]
+        return False
+    trace.cached_tokens = cached_tokens
+    if isinstance(details, dict):
+        details["cached_tokens"] = cached_tokens
+    else:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return True
+
+
+class EventStream:
+    """Watches and relays one upstream SSE stream; closes it and records the trace at the end."""
+
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        trace: RequestTrace,
+        *,
+        cached_tokens: int | None,
+        on_close: Callable[[], None],
+    ) -> None:
+        self._upstream = upstream
+        self._trace = trace
+        self._cached_tokens = cached_tokens
+        self._on_close = on_close
+        self._saw_done = False
+        self._complete = False
+        self._closed = False
+
+    async def close(self) -> None:
+        """Close the upstream response and record the request; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._complete and self._trace.outcome == "ok":
+            self._trace.fail("client_disconnect", "the client disconnected during the stream", status=499)
+        with anyio.CancelScope(shield=True):
+            await self._upstream.aclose()
+        self._on_close()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        trace = self._trace
+        pending = b""
+        try:
+            async for chunk in self._upstream.aiter_raw():
+                pending += chunk
+                if _EVENT_END not in pending:
+                    continue
+                *events, pending = pending.split(_EVENT_END)
+                yield self._relay_events(events)
+            if pending.strip():
+                yield pending
+            self._complete = True
+            if not self._saw_done and trace.outcome == "ok":
+                trace.fail("upstream_truncated", "the decoder closed the stream before [DONE]")
+                yield self._error_event("The decoder ended the stream early.")
+        except httpx.TimeoutException as exc:
+            trace.fail("upstream_timeout", f"{type(exc).__name__} while streaming from {trace.decoder}")
+            self._complete = True
+            yield self._error_event("The decoder stopped sending tokens before the stream ended.")
+        except httpx.HTTPError as exc:
+            trace.fail("upstream_error", f"{type(exc).__name__} while streaming from {trace.decoder}")
+            self._complete = True
+            yield self._error_event("The connection to the decoder broke before the stream ended.")
+        finally:
+            await self.close()
+
+    def _relay_events(self, events: list[bytes]) -> bytes:
+        trace = self._trace
+        now = time.perf_counter()
+        for index, event in enumerate(events):
+            if not event.startswith(_DATA):
+                continue
+            if event.startswith(_DONE):
+                self._saw_done = True
+                continue
+            first = trace.first_token_at is None
+            if not first and b'"usage"' not in event and b'"error"' not in event:
+                trace.mark_token_chunk(now)
+                continue
+            try:
+                payload = orjson.loads(event[len(_DATA) :])
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(payload, dict):
+                continue
+            failure = _errored(payload)
+            if failure is not None:
+                trace.fail("upstream_error", failure)
+            if _has_token(payload):
+                trace.mark_token_chunk(now)
+            if reconcile_usage(payload, trace, self._cached_tokens):
+                events[index] = _DATA + orjson.dumps(payload)
+        return _EVENT_END.join(events) + _EVENT_END
+
+    def _error_event(self, message: str) -> bytes:
+        error = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+        return _DATA + orjson.dumps(error) + _EVENT_END + _DONE + _EVENT_END
+
+
+def relay_body(content: bytes, trace: RequestTrace, cached_tokens: int | None) -> bytes:
+    """Inspect a whole (non-streamed) answer; reconcile its usage; return the bytes to send."""
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content
+    if not isinstance(payload, dict):
+        return content
+    failure = _errored(payload)
+    if failure is not None:
+        trace.fail("upstream_error", failure)
+    trace.mark_token_chunk(time.perf_counter())
+    if reconcile_usage(payload, trace, cached_tokens):
+        return orjson.dumps(payload)
+    return content

@@ -1,0 +1,141 @@
+"""A client's request as the router sees it: parsed once, validated, original body kept.
+
+Only the fields the router acts on are checked; every other field is forwarded untouched,
+so tools, response_format, logprobs, seed and whatever an engine adds next keep working.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from dpd_router.errors import InvalidRequest
+
+RequestKind = Literal["chat", "completion"]
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@dataclass
+class ClientRequest:
+    """One OpenAI request: its kind, its parsed body and the raw bytes it arrived as."""
+
+    kind: RequestKind
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+    # Set when the router changed the body (for example filled in the model): raw is stale then.
+    body_changed: bool = field(default=False)
+
+    @property
+    def batch_size(self) -> int:
+        """How many prompts the request carries (text completions accept a list of prompts)."""
+        if self.kind == "chat":
+            return 1
+        prompt = self.body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return len(prompt)
+        return 1
+
+    def encoded(self) -> bytes:
+        """The body to forward as the client sent it (re-encoded only if the router filled something in)."""
+        return orjson.dumps(self.body) if self.body_changed else self.raw
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_request(kind: RequestKind, raw: bytes) -> ClientRequest:
+    """Parse and check a chat or text completion body; raise InvalidRequest naming the bad field."""
+    if not raw.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    if kind == "chat":
+        _check_messages(body)
+    else:
+        _check_prompt(body)
+    _check_common(body, kind)
+    return ClientRequest(kind=kind, body=body, raw=raw, stream=bool(body.get("stream", False)))
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest("'messages' is a required property.", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array of messages.", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{index}] must be an object.", param=f"messages[{index}]")
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"messages[{index}].role is required and must be a string.", param=f"messages[{index}].role"
+            )
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise InvalidRequest(
+                f"messages[{index}].content must be a string or an array of content parts.",
+                param=f"messages[{index}].content",
+            )
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequest("'prompt' is a required property.", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return
+    message = "'prompt' must be a string, an array of strings, an array of token ids or an array of those."
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest(message, param="prompt")
+    if all(_is_int(token) for token in prompt):
+        if any(token < 0 for token in prompt):
+            raise InvalidRequest("Token ids in 'prompt' must not be negative.", param="prompt")
+        return
+    if all(isinstance(item, str) for item in prompt):
+        return
+    if all(isinstance(item, list) and item and all(_is_int(t) and t >= 0 for t in item) for item in prompt):
+        return
+    raise InvalidRequest(message, param="prompt")
+
+
+def _check_common(body: dict[str, Any], kind: RequestKind) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string.", param="model")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean.", param="stream")
+    limits = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
+    for name in limits:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise InvalidRequest(f"'{name}' must be an integer.", param=name)
+        if value < 1:
+            raise InvalidRequest(f"'{name}' must be at least 1, got {value}.", param=name)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise InvalidRequest("'n' must be an integer of at least 1.", param="n")
+    if "kv_transfer_params" in body:
+        raise InvalidRequest(
+            "'kv_transfer_params' is set by the router and cannot be sent by clients.",
+            param="kv_transfer_params",
+        )
+
+
+def clean_request_id(given: str | None) -> str | None:
+    """The client's X-Request-Id if it is safe to forward to engines and logs, else None."""
+    if given and _REQUEST_ID.match(given):
+        return given
+    return None

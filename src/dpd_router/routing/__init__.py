@@ -1,0 +1,1 @@
+"""Routing decisions: which path a request takes, and which engines serve it."""

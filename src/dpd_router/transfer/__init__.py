@@ -1,0 +1,1 @@
+"""KV connectors: how the prefill hop hands a prompt's KV cache to the decoder."""

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import Observer, RequestTrace
+from dpd_router.relay import EventStream, relay_body
+
+
+class Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes], error: Exception | None = None) -> None:
+        self.chunks = chunks
+        self.error = error
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def event(payload: dict[str, object]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+ROLE = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+TOKEN = event({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]})
+LAST = event({"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "length"}]})
+USAGE = event(
+    {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 300,
+            "completion_tokens": 2,
+            "total_tokens": 302,
+            "prompt_tokens_details": {"cached_tokens": 300},
+        },
+    }
+)
+DONE = b"data: [DONE]\n\n"
+
+
+async def relay(chunks: list[bytes], *, cached: int | None = None, error: Exception | None = None):
+    stream = Chunks(chunks, error)
+    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    closed: list[bool] = []
+    relayed = EventStream(
+        httpx.Response(200, stream=stream), trace, cached_tokens=cached, on_close=lambda: closed.append(True)
+    )
+    out = b"".join([part async for part in relayed])
+    return out, trace, stream, closed
+
+
+async def test_events_pass_through_unchanged_and_upstream_is_closed() -> None:
+    chunks = [ROLE, TOKEN, LAST, USAGE, DONE]
+    out, trace, stream, closed = await relay(chunks)
+    assert out == b"".join(chunks)
+    assert stream.closed and closed == [True]
+    assert trace.outcome == "ok"
+    assert trace.token_chunks == 2  # neither the role-only chunk nor the usage chunk carries a token
+    assert trace.completion_tokens == 2
+    assert trace.cached_tokens == 300
+
+
+async def test_events_split_across_reads_are_reassembled() -> None:
+    whole = ROLE + TOKEN + LAST + DONE
+    pieces = [whole[i : i + 7] for i in range(0, len(whole), 7)]
+    out, trace, _, _ = await relay(pieces)
+    assert out == whole
+    assert trace.first_token_at is not None and trace.outcome == "ok"
+
+
+async def test_usage_reports_the_prefillers_cached_tokens() -> None:
+    out, trace, _, _ = await relay([TOKEN, LAST, USAGE, DONE], cached=16)
+    usage_event = [e for e in out.split(b"\n\n") if b"usage" in e][0]
+    usage = orjson.loads(usage_event[len(b"data: ") :])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 16
+    assert usage["prompt_tokens"] == 300
+    assert trace.cached_tokens == 16
+
+
+async def test_stream_cut_before_done_ends_with_an_error_event() -> None:
+    out, trace, _, _ = await relay([TOKEN], error=httpx.ReadError("reset"))
+    assert out.startswith(TOKEN)
+    assert b'"error"' in out and out.endswith(DONE)
+    assert trace.outcome == "upstream_error"
+
+
+async def test_stream_closed_without_done_is_flagged_and_terminated() -> None:
+    out, trace, _, _ = await relay([TOKEN, LAST])
+    assert trace.outcome == "upstream_truncated"
+    assert out.endswith(DONE)
+
+
+async def test_in_band_engine_error_is_recorded() -> None:
+    failed = event({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]})
+    out, trace, _, _ = await relay([failed, DONE])
+    assert out == failed + DONE
+    assert trace.outcome == "upstream_error"
+
+
+async def test_closing_before_the_end_counts_a_client_disconnect() -> None:
+    stream = Chunks([TOKEN, LAST, DONE])
+    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    relayed = EventStream(httpx.Response(200, stream=stream), trace, cached_tokens=None, on_close=lambda: None)
+    iterator = relayed.__aiter__()
+    await iterator.__anext__()
+    await iterator.aclose()
+    assert stream.closed
+    assert trace.outcome == "client_disconnect"
+
+
+def test_whole_answer_usage_is_reconciled() -> None:
+    answer = {
+        "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 10}},
+    }
+    trace = RequestTrace(request_id="r", kind="chat", stream=False)
+    out = orjson.loads(relay_body(orjson.dumps(answer), trace, cached_tokens=0))
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert trace.completion_tokens == 1
+
+
+def test_observer_records_metrics_once() -> None:
+    metrics = RouterMetrics()
+    observer = Observer(metrics)
+    trace = RequestTrace(request_id="r", kind="chat", stream=True, path="disaggregated", prompt_tokens=500)
+    trace.mark_token_chunk(trace.started + 0.5)
+    observer.finish(trace)
+    observer.finish(trace)
+    value = metrics.registry.get_sample_value
+    assert value("dpd_router_requests_total", {"path": "disaggregated", "outcome": "ok"}) == 1
+    assert value("dpd_router_time_to_first_token_seconds_count", {"path": "disaggregated"}) == 1
+    assert value("dpd_router_time_to_first_token_seconds_sum", {"path": "disaggregated"}) == 0.5
