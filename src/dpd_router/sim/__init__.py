@@ -1,0 +1,25 @@
+"""A simulated vLLM engine for dpd-router: vLLM's HTTP formats, NIXL lease semantics, a GPU timing model.
+
+It stands in for real engines in tests and benchmarks, and is strict where vLLM is: a decoder
+given missing, reused or expired `kv_transfer_params` fails the request in-band. Nothing here
+imports the router, and the router never imports this package.
+"""
+
+from dpd_router.sim.cluster import SimCluster, SimEngine
+from dpd_router.sim.config import Role, SimConfig
+from dpd_router.sim.engine import create_app, main
+from dpd_router.sim.gpu import Scheduler, StepRecord, TimingModel
+from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+
+__all__ = [
+    "Role",
+    "Scheduler",
+    "SimCluster",
+    "SimConfig",
+    "SimEngine",
+    "StepRecord",
+    "TimingModel",
+    "create_app",
+    "ensure_tokenizer",
+    "main",
+]

@@ -1,0 +1,48 @@
+"""Settings of one simulated engine."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from dpd_router.sim.gpu import TimingModel
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything an engine needs at startup; `port` is also the NIXL side-channel port."""
+
+    role: Role
+    port: int
+    tokenizer: Path
+    host: str = "127.0.0.1"
+    model: str = "sim-model"
+    max_model_len: int = 32768
+    timing: TimingModel = field(default_factory=TimingModel)
+    lease_seconds: float = 30.0
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    seed: int = 0
+    max_batch_size: int = 256
+    kv_capacity_tokens: int = 500_000
+    """KV cache size used for `vllm:kv_cache_usage_perc` (about an H100 with an 8B model)."""
+    side_channel_host: str | None = None
+    """The host decoders reach this engine's KV at (`remote_host`); defaults to `host`."""
+
+    @property
+    def advertised_host(self) -> str:
+        if self.side_channel_host:
+            return self.side_channel_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def can_prefill_for_remote(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def can_decode_remote_kv(self) -> bool:
+        return self.role in ("decode", "both")

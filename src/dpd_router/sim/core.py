@@ -1,0 +1,116 @@
+"""One simulated engine's state, built at startup: tokenizer, GPU, KV cache and leases, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+from transformers import AutoTokenizer
+
+from dpd_router.sim.completion_request import GenerationRequest, InvalidRequest, RequestParser
+from dpd_router.sim.config import SimConfig
+from dpd_router.sim.faults import FaultInjector
+from dpd_router.sim.gpu import Scheduler
+from dpd_router.sim.kv import KvLease, LeaseTable, PrefixCache
+from dpd_router.sim.metrics import EngineMetrics
+from dpd_router.sim.nixl import KvPuller, NixlSideChannel
+from dpd_router.sim.sampler import Sampler
+from dpd_router.sim.stats import RequestKind, RequestLog
+
+
+class EngineCore:
+    """Everything one engine owns; `start()` and `close()` run its background work."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer), local_files_only=True)
+        self.parser = RequestParser(self.tokenizer, model=config.model, max_model_len=config.max_model_len)
+        self.sampler = Sampler(self.tokenizer.backend_tokenizer, engine_seed=config.seed)
+        self.scheduler = Scheduler(config.timing, max_batch_size=config.max_batch_size)
+        self.prefix_cache = PrefixCache()
+        self.metrics = EngineMetrics(config.model)
+        self.leases = LeaseTable(config.lease_seconds, on_expire=self._lease_expired)
+        self.side_channel = NixlSideChannel(config.engine_id, self.leases, config.timing)
+        self.stats = RequestLog()
+        self.faults = FaultInjector()
+        self.in_flight = 0
+        self.kv_puller = KvPuller(
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(30.0, connect=2.0),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
+            )
+        )
+        self._reaper: asyncio.Task[None] | None = None
+        self.metrics.watch(
+            running=lambda: self.scheduler.running,
+            waiting=lambda: self.scheduler.waiting,
+            kv_cache_usage=self.kv_cache_usage,
+        )
+
+    async def start(self) -> None:
+        self.scheduler.start()
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_leases(), name="sim-lease-reaper")
+
+    async def close(self) -> None:
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await self.scheduler.close()
+        await self.kv_puller.client.aclose()
+
+    def classify(self, request: GenerationRequest) -> RequestKind:
+        """Which path this request takes here, from its kv_transfer_params and this engine's role."""
+        params = request.kv_transfer_params or {}
+        kind: RequestKind = "local"
+        if params.get("do_remote_decode") is True:
+            if not self.config.can_prefill_for_remote:
+                raise InvalidRequest(
+                    f"this engine's role is {self.config.role}: it does not prefill for a remote decoder "
+                    "(kv_transfer_params.do_remote_decode)"
+                )
+            kind = "remote_prefill"
+        elif params.get("do_remote_prefill") is True:
+            if not self.config.can_decode_remote_kv:
+                raise InvalidRequest(
+                    f"this engine's role is {self.config.role}: it does not load remote KV "
+                    "(kv_transfer_params.do_remote_prefill)"
+                )
+            kind = "kv_decode"
+        if kind != "local" and len(request.prompts) != 1:
+            raise InvalidRequest("kv_transfer_params apply to a single prompt")
+        return kind
+
+    def kv_cache_usage(self) -> float:
+        used = self.scheduler.context_tokens + self.leases.leased_tokens
+        return min(used / self.config.kv_capacity_tokens, 1.0)
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        return {
+            "role": self.config.role,
+            "engine_id": self.config.engine_id,
+            **self.stats.counters(),
+            "running": scheduler.running,
+            "waiting": scheduler.waiting,
+            "leases_active": self.leases.active,
+            "in_flight": self.in_flight,
+            "prefill_steps": scheduler.prefill_steps,
+            "decode_steps": scheduler.decode_steps,
+            "stalling_prefill_steps": scheduler.stalling_prefill_steps,
+            "fault": self.faults.describe(),
+            "recent": [record.as_dict() for record in self.stats.recent],
+        }
+
+    def _lease_expired(self, _lease: KvLease) -> None:
+        self.metrics.nixl_num_kv_expired_reqs.inc()
+
+    async def _reap_leases(self) -> None:
+        interval = min(max(self.config.lease_seconds / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            self.leases.reap()

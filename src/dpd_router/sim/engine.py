@@ -1,0 +1,184 @@
+"""A simulated vLLM engine: the HTTP surface (vLLM's formats), its lifespan, and its command line."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.routing import Route
+
+from dpd_router.sim.completion_request import Api, InvalidRequest, load_object
+from dpd_router.sim.config import ROLES, Role, SimConfig
+from dpd_router.sim.core import EngineCore
+from dpd_router.sim.faults import FAULT_MODES, FaultMode
+from dpd_router.sim.gpu import TimingModel
+from dpd_router.sim.nixl import TRANSFER_PATH
+from dpd_router.sim.openai_format import error_body
+from dpd_router.sim.serving import CompletionsEndpoint
+from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+
+__all__ = ["SimConfig", "build_arg_parser", "config_from_args", "create_app", "main"]
+
+
+def create_app(config: SimConfig) -> FastAPI:
+    """Build one engine. Its state lives in an EngineCore at `app.state.core`, started by the lifespan."""
+    core = EngineCore(config)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await core.start()
+        try:
+            yield
+        finally:
+            await core.close()
+
+    app = FastAPI(title=f"dpd-router sim engine ({config.role})", lifespan=lifespan, openapi_url=None)
+    app.state.core = core
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if core.faults.dead else 200)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": config.model,
+            "object": "model",
+            "created": started,
+            "owned_by": "vllm",
+            "root": config.model,
+            "parent": None,
+            "max_model_len": config.max_model_len,
+            "permission": [],
+        }
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            tokens = core.parser.tokenize(await request.body())
+        except InvalidRequest as exc:
+            return _error(exc)
+        return _json(
+            {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens, "token_strs": None}
+        )
+
+    @app.get("/load")
+    async def load() -> Response:
+        return _json({"server_load": core.in_flight})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/sim/stats")
+    async def stats() -> Response:
+        return _json(core.stats_snapshot())
+
+    @app.post("/sim/fault")
+    async def fault(request: Request) -> Response:
+        try:
+            body = load_object(await request.body())
+        except InvalidRequest as exc:
+            return _error(exc)
+        mode, count = body.get("mode"), body.get("count")
+        if mode not in FAULT_MODES:
+            return _error(InvalidRequest(f"mode must be one of {', '.join(FAULT_MODES)}"))
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+            return _error(InvalidRequest("count must be a non-negative integer or null"))
+        core.faults.set(cast(FaultMode, mode), count)
+        return _json(core.faults.describe())
+
+    @app.post(TRANSFER_PATH)
+    async def nixl_transfer(request: Request) -> Response:
+        if core.faults.dead:
+            return _json({"error": "the engine is dead"}, status_code=503)
+        try:
+            body = load_object(await request.body())
+        except InvalidRequest as exc:
+            return _json({"error": exc.message}, status_code=400)
+        status, answer = await core.side_channel.transfer(body)
+        return _json(answer, status_code=status)
+
+    for path, api in (("/v1/completions", "text"), ("/v1/chat/completions", "chat")):
+        app.router.routes.append(Route(path, CompletionsEndpoint(core, cast(Api, api)), methods=["POST"]))
+    return app
+
+
+def _json(payload: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
+
+
+def _error(exc: InvalidRequest) -> Response:
+    body = error_body(exc.message, exc.error_type, exc.status_code, exc.param)
+    return Response(body, status_code=exc.status_code, media_type="application/json")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dpd_router.sim", description="Run one simulated vLLM engine (NIXL P/D semantics)."
+    )
+    parser.add_argument("--role", choices=ROLES, default="both")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--model", default="sim-model")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: built-in)")
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long prefilled KV is held")
+    parser.add_argument("--engine-id", default=None, help="NIXL engine id (default: a new uuid)")
+    parser.add_argument("--side-channel-host", default=None, help="remote_host given to decoders")
+    parser.add_argument("--seed", type=int, default=0, help="engine seed mixed into the output text")
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--timing", choices=("default", "realistic"), default="default")
+    for name in TimingModel.__dataclass_fields__:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=float, default=None, help=f"seconds; overrides the --timing preset's {name}")
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    timing = TimingModel.realistic() if args.timing == "realistic" else TimingModel()
+    overrides = {
+        name: getattr(args, name) for name in TimingModel.__dataclass_fields__ if getattr(args, name) is not None
+    }
+    config = SimConfig(
+        role=cast(Role, args.role),
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        tokenizer=ensure_tokenizer(args.tokenizer),
+        max_model_len=args.max_model_len,
+        timing=replace(timing, **overrides),
+        lease_seconds=args.lease_seconds,
+        seed=args.seed,
+        max_batch_size=args.max_batch_size,
+        side_channel_host=args.side_channel_host,
+    )
+    if args.engine_id:
+        config = replace(config, engine_id=args.engine_id)
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
+    config = config_from_args(args)
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )

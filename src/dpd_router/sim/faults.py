@@ -1,0 +1,51 @@
+"""Faults a test can switch on in an engine through `POST /sim/fault`."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+FaultMode = Literal["none", "dead", "error_500", "hang", "no_kv_params", "reject_kv"]
+FAULT_MODES: tuple[FaultMode, ...] = get_args(FaultMode)
+
+
+class FaultInjector:
+    """The engine's current fault, for the next `count` requests it applies to (None: no limit).
+
+    - dead: /health and completions answer 503;
+    - error_500: completions answer 500 with an OpenAI error body;
+    - hang: completions never answer, until the client gives up;
+    - no_kv_params: a prefill for a remote decoder answers without kv_transfer_params;
+    - reject_kv: a decoder treats any kv_transfer_params as invalid (in-band KV load failure).
+    """
+
+    def __init__(self) -> None:
+        self.mode: FaultMode = "none"
+        self.remaining: int | None = None
+
+    def set(self, mode: FaultMode, count: int | None = None) -> None:
+        self.mode = mode
+        self.remaining = count
+        if count == 0:
+            self.clear()
+
+    def clear(self) -> None:
+        self.mode = "none"
+        self.remaining = None
+
+    @property
+    def dead(self) -> bool:
+        return self.mode == "dead"
+
+    def take(self, *applicable: FaultMode) -> FaultMode | None:
+        """Spend one use of the current fault if it applies to this request; return it."""
+        if self.mode == "none" or self.mode not in applicable:
+            return None
+        mode = self.mode
+        if self.remaining is not None:
+            self.remaining -= 1
+            if self.remaining <= 0:
+                self.clear()
+        return mode
+
+    def describe(self) -> dict[str, object]:
+        return {"mode": self.mode, "count": self.remaining}

@@ -1,0 +1,149 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`: streaming and whole answers, faults, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from dpd_router.sim.asgi import (
+    SSE_HEADERS,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    run_until_disconnect,
+    send_body,
+    send_json,
+    send_start,
+)
+from dpd_router.sim.completion_request import Api, GenerationRequest, InvalidRequest
+from dpd_router.sim.core import EngineCore
+from dpd_router.sim.faults import FaultMode
+from dpd_router.sim.generation import Generation
+from dpd_router.sim.openai_format import DONE, ResponseFormat, error_body
+from dpd_router.sim.stats import RequestKind
+
+_LARGE_BODY = 64 * 1024
+"""Bodies at least this big are tokenized off the event loop."""
+
+
+class CompletionsEndpoint:
+    """An ASGI app for one completion API; a client that disconnects cancels its request at once."""
+
+    def __init__(self, core: EngineCore, api: Api) -> None:
+        self.core = core
+        self.api = api
+        self.id_prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = await read_body(receive)
+        if raw is None:
+            return
+        core = self.core
+        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        try:
+            request = await self._parse(raw)
+            kind = core.classify(request)
+        except InvalidRequest as exc:
+            body = error_body(exc.message, exc.error_type, exc.status_code, exc.param)
+            await send_json(send, exc.status_code, body)
+            return
+        fault = core.faults.take(*_faults_for(kind))
+        if fault == "dead":
+            await send_json(send, 503, error_body("the engine is dead", "ServiceUnavailableError", 503))
+            return
+        if fault == "error_500":
+            core.stats.open(request_id, kind, request.prompt_tokens).status = "error"
+            await send_json(send, 500, error_body("simulated engine error", "InternalServerError", 500))
+            return
+        generation = Generation(
+            core,
+            request,
+            kind,
+            request_id,
+            reject_kv=fault == "reject_kv",
+            withhold_kv_params=fault == "no_kv_params",
+        )
+        response = ResponseFormat(
+            self.api, response_id=self.id_prefix + request_id, model=core.config.model, created=int(time.time())
+        )
+        if fault == "hang":
+            work = _hang(generation)
+        elif request.stream:
+            work = _stream(generation, response, send)
+        else:
+            work = _answer(generation, response, send)
+        await run_until_disconnect(work, receive)
+
+    async def _parse(self, raw: bytes) -> GenerationRequest:
+        if len(raw) >= _LARGE_BODY:
+            return await asyncio.to_thread(self.core.parser.parse, self.api, raw)
+        return self.core.parser.parse(self.api, raw)
+
+
+def _faults_for(kind: RequestKind) -> tuple[FaultMode, ...]:
+    if kind == "remote_prefill":
+        return ("dead", "error_500", "hang", "no_kv_params")
+    if kind == "kv_decode":
+        return ("dead", "error_500", "hang", "reject_kv")
+    return ("dead", "error_500", "hang")
+
+
+async def _hang(generation: Generation) -> None:
+    """Accept the request and never answer; the client's disconnect ends it."""
+    with generation:
+        await asyncio.Event().wait()
+
+
+async def _stream(generation: Generation, response: ResponseFormat, send: Send) -> None:
+    """SSE: a chunk per token (several per write when they pile up), then usage if asked, then [DONE]."""
+    request = generation.request
+    chat = response.api == "chat"
+    token_json = generation.core.sampler.token_json
+    token_text = generation.core.sampler.token_text
+    with generation:
+        await send_start(send, 200, SSE_HEADERS)
+        parts: list[bytes] = []
+        if not await generation.load_kv():
+            if chat:
+                parts.extend(response.role_chunk(choice) for choice in range(generation.choices))
+            parts.extend(response.final_chunk(choice, "", "error") for choice in range(generation.choices))
+        else:
+            generation.schedule()
+            opened = False
+            while tokens := await generation.next_tokens():
+                if chat and not opened:
+                    parts.extend(response.role_chunk(choice) for choice in range(generation.choices))
+                    opened = True
+                for choice, token_id, last in tokens:
+                    if last:
+                        text = token_text[token_id]
+                        parts.append(response.final_chunk(choice, text, "length", generation.kv_transfer_params))
+                    else:
+                        parts.append(response.token_chunk(choice, token_json[token_id]))
+                await send_body(send, b"".join(parts), more=True)
+                parts.clear()
+        if request.include_usage:
+            parts.append(response.usage_chunk(generation.usage))
+        parts.append(DONE)
+        await send_body(send, b"".join(parts), more=False)
+
+
+async def _answer(generation: Generation, response: ResponseFormat, send: Send) -> None:
+    """One JSON body once every choice has finished."""
+    sampler = generation.core.sampler
+    with generation:
+        if not await generation.load_kv():
+            body = response.body([""] * generation.choices, "error", generation.usage, None)
+            await send_json(send, 200, body)
+            return
+        generation.schedule()
+        outputs: list[list[int]] = [[] for _ in range(generation.choices)]
+        while tokens := await generation.next_tokens():
+            for choice, token_id, _last in tokens:
+                outputs[choice].append(token_id)
+        texts = [sampler.text(token_ids) for token_ids in outputs]
+        body = response.body(texts, "length", generation.usage, generation.kv_transfer_params)
+        await send_json(send, 200, body)
