@@ -23,8 +23,10 @@ from dpd_router.observe import Observer
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.planner import Planner
-from dpd_router.routing.strategies import LeastLoaded, prefill_strategy
+from dpd_router.pool.scrape import LoadScraper
+from dpd_router.routing.kv_events import KVEventSubscriber
+from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.transfer.base import Connector
 from dpd_router.transfer.nixl import NixlConnector
@@ -45,7 +47,11 @@ class Router:
     planner: Planner
     gateway: Gateway
     health: HealthChecker
+    scraper: LoadScraper
+    kv_events: KVEventSubscriber | None = None
+    lmcache: LMCacheController | None = None
     _maintenance: asyncio.Task[None] | None = None
+    _scraping: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, settings: Settings) -> Router:
@@ -57,11 +63,13 @@ class Router:
         metrics.routing_threshold.set(settings.routing_threshold)
         model = ServedModel(settings.model)
         tokenizer = await load_tokenizer(settings, client, pool, model)
-        planner = Planner(
-            pool,
-            threshold=settings.routing_threshold,
-            prefill=prefill_strategy(settings.prefill_strategy),
-            decode=LeastLoaded(),
+        kv_events = KVEventSubscriber.from_settings(settings, pool, metrics)
+        lmcache = LMCacheController.from_settings(settings, client, metrics)
+        planner = build_planner(
+            settings, pool, metrics, kv_sources=[kv_events.index] if kv_events else [], kv_lookup=lmcache
+        )
+        scraper = LoadScraper(
+            pool, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
         )
         gateway = Gateway(
             client=client,
@@ -78,9 +86,14 @@ class Router:
             body_timeout=httpx.Timeout(settings.connect_timeout, read=settings.request_timeout),
         )
         health = HealthChecker(pool, client, metrics, timeout=settings.health_timeout)
-        router = cls(settings, client, pool, metrics, model, tokenizer, planner, gateway, health)
+        router = cls(
+            settings, client, pool, metrics, model, tokenizer, planner, gateway, health, scraper, kv_events, lmcache
+        )
         await router.maintain_once()
         router._maintenance = asyncio.create_task(router._maintain(), name="router-maintenance")
+        router._scraping = asyncio.create_task(scraper.run(), name="load-scraper")
+        if kv_events is not None:
+            kv_events.start()
         log.info(
             "dpd-router %s serving %s with %d prefillers and %d decoders, threshold %d tokens, strategy %s",
             __version__,
@@ -96,6 +109,8 @@ class Router:
         await self.health.probe_all()
         if self.model.listing is None:
             await self.model.discover(self.client, self.pool, probe_timeout=self.settings.health_timeout)
+        if self.lmcache is not None:
+            await self.lmcache.learn_instances(self.pool.endpoints())
 
     async def _maintain(self) -> None:
         while True:
@@ -106,10 +121,13 @@ class Router:
                 log.exception("health round failed")
 
     async def close(self) -> None:
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance
+        for task in (self._maintenance, self._scraping):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.kv_events is not None:
+            await self.kv_events.close()
         self.tokenizer.close()
         await self.client.aclose()
 
@@ -134,14 +152,10 @@ def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:
     raise ValueError(f"unknown kv_connector {settings.kv_connector!r}")
 
 
-async def load_tokenizer(
-    settings: Settings, client: httpx.AsyncClient, pool: Pool, model: ServedModel
-) -> TokenCounter:
+async def load_tokenizer(settings: Settings, client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> TokenCounter:
     if settings.tokenizer is None:
         log.warning("no tokenizer directory configured: counting tokens with the engines' /tokenize")
-        return EngineTokenizer(
-            client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name
-        )
+        return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
     directory = settings.tokenizer
     return await asyncio.to_thread(
         LocalTokenizer.load,

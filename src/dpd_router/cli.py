@@ -73,17 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the router in front of prefill and decode engines")
     _add_serve_flags(serve)
 
-    demo = commands.add_parser(
-        "demo", help="start 2 prefill + 1 decode simulated engines and the router on 127.0.0.1"
-    )
+    demo = commands.add_parser("demo", help="start 2 prefill + 1 decode simulated engines and the router on 127.0.0.1")
     _add_serve_flags(demo)
     demo.set_defaults(routing_threshold=None)
     demo.add_argument("--prefillers", type=int, default=2, help="simulated prefill engines (default 2)")
     demo.add_argument("--decoders", type=int, default=1, help="simulated decode engines (default 1)")
 
-    commands.add_parser(
-        "sim", help="run one simulated vLLM engine (see `dpd-router sim --help`)", add_help=False
-    )
+    commands.add_parser("sim", help="run one simulated vLLM engine (see `dpd-router sim --help`)", add_help=False)
     return parser
 
 
@@ -149,9 +145,7 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.logs import configure_logging
     from dpd_router.sim.cluster import SimCluster
 
-    cluster = SimCluster(
-        prefill=args.prefillers, decode=args.decoders, tokenizer=tokenizer, model="sim-model"
-    )
+    cluster = SimCluster(prefill=args.prefillers, decode=args.decoders, tokenizer=tokenizer, model="sim-model")
     print(f"starting {args.prefillers} prefill and {args.decoders} decode simulated engines ...", flush=True)
     await cluster.start()
     try:

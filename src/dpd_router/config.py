@@ -20,7 +20,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-PrefillStrategy = Literal["roundrobin"]
+PrefillStrategy = Literal["roundrobin", "session", "prefixaware", "kvaware", "leastloaded"]
+ThresholdMode = Literal["static", "cache_aware"]
 KVConnectorName = Literal["nixl"]
 LogFormat = Literal["json", "text"]
 
@@ -69,7 +70,38 @@ class Settings(BaseSettings):
     tokenizer: Path | None = None
 
     routing_threshold: int = Field(default=4096, ge=1)
-    prefill_strategy: PrefillStrategy = "roundrobin"
+    # cache_aware: compare the tokens the chosen decoder would still compute; static: the whole prompt.
+    threshold_mode: ThresholdMode = "cache_aware"
+    prefill_strategy: PrefillStrategy = "prefixaware"
+    # The `session` strategy's key: this header, else the body's `user` field.
+    session_header: str = Field(default="x-session-id", min_length=1)
+
+    # Prefix affinity: prompts are hashed in blocks of the engines' KV block size (their --block-size),
+    # and the router keeps at most prefix_index_capacity blocks (about 130 bytes each) of where they went.
+    block_size: int = Field(default=16, ge=1)
+    prefix_index_capacity: int = Field(default=1_000_000, ge=1)
+    # A cached prefix is passed over when its endpoint's load exceeds the lightest candidate's by more
+    # than balance_abs_threshold and is more than balance_rel_threshold times it.
+    balance_abs_threshold: float = Field(default=32.0, ge=0)
+    balance_rel_threshold: float = Field(default=1.5, ge=1.0)
+
+    # When every prefiller's engine queue is deeper than this, prompts with fewer uncached tokens than
+    # prefill_busy_max_tokens go direct (0 disables the gate).
+    prefill_busy_queue_depth: int = Field(default=8, ge=0)
+    prefill_busy_max_tokens: int = Field(default=16384, ge=0)
+
+    # Seconds between scrapes of every engine's /metrics; a load older than three intervals is ignored.
+    load_scrape_interval: float = Field(default=2.0, gt=0)
+
+    # kvaware sources. vLLM KV events: engine URL -> its publishers' ZMQ addresses (one per data-parallel
+    # rank), and/or kv_events_port for tcp://<engine host>:<port> on every engine not listed.
+    kv_events_endpoints: dict[str, list[str]] = Field(default_factory=dict)
+    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
+    # LMCache controller, asked per request within kv_lookup_timeout seconds; its instance ids are learnt
+    # by engine host, or given here as engine URL -> instance id.
+    lmcache_controller_url: str | None = None
+    lmcache_instance_ids: dict[str, str] = Field(default_factory=dict)
+    kv_lookup_timeout: float = Field(default=0.05, gt=0)
     kv_connector: KVConnectorName = "nixl"
 
     # Timeouts per phase, in seconds.
@@ -104,6 +136,37 @@ class Settings(BaseSettings):
         urls = [_normalise_url(url) for url in value]
         return list(dict.fromkeys(urls))
 
+    @field_validator("kv_events_endpoints", mode="before")
+    @classmethod
+    def _parse_kv_events_endpoints(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {url: [addresses] if isinstance(addresses, str) else addresses for url, addresses in value.items()}
+        return value
+
+    @field_validator("kv_events_endpoints")
+    @classmethod
+    def _check_kv_events_endpoints(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for addresses in value.values():
+            for address in addresses:
+                if not address.startswith(("tcp://", "ipc://")):
+                    raise ValueError(f"{address!r} must be a ZMQ tcp:// or ipc:// address")
+        return {_normalise_url(url): addresses for url, addresses in value.items()}
+
+    @field_validator("lmcache_instance_ids")
+    @classmethod
+    def _check_instance_ids(cls, value: dict[str, str]) -> dict[str, str]:
+        return {_normalise_url(url): instance for url, instance in value.items()}
+
+    @field_validator("lmcache_controller_url")
+    @classmethod
+    def _check_controller_url(cls, value: str | None) -> str | None:
+        return None if value is None else _normalise_url(value)
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower_header(cls, value: str) -> str:
+        return value.strip().lower()
+
     @field_validator("tokenizer")
     @classmethod
     def _check_tokenizer(cls, value: Path | None) -> Path | None:
@@ -121,6 +184,11 @@ class Settings(BaseSettings):
         overlap = set(self.prefill_urls) & set(self.decode_urls)
         if overlap:
             raise ValueError(f"prefill_urls and decode_urls both list {sorted(overlap)}")
+        engines = {*self.prefill_urls, *self.decode_urls}
+        for name in ("kv_events_endpoints", "lmcache_instance_ids"):
+            unknown = set(getattr(self, name)) - engines
+            if unknown:
+                raise ValueError(f"{name} names {sorted(unknown)}, which are not in prefill_urls or decode_urls")
         return self
 
     @classmethod

@@ -60,3 +60,53 @@ class PrefillFailed(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class Unauthorized(RouterError):
+    """No API key, or one the router does not know."""
+
+    status_code = 401
+    error_type = "AuthenticationError"
+
+
+class Forbidden(RouterError):
+    """The key is valid but may not do this (admin endpoints need an admin key)."""
+
+    status_code = 403
+    error_type = "PermissionDeniedError"
+
+
+class PayloadTooLarge(RouterError):
+    """The request body is larger than the router accepts."""
+
+    status_code = 413
+    error_type = "RequestTooLargeError"
+
+
+class RateLimited(RouterError):
+    """The API key spent its requests or prompt tokens for now; retry after `retry_after` seconds."""
+
+    status_code = 429
+    error_type = "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class AdmissionRejected(RouterError):
+    """The router is at capacity: in-flight cap reached and the queue full, or the wait ran out."""
+
+    status_code = 503
+    error_type = "ServiceUnavailableError"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PrefillUnavailable(RouterError):
+    """The prefill hop failed and `prefill_failure_policy` is `fail`."""
+
+    status_code = 503
+    error_type = "ServiceUnavailableError"

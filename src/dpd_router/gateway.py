@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import httpx
 from starlette.responses import Response, StreamingResponse
@@ -56,7 +57,9 @@ class Gateway:
         self._stream_timeout = stream_timeout
         self._body_timeout = body_timeout
 
-    async def handle(self, request: ClientRequest, request_id: str) -> Response:
+    async def handle(
+        self, request: ClientRequest, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> Response:
         trace = RequestTrace(request_id=request_id, kind=request.kind, stream=request.stream)
         done = Completion(trace, self._observer, self._metrics)
         try:
@@ -65,7 +68,10 @@ class Gateway:
             trace.tokenize_seconds = prompt.seconds
             self._metrics.tokenize.observe(prompt.seconds)
 
-            plan = self._planner.plan(prompt, batch_size=request.batch_size)
+            planner = self._planner
+            session_key = planner.session_key(headers or {}, request.body)
+            kv_hint = await planner.lookup_kv(prompt)
+            plan = planner.plan(prompt, batch_size=request.batch_size, session_key=session_key, kv_hint=kv_hint)
             done.hold(plan.decoder)
             body, cached_tokens, plan = await self._execute(request, plan, request_id, trace)
             self._record_plan(trace, plan)
@@ -95,15 +101,13 @@ class Gateway:
         except PrefillFailed as exc:
             trace.prefill_error = str(exc)
             self._metrics.prefill_fallbacks.labels(exc.reason).inc()
-            self._metrics.route_decisions.labels(plan.path, plan.reason).inc()
             log.warning(
                 "request %s: prefill on %s failed (%s); serving on the decoder alone",
                 request_id,
                 plan.prefiller.url,
                 exc,
             )
-            fallback = Plan("direct", PREFILL_FAILED, plan.decoder)
-            return request.encoded(), None, fallback
+            return request.encoded(), None, plan.direct(PREFILL_FAILED)
         return self._connector.decode_body(request, staged), staged.cached_tokens, plan
 
     async def _prefill(
@@ -131,6 +135,7 @@ class Gateway:
     def _record_plan(self, trace: RequestTrace, plan: Plan) -> None:
         trace.path = plan.path
         trace.reason = plan.reason
+        trace.uncached_tokens = plan.uncached_tokens
         trace.decoder = plan.decoder.url
         self._metrics.route_decisions.labels(plan.path, plan.reason).inc()
 
@@ -165,9 +170,7 @@ class Gateway:
         done()
         return Response(content, media_type="application/json", headers=headers)
 
-    async def _open(
-        self, request: ClientRequest, decoder: Endpoint, body: bytes, request_id: str
-    ) -> httpx.Response:
+    async def _open(self, request: ClientRequest, decoder: Endpoint, body: bytes, request_id: str) -> httpx.Response:
         timeout = self._stream_timeout if request.stream else self._body_timeout
         outgoing = self._client.build_request(
             "POST",
@@ -205,9 +208,7 @@ class Gateway:
         if status >= 500:
             decoder.record_failure(f"status {status}", unhealthy_after=UNHEALTHY_AFTER_FAILURES)
             self._metrics.set_endpoint_health(decoder)
-            raise UpstreamError(
-                f"The decoder failed with status {status}: {content[:300].decode(errors='replace')}"
-            )
+            raise UpstreamError(f"The decoder failed with status {status}: {content[:300].decode(errors='replace')}")
         trace.fail("engine_rejected", f"decoder answered {status}", status=status)
         done()
         media_type = upstream.headers.get("content-type", "application/json")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from dpd_router.pool.endpoint import Endpoint
+    from dpd_router.pool.endpoint import Endpoint, EngineLoad
 
 PREFIX = "dpd_router"
 
@@ -112,14 +115,69 @@ class RouterMetrics:
             ["endpoint", "role"],
             registry=r,
         )
+        self.endpoint_load = Gauge(
+            f"{PREFIX}_endpoint_load",
+            "Engine load from the endpoint's last good /metrics scrape, by signal: running and waiting "
+            "(requests), kv_cache_usage and prefix_cache_hit_rate (0..1), age_seconds (since that scrape).",
+            ["endpoint", "role", "signal"],
+            registry=r,
+        )
+        self.load_scrapes = Counter(
+            f"{PREFIX}_load_scrapes",
+            "Scrapes of engine /metrics, by outcome (ok, timeout, error, unreadable, status_Nxx).",
+            ["endpoint", "role", "outcome"],
+            registry=r,
+        )
+        self.cache_index_blocks = Gauge(
+            f"{PREFIX}_cache_index_blocks",
+            "Blocks held in the router's cache indexes (prefix: its own placements; kv_events: engines' reports).",
+            ["index"],
+            registry=r,
+        )
+        self.kv_events = Counter(
+            f"{PREFIX}_kv_events",
+            "KV-cache events from engines, by kind (stored, removed, cleared, skipped, undecodable, gap, restart).",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.kv_lookups = Counter(
+            f"{PREFIX}_kv_lookups",
+            "LMCache controller lookups on the request path, by outcome (hit, miss, timeout, error).",
+            ["outcome"],
+            registry=r,
+        )
 
     def watch_endpoint(self, endpoint: Endpoint) -> None:
-        """Export the endpoint's live state; its in-flight count is read at scrape time, O(1)."""
+        """Export the endpoint's live state; in-flight and scraped load are read at scrape time, O(1)."""
         self.endpoint_in_flight.labels(endpoint.url, endpoint.role).set_function(lambda: endpoint.in_flight)
         self.set_endpoint_health(endpoint)
+        for signal, read in _LOAD_SIGNALS.items():
+            self.endpoint_load.labels(endpoint.url, endpoint.role, signal).set_function(_load_reader(endpoint, read))
+
+    def watch_cache_index(self, name: str, size: Callable[[], int]) -> None:
+        self.cache_index_blocks.labels(name).set_function(size)
 
     def set_endpoint_health(self, endpoint: Endpoint) -> None:
         self.endpoint_healthy.labels(endpoint.url, endpoint.role).set(1 if endpoint.healthy else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_LOAD_SIGNALS: dict[str, Callable[[EngineLoad], float | None]] = {
+    "running": lambda load: load.running,
+    "waiting": lambda load: load.waiting,
+    "kv_cache_usage": lambda load: load.kv_cache_usage,
+    "prefix_cache_hit_rate": lambda load: load.prefix_cache_hit_rate,
+    "age_seconds": lambda load: time.monotonic() - load.scraped_at,
+}
+
+
+def _load_reader(endpoint: Endpoint, read: Callable[[EngineLoad], float | None]) -> Callable[[], float]:
+    """A load signal for export; NaN until the endpoint has been scraped or when it lacks the signal."""
+
+    def current() -> float:
+        value = read(endpoint.load) if endpoint.load is not None else None
+        return math.nan if value is None else value
+
+    return current

@@ -24,6 +24,7 @@ class RequestTrace:
     reason: str = ""
     threshold: int | None = None
     prompt_tokens: int | None = None
+    uncached_tokens: int | None = None
     tokenize_seconds: float | None = None
     prefiller: str | None = None
     decoder: str | None = None
@@ -70,9 +71,7 @@ class Observer:
         if trace.first_token_at is not None:
             m.ttft.labels(path).observe(trace.first_token_at - trace.started)
             if trace.token_chunks > 1 and trace.last_chunk_at is not None:
-                m.tpot.labels(path).observe(
-                    (trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1)
-                )
+                m.tpot.labels(path).observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
         if trace.prompt_tokens is not None:
             m.prompt_tokens.labels(path).observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:
@@ -87,6 +86,7 @@ class Observer:
             "path": trace.path,
             "reason": trace.reason,
             "prompt_tokens": trace.prompt_tokens,
+            "uncached_tokens": trace.uncached_tokens,
             "threshold": trace.threshold,
             "prefiller": trace.prefiller,
             "decoder": trace.decoder,

@@ -106,9 +106,7 @@ class LocalTokenizer:
         return list(self._tokenizer.encode(text, add_special_tokens=True))
 
     def _encode_chat(self, body: dict[str, Any]) -> list[int]:
-        messages = [
-            {**message, "content": _text_of_content(message.get("content"))} for message in body["messages"]
-        ]
+        messages = [{**message, "content": _text_of_content(message.get("content"))} for message in body["messages"]]
         kwargs: dict[str, Any] = {
             "add_generation_prompt": body.get("add_generation_prompt", True),
             "continue_final_message": body.get("continue_final_message", False),
@@ -117,9 +115,7 @@ class LocalTokenizer:
         if isinstance(extra, dict):
             kwargs.update({k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_ARGS})
         try:
-            text = self._tokenizer.apply_chat_template(
-                messages, tools=body.get("tools"), tokenize=False, **kwargs
-            )
+            text = self._tokenizer.apply_chat_template(messages, tools=body.get("tools"), tokenize=False, **kwargs)
         except Exception as exc:  # jinja errors, template raise_exception(), bad message shapes
             raise InvalidRequest(f"The chat template could not render these messages: {exc}") from None
         return list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -131,9 +127,7 @@ class LocalTokenizer:
 class EngineTokenizer:
     """Counts tokens with an engine's `POST /tokenize` when no local tokenizer is configured."""
 
-    def __init__(
-        self, client: httpx.AsyncClient, urls: Callable[[], list[str]], model: Callable[[], str | None]
-    ):
+    def __init__(self, client: httpx.AsyncClient, urls: Callable[[], list[str]], model: Callable[[], str | None]):
         self._client = client
         self._urls = urls
         self._model = model
@@ -157,9 +151,7 @@ class EngineTokenizer:
                 batches = list(prompt)
             else:
                 batches = list(
-                    await asyncio.gather(
-                        *(self._ask({"prompt": p, "add_special_tokens": True}) for p in prompt)
-                    )
+                    await asyncio.gather(*(self._ask({"prompt": p, "add_special_tokens": True}) for p in prompt))
                 )
         return Prompt(
             token_ids=batches[0],

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dpd_router.cli import build_parser, _settings_from
+from dpd_router.cli import _settings_from, build_parser
 from dpd_router.config import SettingsError, load_settings
 
 
@@ -12,7 +12,8 @@ def test_defaults_match_the_managed_service(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("DPD_DECODE_URLS", "http://127.0.0.1:9000")
     settings = load_settings()
     assert settings.routing_threshold == 4096
-    assert settings.prefill_strategy == "roundrobin"
+    assert settings.prefill_strategy == "prefixaware"
+    assert settings.threshold_mode == "cache_aware"
     assert settings.kv_connector == "nixl"
     assert settings.prefill_urls == []
 
@@ -27,9 +28,7 @@ def test_env_urls_are_comma_separated_and_normalised(monkeypatch: pytest.MonkeyP
     assert settings.routing_threshold == 512
 
 
-def test_yaml_file_is_read_and_flags_win_over_env_and_yaml(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_yaml_file_is_read_and_flags_win_over_env_and_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "router.yaml"
     config.write_text(
         "prefill_urls: [http://127.0.0.1:8100]\n"

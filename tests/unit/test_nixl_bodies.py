@@ -68,7 +68,11 @@ def test_staged_kv_reads_params_and_prefiller_cache_view() -> None:
     answer = {
         "id": "cmpl-1",
         "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 300, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}},
+        "usage": {
+            "prompt_tokens": 300,
+            "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 32},
+        },
         "kv_transfer_params": KV_PARAMS,
     }
     staged = staged_from_answer(answer)

@@ -23,7 +23,11 @@ def planner(prefillers: int = 2, decoders: int = 2, threshold: int = 100) -> Pla
 
 @pytest.mark.parametrize(
     ("tokens", "path", "reason"),
-    [(1, "direct", "below_threshold"), (99, "direct", "below_threshold"), (100, "disaggregated", "long_prompt")],
+    [
+        (1, "direct", "below_threshold"),
+        (99, "direct", "below_threshold"),
+        (100, "disaggregated", "long_prompt"),
+    ],
 )
 def test_threshold_is_inclusive(tokens: int, path: str, reason: str) -> None:
     plan = planner().plan(prompt(tokens))

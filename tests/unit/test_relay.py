@@ -79,7 +79,7 @@ async def test_events_split_across_reads_are_reassembled() -> None:
 
 async def test_usage_reports_the_prefillers_cached_tokens() -> None:
     out, trace, _, _ = await relay([TOKEN, LAST, USAGE, DONE], cached=16)
-    usage_event = [e for e in out.split(b"\n\n") if b"usage" in e][0]
+    usage_event = next(e for e in out.split(b"\n\n") if b"usage" in e)
     usage = orjson.loads(usage_event[len(b"data: ") :])["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 16
     assert usage["prompt_tokens"] == 300
@@ -120,7 +120,11 @@ async def test_closing_before_the_end_counts_a_client_disconnect() -> None:
 def test_whole_answer_usage_is_reconciled() -> None:
     answer = {
         "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 10}},
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 10},
+        },
     }
     trace = RequestTrace(request_id="r", kind="chat", stream=False)
     out = orjson.loads(relay_body(orjson.dumps(answer), trace, cached_tokens=0))

@@ -41,7 +41,7 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
     try:
         client_request = parse_request(kind, await request.body())
         _resolve_model(client_request, router.model.name)
-        return await router.gateway.handle(client_request, request_id)
+        return await router.gateway.handle(client_request, request_id, request.headers)
     except RouterError as exc:
         headers = {"X-Request-Id": request_id}
         if exc.status_code == 503:

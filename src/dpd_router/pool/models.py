@@ -40,9 +40,7 @@ class ServedModel:
     def _learn(self, listing: dict[str, Any], models: list[dict[str, Any]]) -> None:
         entry = next((m for m in models if m.get("id") == self.name), None) if self.configured else models[0]
         if entry is None:
-            log.warning(
-                "the decoders serve %s, not the configured model %s", [m.get("id") for m in models], self.name
-            )
+            log.warning("the decoders serve %s, not the configured model %s", [m.get("id") for m in models], self.name)
             return
         if self.name is None:
             self.name = str(entry["id"])

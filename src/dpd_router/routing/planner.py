@@ -1,63 +1,192 @@
-"""The routing decision: direct to a decoder, or prefiller first, and why."""
+"""The routing decision: direct to a decoder, or prefiller first, and why.
+
+`Planner.plan` is pure decision-making over in-memory state (health, in-flight counts, scraped
+load, cache indexes): no I/O, so it is cheap on the request path. The one optional I/O step,
+`Planner.lookup_kv` (an LMCache controller lookup bounded by `kv_lookup_timeout`), runs before it
+and hands its answer in.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
 
+from dpd_router.config import Settings, ThresholdMode
 from dpd_router.errors import NoHealthyDecoder
+from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.strategies import Strategy
+from dpd_router.routing.cache import CacheLocator, CacheSource, KVHintSource
+from dpd_router.routing.load import Balance
+from dpd_router.routing.prefix_index import PrefixIndex
+from dpd_router.routing.request import KVHint, RoutingRequest, session_key
+from dpd_router.routing.strategies import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session, Strategy
+from dpd_router.routing.threshold import PrefillBusyGate, Threshold
 from dpd_router.tokenizer import Prompt
+
+log = logging.getLogger("dpd_router.planner")
 
 RoutePath = Literal["direct", "disaggregated"]
 
 # Why a request took its path; these are the `reason` label values on route_decisions_total.
 BELOW_THRESHOLD = "below_threshold"
+CACHED_ON_DECODER = "cached_on_decoder"
 LONG_PROMPT = "long_prompt"
 PREFILL_POOL_DOWN = "prefill_pool_down"
+PREFILL_POOL_BUSY = "prefill_pool_busy"
 BATCHED_PROMPT = "batched_prompt"
 PREFILL_FAILED = "prefill_failed"
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A decision, as data: the path, the engines, and the reason (for metrics and logs)."""
+    """A decision, as data: the path, the engines, the reason (for metrics and logs), and the
+    prompt tokens the serving engines still have to compute (all of them, in `static` mode)."""
 
     path: RoutePath
     reason: str
     decoder: Endpoint
     prefiller: Endpoint | None = None
+    uncached_tokens: int = 0
+
+    def direct(self, reason: str) -> Plan:
+        """The same plan served by the decoder alone (for example after the prefill hop failed)."""
+        return replace(self, path="direct", reason=reason, prefiller=None)
+
+
+class KVLookup(Protocol):
+    async def lookup(self, token_ids: Sequence[int]) -> KVHint | None: ...
 
 
 class Planner:
-    """Applies the token threshold and the selection strategies to the pool's current state.
+    """Chooses the decoder, applies the threshold and the prefill-busy gate, then chooses the prefiller.
 
-    Pure decision-making over in-memory state: it does no I/O, so it is cheap on the request path.
+    With a `cache`, every plan records where the prompt went (decoder, and prefiller when
+    disaggregated), so the next request sharing the prefix finds it. Without one, and in `static`
+    mode, the plan depends on prompt length, health and load alone.
     """
 
-    def __init__(self, pool: Pool, *, threshold: int, prefill: Strategy, decode: Strategy) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        threshold: int,
+        prefill: Strategy,
+        decode: Strategy,
+        threshold_mode: ThresholdMode = "static",
+        cache: CacheLocator | None = None,
+        busy_gate: PrefillBusyGate | None = None,
+        kv_lookup: KVLookup | None = None,
+        session_header: str | None = None,
+    ) -> None:
         self.pool = pool
         self.threshold = threshold
         self.prefill_strategy = prefill
         self.decode_strategy = decode
+        self.cache = cache
+        self._threshold = Threshold(threshold, threshold_mode)
+        self._busy_gate = busy_gate
+        self._kv_lookup = kv_lookup
+        self._session_header = session_header
 
-    def plan(self, prompt: Prompt, *, batch_size: int = 1) -> Plan:
-        decoder = self.choose_decoder(prompt)
-        if prompt.num_tokens < self.threshold:
-            return Plan("direct", BELOW_THRESHOLD, decoder)
-        if batch_size > 1:
-            # An engine answers a batched prompt with one kv_transfer_params: it cannot hand over several.
-            return Plan("direct", BATCHED_PROMPT, decoder)
-        prefillers = self.pool.healthy("prefill")
-        if not prefillers:
-            return Plan("direct", PREFILL_POOL_DOWN, decoder)
-        prefiller = self.prefill_strategy.select(prefillers, prompt)
-        return Plan("disaggregated", LONG_PROMPT, decoder, prefiller)
+    @property
+    def threshold_mode(self) -> ThresholdMode:
+        return self._threshold.mode
 
-    def choose_decoder(self, prompt: Prompt) -> Endpoint:
+    def session_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        """The request's session key: the `session_header` header, else the body's `user` field."""
+        return session_key(headers, body, header=self._session_header)
+
+    async def lookup_kv(self, prompt: Prompt) -> KVHint | None:
+        """Ask the external KV index where the prompt's KV is; None at once when none is configured."""
+        if self._kv_lookup is None:
+            return None
+        return await self._kv_lookup.lookup(prompt.token_ids)
+
+    def plan(
+        self,
+        prompt: Prompt,
+        *,
+        batch_size: int = 1,
+        session_key: str | None = None,
+        kv_hint: KVHint | None = None,
+    ) -> Plan:
+        request = RoutingRequest(prompt, session_key=session_key, kv_hint=kv_hint)
+        decoder = self.choose_decoder(request)
+        cached = self.cache.cached_tokens(request, decoder) if self.cache and self._threshold.cache_aware else 0
+        uncached = self._threshold.uncached_tokens(prompt.num_tokens, cached)
+        plan = self._decide(request, decoder, uncached, batch_size)
+        if self.cache is not None:
+            self.cache.record(request, (decoder,) if plan.prefiller is None else (decoder, plan.prefiller))
+        return plan
+
+    def choose_decoder(self, request: RoutingRequest) -> Endpoint:
         decoders = self.pool.healthy("decode")
         if not decoders:
             raise NoHealthyDecoder("No decoder is available to serve this request; try again shortly.")
-        return self.decode_strategy.select(decoders, prompt)
+        return self.decode_strategy.select(decoders, request)
+
+    def _decide(self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int) -> Plan:
+        if request.prompt.num_tokens < self.threshold:
+            return Plan("direct", BELOW_THRESHOLD, decoder, uncached_tokens=uncached)
+        if uncached < self.threshold:
+            return Plan("direct", CACHED_ON_DECODER, decoder, uncached_tokens=uncached)
+        if batch_size > 1:
+            # An engine answers a batched prompt with one kv_transfer_params: it cannot hand over several.
+            return Plan("direct", BATCHED_PROMPT, decoder, uncached_tokens=uncached)
+        prefillers = self.pool.healthy("prefill")
+        if not prefillers:
+            return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
+        if self._busy_gate is not None and self._busy_gate.diverts(prefillers, uncached):
+            return Plan("direct", PREFILL_POOL_BUSY, decoder, uncached_tokens=uncached)
+        prefiller = self.prefill_strategy.select(prefillers, request)
+        return Plan("disaggregated", LONG_PROMPT, decoder, prefiller, uncached_tokens=uncached)
+
+
+def build_planner(
+    settings: Settings,
+    pool: Pool,
+    metrics: RouterMetrics,
+    *,
+    kv_sources: Sequence[CacheSource] = (),
+    kv_lookup: KVLookup | None = None,
+) -> Planner:
+    """The planner the settings describe. `kv_sources` and `kv_lookup` feed `kvaware` routing only."""
+    index = PrefixIndex(block_size=settings.block_size, capacity=settings.prefix_index_capacity)
+    metrics.watch_cache_index(index.name, lambda: len(index))
+    balance = Balance(settings.balance_abs_threshold, settings.balance_rel_threshold)
+    kvaware = settings.prefill_strategy == "kvaware"
+    if kvaware and not kv_sources and kv_lookup is None:
+        log.warning("prefill_strategy kvaware has no KV source configured: it routes as prefixaware")
+    sources: list[CacheSource] = [KVHintSource(), *kv_sources] if kvaware else []
+    cache = CacheLocator(index, sources)
+    # Decoders always follow prefix affinity; with `kvaware`, as the engines report it.
+    decode: Strategy = KVAware(cache, balance) if kvaware else PrefixAware(cache, balance)
+    return Planner(
+        pool,
+        threshold=settings.routing_threshold,
+        prefill=prefill_strategy(settings.prefill_strategy, cache=cache, balance=balance),
+        decode=decode,
+        threshold_mode=settings.threshold_mode,
+        cache=cache,
+        busy_gate=PrefillBusyGate(settings.prefill_busy_queue_depth, settings.prefill_busy_max_tokens),
+        kv_lookup=kv_lookup if kvaware else None,
+        session_header=settings.session_header,
+    )
+
+
+def prefill_strategy(name: str, *, cache: CacheLocator, balance: Balance) -> Strategy:
+    """The prefiller selection policy named by the `prefill_strategy` setting."""
+    if name == "roundrobin":
+        return RoundRobin()
+    if name == "leastloaded":
+        return LeastLoaded()
+    if name == "session":
+        return Session()
+    if name == "prefixaware":
+        return PrefixAware(cache, balance)
+    if name == "kvaware":
+        return KVAware(cache, balance)
+    raise ValueError(f"unknown prefill_strategy {name!r}")

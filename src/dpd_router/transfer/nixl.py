@@ -52,9 +52,7 @@ def staged_from_answer(payload: Any) -> StagedKV:
     if not isinstance(params, dict) or not params:
         raise PrefillFailed("no_kv_params", "the prefill answer carries no kv_transfer_params")
     usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
-    details = (
-        usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
-    )
+    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
     prompt_tokens = usage.get("prompt_tokens")
     return StagedKV(
         params=params,
@@ -89,9 +87,7 @@ class NixlConnector:
             raise PrefillFailed("connect_error", f"{prefiller.url}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
             reason = "status_5xx" if response.status_code >= 500 else "status_4xx"
-            raise PrefillFailed(
-                reason, f"{prefiller.url} answered {response.status_code}: {response.text[:300]}"
-            )
+            raise PrefillFailed(reason, f"{prefiller.url} answered {response.status_code}: {response.text[:300]}")
         try:
             payload = orjson.loads(response.content)
         except orjson.JSONDecodeError:

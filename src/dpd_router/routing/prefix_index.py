@@ -1,0 +1,112 @@
+"""Which endpoints hold which prompt prefixes, as a bounded map of block hash -> endpoint bitmask.
+
+Every index the router keeps (its own record of placements here, the engines' KV events in
+kv_events.py) stores one small int per block: a bitmask of the endpoints holding it. Matching a
+prompt walks its chained block hashes from the start and notes, for every endpoint, the depth at
+which its bit drops out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.routing.request import RoutingRequest
+
+
+class EndpointBits:
+    """Gives each endpoint URL a bit, so one int holds the set of endpoints that have a block.
+
+    It grows by one entry per distinct endpoint URL ever seen, which the pool bounds.
+    """
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def bit(self, url: str) -> int:
+        index = self._index.get(url)
+        if index is None:
+            index = self._index[url] = len(self._index)
+        return 1 << index
+
+    def mask(self, urls: Iterable[str]) -> int:
+        mask = 0
+        for url in urls:
+            mask |= self.bit(url)
+        return mask
+
+    @property
+    def everyone(self) -> int:
+        return (1 << len(self._index)) - 1
+
+
+def matched_depths(hashes: Sequence[int], entries: Mapping[int, int], wanted: int) -> dict[int, int]:
+    """For each bit of `wanted`, how many leading blocks of `hashes` its endpoint holds (0s omitted)."""
+    depths: dict[int, int] = {}
+    alive = wanted
+    get = entries.get
+    for depth, block in enumerate(hashes):
+        held = get(block, 0) & alive
+        lost = alive & ~held
+        while lost:
+            lowest = lost & -lost
+            if depth:
+                depths[lowest] = depth
+            lost ^= lowest
+        alive = held
+        if not alive:
+            return depths
+    while alive:
+        lowest = alive & -alive
+        depths[lowest] = len(hashes)
+        alive ^= lowest
+    return depths
+
+
+class PrefixIndex:
+    """The router's own record of where it sent each prompt prefix: a bounded LRU of block hashes.
+
+    `record` marks every full block of a prompt as held by the endpoints it was sent to; the least
+    recently used blocks fall out past `capacity`. A prompt's blocks are touched last block first,
+    so its first blocks are the most recent and a prefix is evicted from its tail, never its head.
+    About 130 bytes a block (OrderedDict entry, 64-bit key, shared small-int mask).
+    """
+
+    name = "prefix"
+
+    def __init__(self, *, block_size: int, capacity: int) -> None:
+        if block_size < 1 or capacity < 1:
+            raise ValueError("block_size and capacity must be at least 1")
+        self.block_size = block_size
+        self.capacity = capacity
+        self._bits = EndpointBits()
+        self._entries: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, request: RoutingRequest, endpoints: Iterable[Endpoint]) -> None:
+        """Note that `endpoints` now hold (or are about to compute) the request's prompt."""
+        mask = self._bits.mask(endpoint.url for endpoint in endpoints)
+        if not mask:
+            return
+        entries = self._entries
+        for block in reversed(request.block_hashes(self.block_size)):
+            entries[block] = entries.get(block, 0) | mask
+            entries.move_to_end(block)
+        overflow = len(entries) - self.capacity
+        for _ in range(overflow):
+            entries.popitem(last=False)
+
+    def matched_tokens(self, request: RoutingRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, int]:
+        """Tokens of the prompt's prefix the router placed on each candidate (0 for none)."""
+        depths = request.memo(self, self._depths)
+        bit = self._bits.bit
+        return {endpoint: depths.get(bit(endpoint.url), 0) * self.block_size for endpoint in candidates}
+
+    def _depths(self, request: RoutingRequest) -> dict[int, int]:
+        return matched_depths(request.block_hashes(self.block_size), self._entries, self._bits.everyone)

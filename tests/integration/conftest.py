@@ -1,0 +1,83 @@
+"""Loopback fixtures: simulated engines as real processes, and the router on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from openai import AsyncOpenAI
+
+from dpd_router.app import create_app
+from dpd_router.config import load_settings
+from dpd_router.sim.cluster import SimCluster
+
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="session")
+async def cluster(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
+    """Two prefill engines and two decode engines, shared by the integration tests."""
+    async with SimCluster(prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL) as engines:
+        yield engines
+
+
+@asynccontextmanager
+async def running_router(**settings: Any) -> AsyncIterator[str]:
+    """The router app served by uvicorn on a free 127.0.0.1 port; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = load_settings(host="127.0.0.1", port=port, health_interval=0.5, **settings)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), loop="none", log_level="warning", access_log=False, lifespan="on")
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def openai_client(base_url: str, **kwargs: Any) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+async def engine_stats(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{url}/sim/stats")
+        response.raise_for_status()
+        return response.json()
+
+
+async def requests_seen(url: str, request_id: str) -> list[dict[str, Any]]:
+    """The engine's record of requests that carried this X-Request-Id."""
+    stats = await engine_stats(url)
+    return [entry for entry in stats["recent"] if entry["request_id"] == request_id]
+
+
+async def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample from a Prometheus endpoint (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{base_url}/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                return float(sample.value)
+    return 0.0
