@@ -15,11 +15,14 @@ from starlette.responses import Response
 
 from dpd_router import __version__
 from dpd_router.api import openai, ops
+from dpd_router.api.admission import Admission
+from dpd_router.api.auth import KeyRing
 from dpd_router.api.errors import error_response
 from dpd_router.config import Settings
-from dpd_router.gateway import ENGINE_PATHS, Gateway
+from dpd_router.gateway import ENGINE_PATHS, Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
+from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
@@ -48,6 +51,8 @@ class Router:
     gateway: Gateway
     health: HealthChecker
     scraper: LoadScraper
+    keys: KeyRing
+    admission: Admission
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
     _maintenance: asyncio.Task[None] | None = None
@@ -56,38 +61,77 @@ class Router:
     @classmethod
     async def start(cls, settings: Settings) -> Router:
         client = build_client(settings)
-        pool = Pool(settings.prefill_urls, settings.decode_urls)
+        breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_cooldown, settings.breaker_max_cooldown)
+        pool = Pool(settings.prefill_urls, settings.decode_urls, breaker=breaker)
+        tenant_pools = {
+            tenant: Pool(pools.prefill_urls, pools.decode_urls, breaker=breaker, name=tenant)
+            for tenant, pools in settings.tenants.items()
+        }
+        every_engine = Pool.union([pool, *tenant_pools.values()])
         metrics = RouterMetrics()
-        for endpoint in pool.endpoints():
+        for endpoint in every_engine.endpoints():
             metrics.watch_endpoint(endpoint)
         metrics.routing_threshold.set(settings.routing_threshold)
         model = ServedModel(settings.model)
         tokenizer = await load_tokenizer(settings, client, pool, model)
-        kv_events = KVEventSubscriber.from_settings(settings, pool, metrics)
+        kv_events = KVEventSubscriber.from_settings(settings, every_engine, metrics)
         lmcache = LMCacheController.from_settings(settings, client, metrics)
-        planner = build_planner(
-            settings, pool, metrics, kv_sources=[kv_events.index] if kv_events else [], kv_lookup=lmcache
-        )
+        kv_sources = [kv_events.index] if kv_events else []
+        planner = build_planner(settings, pool, metrics, kv_sources=kv_sources, kv_lookup=lmcache)
+        planners: dict[str | None, Planner] = {None: planner}
+        for tenant, reserved in tenant_pools.items():
+            planners[tenant] = build_planner(settings, reserved, metrics, kv_sources=kv_sources, kv_lookup=lmcache)
         scraper = LoadScraper(
-            pool, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
+            every_engine, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
         )
+        keys = KeyRing.load(
+            keys_file=settings.api_keys_file,
+            key_hashes=settings.api_key_hashes,
+            admin_key_hashes=settings.admin_key_hashes,
+        )
+        unknown_tenants = keys.tenants() - set(tenant_pools)
+        if unknown_tenants:
+            log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
         gateway = Gateway(
             client=client,
             tokenizer=tokenizer,
-            planner=planner,
+            planners=planners,
             connector=build_connector(settings, client),
             observer=Observer(metrics),
             metrics=metrics,
-            stream_timeout=httpx.Timeout(
-                settings.connect_timeout,
-                read=max(settings.first_token_timeout, settings.idle_timeout),
-                connect=settings.connect_timeout,
-            ),
-            body_timeout=httpx.Timeout(settings.connect_timeout, read=settings.request_timeout),
+            model=model,
+            timeouts=PhaseTimeouts.from_settings(settings),
+            retries=RetryPolicy.from_settings(settings),
         )
-        health = HealthChecker(pool, client, metrics, timeout=settings.health_timeout)
+        health = HealthChecker(
+            every_engine,
+            client,
+            metrics,
+            timeout=settings.health_timeout,
+            unhealthy_after=settings.health_unhealthy_threshold,
+            healthy_after=settings.health_healthy_threshold,
+        )
+        admission = Admission(
+            metrics,
+            max_in_flight=settings.max_in_flight,
+            max_queued=settings.max_queued,
+            queue_timeout=settings.queue_timeout,
+        )
         router = cls(
-            settings, client, pool, metrics, model, tokenizer, planner, gateway, health, scraper, kv_events, lmcache
+            settings=settings,
+            client=client,
+            pool=every_engine,
+            metrics=metrics,
+            model=model,
+            tokenizer=tokenizer,
+            planner=planner,
+            gateway=gateway,
+            health=health,
+            scraper=scraper,
+            keys=keys,
+            admission=admission,
+            kv_events=kv_events,
+            lmcache=lmcache,
         )
         await router.maintain_once()
         router._maintenance = asyncio.create_task(router._maintain(), name="router-maintenance")
@@ -95,13 +139,16 @@ class Router:
         if kv_events is not None:
             kv_events.start()
         log.info(
-            "dpd-router %s serving %s with %d prefillers and %d decoders, threshold %d tokens, strategy %s",
+            "dpd-router %s serving %s with %d prefillers and %d decoders (%d tenant pools), threshold %d tokens, "
+            "strategy %s, api keys %s",
             __version__,
             model.name or "(model not yet known)",
             len(pool.prefillers),
             len(pool.decoders),
+            len(tenant_pools),
             settings.routing_threshold,
             settings.prefill_strategy,
+            "on" if keys.enabled else "off",
         )
         return router
 
@@ -141,8 +188,16 @@ def build_client(settings: Settings) -> httpx.AsyncClient:
             keepalive_expiry=30.0,
         ),
         timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
+        headers=engine_headers(settings),
         trust_env=False,
     )
+
+
+def engine_headers(settings: Settings) -> dict[str, str]:
+    """Headers every engine call carries: the engines' own credentials, never a client's."""
+    if settings.engine_api_key is None:
+        return {}
+    return {"Authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
 
 
 def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--decoders", type=int, default=1, help="simulated decode engines (default 1)")
 
     commands.add_parser("sim", help="run one simulated vLLM engine (see `dpd-router sim --help`)", add_help=False)
+
+    hash_key = commands.add_parser("hash-key", help="print the SHA-256 digest of an API key, for api_key_hashes")
+    hash_key.add_argument("--key", help="the key (default: one line from stdin, which keeps it out of shell history)")
     return parser
 
 
@@ -95,6 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(_settings_from(args))
         if args.command == "demo":
             return _demo(args)
+        if args.command == "hash-key":
+            from dpd_router.api.auth import hash_key
+
+            key = args.key if args.key is not None else sys.stdin.readline().strip()
+            if not key:
+                print("dpd-router: no key given", file=sys.stderr)
+                return 2
+            print(hash_key(key))
+            return 0
     except SettingsError as exc:
         print(f"dpd-router: {exc}", file=sys.stderr)
         return 2

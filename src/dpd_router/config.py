@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -46,6 +46,25 @@ def _normalise_url(url: str) -> str:
     if scheme not in ("http", "https"):
         raise ValueError(f"{url!r} must be an http:// or https:// URL")
     return url
+
+
+class TenantPools(BaseModel):
+    """The engines reserved for one tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_urls: list[str] = Field(default_factory=list)
+    decode_urls: list[str] = Field(min_length=1)
+
+    @field_validator("prefill_urls", "decode_urls", mode="before")
+    @classmethod
+    def _parse_url_list(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("prefill_urls", "decode_urls")
+    @classmethod
+    def _check_urls(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(_normalise_url(url) for url in value))
 
 
 class Settings(BaseSettings):
@@ -119,8 +138,43 @@ class Settings(BaseSettings):
     tokenize_inline_max_chars: int = Field(default=2048, ge=0)
     tokenizer_threads: int = Field(default=2, ge=1)
 
+    # Active health probes: GET /health every interval; this many failures in a row mark an engine
+    # unhealthy (no traffic), this many passes in a row bring it back.
     health_interval: float = Field(default=5.0, gt=0)
     health_timeout: float = Field(default=2.0, gt=0)
+    health_unhealthy_threshold: int = Field(default=2, ge=1)
+    health_healthy_threshold: int = Field(default=1, ge=1)
+
+    # Passive outlier detection: this many failed calls in a row open an engine's circuit breaker;
+    # it half-opens (one trial call) after the cool-down, which doubles after each failed trial.
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_cooldown: float = Field(default=5.0, gt=0)
+    breaker_max_cooldown: float = Field(default=60.0, gt=0)
+
+    # A failed prefill hop is retried on another prefiller this many times, then the policy applies:
+    # fallback serves the request on the decoder alone, fail answers 503.
+    prefill_retries: int = Field(default=1, ge=0)
+    prefill_failure_policy: Literal["fallback", "fail"] = "fallback"
+    # A decoder that fails before the first byte reaches the client is replaced this many times.
+    decode_retries: int = Field(default=1, ge=0)
+
+    # Admission control: at most max_in_flight requests are served at once (0: no cap); up to
+    # max_queued more wait at most queue_timeout seconds; beyond that, 503 with Retry-After.
+    max_in_flight: int = Field(default=4096, ge=0)
+    max_queued: int = Field(default=1024, ge=0)
+    queue_timeout: float = Field(default=30.0, gt=0)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+
+    # API keys, as SHA-256 hex digests (`dpd-router hash-key`): plain keys, admin keys, and a YAML
+    # file whose entries may add a tenant, admin rights and per-minute limits. No keys: no auth.
+    api_key_hashes: UrlList = Field(default_factory=list)
+    admin_key_hashes: UrlList = Field(default_factory=list)
+    api_keys_file: Path | None = None
+    # Tenants pinned to their own engines: {tenant: {prefill_urls: [...], decode_urls: [...]}}.
+    # Their engines serve no one else, and their requests reach no other engine.
+    tenants: dict[str, TenantPools] = Field(default_factory=dict)
+    # Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).
+    engine_api_key: SecretStr | None = None
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: LogFormat = "json"
@@ -167,6 +221,27 @@ class Settings(BaseSettings):
     def _lower_header(cls, value: str) -> str:
         return value.strip().lower()
 
+    @field_validator("api_key_hashes", "admin_key_hashes", mode="before")
+    @classmethod
+    def _parse_hash_list(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("api_key_hashes", "admin_key_hashes")
+    @classmethod
+    def _check_hashes(cls, value: list[str]) -> list[str]:
+        digests = [digest.strip().lower().removeprefix("sha256:") for digest in value]
+        for digest in digests:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError("expected SHA-256 hex digests of the keys (see `dpd-router hash-key`)")
+        return digests
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_keys_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.expanduser().is_file():
+            raise ValueError(f"{value} does not exist")
+        return None if value is None else value.expanduser()
+
     @field_validator("tokenizer")
     @classmethod
     def _check_tokenizer(cls, value: Path | None) -> Path | None:
@@ -185,6 +260,14 @@ class Settings(BaseSettings):
         if overlap:
             raise ValueError(f"prefill_urls and decode_urls both list {sorted(overlap)}")
         engines = {*self.prefill_urls, *self.decode_urls}
+        for tenant, pools in self.tenants.items():
+            reserved = {*pools.prefill_urls, *pools.decode_urls}
+            if reserved & engines:
+                raise ValueError(
+                    f"tenants.{tenant}: {sorted(reserved & engines)} are already in another pool; "
+                    "a tenant's engines must serve that tenant alone"
+                )
+            engines |= reserved
         for name in ("kv_events_endpoints", "lmcache_instance_ids"):
             unknown = set(getattr(self, name)) - engines
             if unknown:

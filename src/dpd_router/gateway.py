@@ -1,6 +1,7 @@
 """Gateway.handle(): the one place that knows a request's whole path.
 
-prepare (tokenize) -> plan (threshold, engines) -> execute (prefill hop) -> relay (decoder) -> observe.
+prepare (tokenize, limits) -> plan (threshold, engines) -> execute (prefill hop, with retry and
+fallback) -> relay (decoder, replaced if it fails before the first byte) -> observe.
 """
 
 from __future__ import annotations
@@ -8,29 +9,81 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import httpx
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from dpd_router.errors import PrefillFailed, RouterError, UpstreamError, UpstreamTimeout
+from dpd_router.api.auth import ANONYMOUS, Principal
+from dpd_router.config import Settings
+from dpd_router.errors import (
+    InvalidRequest,
+    PrefillFailed,
+    PrefillUnavailable,
+    RateLimited,
+    RouterError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.relay import EventStream, relay_body
+from dpd_router.pool.models import ServedModel
+from dpd_router.relay import DecodeFailedEarly, EventStream, relay_body
 from dpd_router.request import ClientRequest
 from dpd_router.routing.planner import PREFILL_FAILED, Plan, Planner
-from dpd_router.tokenizer import TokenCounter
+from dpd_router.tokenizer import Prompt, TokenCounter
 from dpd_router.transfer.base import Connector, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")
 
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
-# Passive outlier detection: this many failed calls in a row take an endpoint out of rotation
-# until its next passing health probe.
-UNHEALTHY_AFTER_FAILURES = 3
+
+@dataclass(frozen=True)
+class PhaseTimeouts:
+    """Seconds each phase of a request may take."""
+
+    connect: float = 5.0
+    prefill: float = 120.0
+    first_token: float = 120.0
+    idle: float = 120.0
+    total: float = 600.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PhaseTimeouts:
+        return cls(
+            connect=settings.connect_timeout,
+            prefill=settings.prefill_timeout,
+            first_token=settings.first_token_timeout,
+            idle=settings.idle_timeout,
+            total=settings.request_timeout,
+        )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many other engines a failed hop is retried on, and what a failed prefill pool means."""
+
+    prefill_retries: int = 1
+    decode_retries: int = 1
+    prefill_failure_policy: str = "fallback"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RetryPolicy:
+        return cls(settings.prefill_retries, settings.decode_retries, settings.prefill_failure_policy)
+
+
+class DecodeFailed(Exception):
+    """The decoder failed before the client saw a byte: another decoder may serve the request."""
+
+    def __init__(self, detail: str, *, kv_consumed: bool) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        # Whether the decoder may have used (and so released) the staged KV: then it must be staged again.
+        self.kv_consumed = kv_consumed
 
 
 class Gateway:
@@ -41,47 +94,65 @@ class Gateway:
         *,
         client: httpx.AsyncClient,
         tokenizer: TokenCounter,
-        planner: Planner,
+        planners: Mapping[str | None, Planner],
         connector: Connector,
         observer: Observer,
         metrics: RouterMetrics,
-        stream_timeout: httpx.Timeout,
-        body_timeout: httpx.Timeout,
+        model: ServedModel,
+        timeouts: PhaseTimeouts,
+        retries: RetryPolicy,
     ) -> None:
         self._client = client
         self._tokenizer = tokenizer
-        self._planner = planner
+        self._planners = planners
         self._connector = connector
         self._observer = observer
         self._metrics = metrics
-        self._stream_timeout = stream_timeout
-        self._body_timeout = body_timeout
+        self._model = model
+        self._timeouts = timeouts
+        self._retries = retries
+
+    def planner_for(self, tenant: str | None) -> Planner:
+        """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
+        return self._planners.get(tenant) or self._planners[None]
 
     async def handle(
-        self, request: ClientRequest, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        request: ClientRequest,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        principal: Principal = ANONYMOUS,
+        on_finish: Callable[[], None] | None = None,
     ) -> Response:
+        """Serve the request; `on_finish` runs once when it is over (after the last byte, if streamed)."""
         trace = RequestTrace(request_id=request_id, kind=request.kind, stream=request.stream)
-        done = Completion(trace, self._observer, self._metrics)
+        trace.tenant = principal.tenant
+        done = Completion(trace, self._observer, self._metrics, on_finish)
+        phase = "tokenize"
         try:
+            planner = self.planner_for(principal.tenant)
             prompt = await self._tokenizer.tokenize(request)
             trace.prompt_tokens = prompt.num_tokens
             trace.tokenize_seconds = prompt.seconds
             self._metrics.tokenize.observe(prompt.seconds)
+            self._check_context_length(request, prompt)
+            self._take_prompt_tokens(principal, prompt)
 
-            planner = self._planner
+            phase = "plan"
             session_key = planner.session_key(headers or {}, request.body)
             kv_hint = await planner.lookup_kv(prompt)
             plan = planner.plan(prompt, batch_size=request.batch_size, session_key=session_key, kv_hint=kv_hint)
-            done.hold(plan.decoder)
-            body, cached_tokens, plan = await self._execute(request, plan, request_id, trace)
-            self._record_plan(trace, plan)
-            return await self._decode(request, plan.decoder, body, request_id, trace, cached_tokens, done)
+            trace.threshold = planner.threshold
+            phase = "serve"
+            return await self._serve(request, plan, planner, prompt, request_id, trace, done)
         except RouterError as exc:
             trace.fail("error", exc.message, status=exc.status_code)
             done()
             raise
         except asyncio.CancelledError:
-            trace.fail("client_disconnect", "the client went away before the answer started", status=499)
+            self._metrics.client_disconnects.labels(phase).inc()
+            trace.fail("client_disconnect", f"the client went away during {phase}", status=499)
             done()
             raise
         except Exception as exc:
@@ -89,26 +160,95 @@ class Gateway:
             done()
             raise
 
-    async def _execute(
-        self, request: ClientRequest, plan: Plan, request_id: str, trace: RequestTrace
-    ) -> tuple[bytes, int | None, Plan]:
-        """Run the prefill hop when the plan calls for it; fall back to the decoder alone if it fails."""
-        trace.threshold = self._planner.threshold
-        if plan.prefiller is None:
-            return request.encoded(), None, plan
-        try:
-            staged = await self._prefill(request, plan.prefiller, request_id, trace)
-        except PrefillFailed as exc:
-            trace.prefill_error = str(exc)
-            self._metrics.prefill_fallbacks.labels(exc.reason).inc()
-            log.warning(
-                "request %s: prefill on %s failed (%s); serving on the decoder alone",
-                request_id,
-                plan.prefiller.url,
-                exc,
+    def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
+        """Refuse, before any engine is called, a prompt the model cannot hold (as vLLM would)."""
+        limit = self._model.max_model_len
+        if limit is None:
+            return
+        longest = prompt.num_tokens if request.batch_size == 1 else max(prompt.num_tokens // request.batch_size, 1)
+        asked = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
+        if longest >= limit or longest + asked > limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{longest + asked} tokens ({longest} in the prompt, {asked} for the completion). "
+                "Please reduce the length of the prompt or the completion.",
+                param="messages" if request.kind == "chat" else "prompt",
             )
-            return request.encoded(), None, plan.direct(PREFILL_FAILED)
-        return self._connector.decode_body(request, staged), staged.cached_tokens, plan
+
+    def _take_prompt_tokens(self, principal: Principal, prompt: Prompt) -> None:
+        try:
+            principal.limits.take_prompt_tokens(prompt.num_tokens)
+        except RateLimited:
+            self._metrics.rate_limited.labels("prompt_tokens").inc()
+            raise
+
+    async def _serve(
+        self,
+        request: ClientRequest,
+        plan: Plan,
+        planner: Planner,
+        prompt: Prompt,
+        request_id: str,
+        trace: RequestTrace,
+        done: Completion,
+    ) -> Response:
+        """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte."""
+        tried: list[Endpoint] = []
+        staged: StagedKV | None = None
+        for attempt in range(self._retries.decode_retries + 1):
+            done.hold(plan.decoder)
+            if plan.prefiller is not None and staged is None:
+                staged, plan = await self._stage(request, plan, planner, prompt, request_id, trace)
+            if attempt == 0:
+                self._record_plan(trace, plan)
+            trace.decoder = plan.decoder.url
+            body = request.encoded() if staged is None else self._connector.decode_body(request, staged)
+            try:
+                return await self._decode(request, plan.decoder, body, request_id, trace, staged, done)
+            except DecodeFailed as exc:
+                tried.append(plan.decoder)
+                log.warning("request %s: decoder %s failed before answering: %s", request_id, plan.decoder.url, exc)
+                if exc.kv_consumed:
+                    staged = None
+                replacement = planner.alternative("decode", prompt, exclude=tried)
+                if replacement is None or attempt == self._retries.decode_retries:
+                    raise UpstreamError(f"The decoder failed before answering: {exc.detail}") from None
+                self._metrics.retries.labels("decode").inc()
+                plan = replace(plan, decoder=replacement)
+        raise AssertionError("unreachable")
+
+    async def _stage(
+        self,
+        request: ClientRequest,
+        plan: Plan,
+        planner: Planner,
+        prompt: Prompt,
+        request_id: str,
+        trace: RequestTrace,
+    ) -> tuple[StagedKV | None, Plan]:
+        """The prefill hop, retried on other prefillers; when it cannot stage KV, apply the policy."""
+        prefiller = plan.prefiller
+        tried: list[Endpoint] = []
+        failure: PrefillFailed | None = None
+        while prefiller is not None:
+            try:
+                staged = await self._prefill(request, prefiller, request_id, trace)
+                return staged, replace(plan, prefiller=prefiller)
+            except PrefillFailed as exc:
+                failure = exc
+                tried.append(prefiller)
+                trace.prefill_error = str(exc)
+                log.warning("request %s: prefill on %s failed: %s", request_id, prefiller.url, exc)
+                if exc.reason == "status_4xx" or len(tried) > self._retries.prefill_retries:
+                    break  # a 4xx is the request's own fault: another prefiller would say the same
+                prefiller = planner.alternative("prefill", prompt, exclude=tried)
+                if prefiller is not None:
+                    self._metrics.retries.labels("prefill").inc()
+        reason = failure.reason if failure is not None else "no_prefiller"
+        if self._retries.prefill_failure_policy == "fail":
+            raise PrefillUnavailable(f"The prefill pool could not serve this request ({reason}).")
+        self._metrics.prefill_fallbacks.labels(reason).inc()
+        return None, plan.direct(PREFILL_FAILED)
 
     async def _prefill(
         self, request: ClientRequest, prefiller: Endpoint, request_id: str, trace: RequestTrace
@@ -118,14 +258,18 @@ class Gateway:
         prefiller.start()
         outcome = "ok"
         try:
-            staged = await self._connector.prefill(request, prefiller, request_id)
+            async with asyncio.timeout(self._timeouts.prefill):
+                staged = await self._connector.prefill(request, prefiller, request_id)
             prefiller.record_success()
             return staged
+        except TimeoutError:
+            outcome = "timeout"
+            prefiller.record_failure("prefill timed out")
+            raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {self._timeouts.prefill:g} s") from None
         except PrefillFailed as exc:
             outcome = exc.reason
             if exc.reason != "status_4xx":
-                prefiller.record_failure(str(exc), unhealthy_after=UNHEALTHY_AFTER_FAILURES)
-                self._metrics.set_endpoint_health(prefiller)
+                prefiller.record_failure(str(exc))
             raise
         finally:
             prefiller.finish()
@@ -136,7 +280,6 @@ class Gateway:
         trace.path = plan.path
         trace.reason = plan.reason
         trace.uncached_tokens = plan.uncached_tokens
-        trace.decoder = plan.decoder.url
         self._metrics.route_decisions.labels(plan.path, plan.reason).inc()
 
     async def _decode(
@@ -146,52 +289,92 @@ class Gateway:
         body: bytes,
         request_id: str,
         trace: RequestTrace,
-        cached_tokens: int | None,
+        staged: StagedKV | None,
         done: Completion,
     ) -> Response:
-        upstream = await self._open(request, decoder, body, request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self._timeouts.first_token if request.stream else self._timeouts.total)
+        upstream = await self._open(request, decoder, body, request_id, deadline)
         headers = {"X-Request-Id": request_id}
+        cached_tokens = None if staged is None else staged.cached_tokens
         if upstream.status_code != 200:
             return await self._engine_refusal(upstream, decoder, trace, headers, done)
-        decoder.record_success()
-        if request.stream:
-            stream = EventStream(upstream, trace, cached_tokens=cached_tokens, on_close=done)
-            media_type = upstream.headers.get("content-type", "text/event-stream")
-            return RelayedStream(stream, media_type=media_type, headers=headers)
+        if not request.stream:
+            return await self._whole_answer(upstream, decoder, trace, cached_tokens, deadline, headers, done)
+        stream = EventStream(
+            upstream, trace, cached_tokens=cached_tokens, on_close=done, idle_timeout=self._timeouts.idle
+        )
         try:
-            content = await upstream.aread()
-        except httpx.TimeoutException:
-            await upstream.aclose()
-            raise UpstreamTimeout(f"The decoder did not finish within {self._body_timeout.read} s.") from None
+            await stream.prime(deadline)
+        except DecodeFailedEarly as exc:
+            decoder.record_failure(exc.detail)
+            raise DecodeFailed(exc.detail, kv_consumed=True) from None
+        except TimeoutError:
+            await stream.close()
+            decoder.record_failure("no first token in time")
+            raise UpstreamTimeout(f"The decoder produced no token within {self._timeouts.first_token:g} s.") from None
         except httpx.HTTPError as exc:
-            await upstream.aclose()
-            raise UpstreamError(f"The connection to the decoder broke: {type(exc).__name__}.") from None
-        content = relay_body(content, trace, cached_tokens)
-        done()
-        return Response(content, media_type="application/json", headers=headers)
+            await stream.close()
+            decoder.record_failure(type(exc).__name__)
+            detail = f"the stream broke before the first token: {type(exc).__name__}"
+            raise DecodeFailed(detail, kv_consumed=True) from None
+        decoder.record_success()
+        media_type = upstream.headers.get("content-type", "text/event-stream")
+        return RelayedStream(stream, media_type=media_type, headers=headers)
 
-    async def _open(self, request: ClientRequest, decoder: Endpoint, body: bytes, request_id: str) -> httpx.Response:
-        timeout = self._stream_timeout if request.stream else self._body_timeout
+    async def _open(
+        self, request: ClientRequest, decoder: Endpoint, body: bytes, request_id: str, deadline: float
+    ) -> httpx.Response:
+        """Send the decode call and wait for its status line (reads are timed by the caller)."""
         outgoing = self._client.build_request(
             "POST",
             f"{decoder.url}{ENGINE_PATHS[request.kind]}",
             content=body,
-            headers={
-                "X-Request-Id": request_id,
-                "Content-Type": "application/json",
-                "Accept-Encoding": "identity",
-            },
-            timeout=timeout,
+            headers={"X-Request-Id": request_id, "Content-Type": "application/json", "Accept-Encoding": "identity"},
+            timeout=httpx.Timeout(None, connect=self._timeouts.connect, pool=self._timeouts.connect),
         )
         try:
-            return await self._client.send(outgoing, stream=True)
-        except httpx.TimeoutException:
-            decoder.record_failure("timeout", unhealthy_after=UNHEALTHY_AFTER_FAILURES)
-            raise UpstreamTimeout(f"The decoder did not answer within {timeout.read} s.") from None
+            async with asyncio.timeout_at(deadline):
+                return await self._client.send(outgoing, stream=True)
+        except TimeoutError:
+            decoder.record_failure("timeout")
+            raise UpstreamTimeout("The decoder did not answer in time.") from None
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            decoder.record_failure(type(exc).__name__)
+            raise DecodeFailed(f"{decoder.url} could not be reached: {type(exc).__name__}", kv_consumed=False) from None
         except httpx.HTTPError as exc:
-            decoder.record_failure(type(exc).__name__, unhealthy_after=UNHEALTHY_AFTER_FAILURES)
-            self._metrics.set_endpoint_health(decoder)
-            raise UpstreamError(f"The decoder could not be reached: {type(exc).__name__}.") from None
+            decoder.record_failure(type(exc).__name__)
+            raise DecodeFailed(f"{decoder.url} broke the connection: {type(exc).__name__}", kv_consumed=True) from None
+
+    async def _whole_answer(
+        self,
+        upstream: httpx.Response,
+        decoder: Endpoint,
+        trace: RequestTrace,
+        cached_tokens: int | None,
+        deadline: float,
+        headers: dict[str, str],
+        done: Completion,
+    ) -> Response:
+        try:
+            async with asyncio.timeout_at(deadline):
+                content = await upstream.aread()
+        except TimeoutError:
+            decoder.record_failure("timeout")
+            raise UpstreamTimeout(f"The decoder did not finish within {self._timeouts.total:g} s.") from None
+        except httpx.HTTPError as exc:
+            decoder.record_failure(type(exc).__name__)
+            raise DecodeFailed(f"the answer broke off: {type(exc).__name__}", kv_consumed=True) from None
+        finally:
+            await upstream.aclose()
+        content = relay_body(content, trace, cached_tokens)
+        if trace.outcome == "upstream_error" and trace.completion_tokens in (None, 0):
+            decoder.record_failure(trace.error or "in-band error")
+            trace.outcome, trace.error = "ok", None
+            raise DecodeFailed("the decoder failed the request in-band", kv_consumed=True)
+        decoder.record_success()
+        done()
+        return Response(content, media_type="application/json", headers=headers)
 
     async def _engine_refusal(
         self,
@@ -201,14 +384,19 @@ class Gateway:
         headers: dict[str, str],
         done: Completion,
     ) -> Response:
-        """Pass an engine's 4xx through as it is (the request's fault); a 5xx becomes a 502."""
-        content = await upstream.aread()
-        await upstream.aclose()
+        """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await upstream.aclose()
         status = upstream.status_code
         if status >= 500:
-            decoder.record_failure(f"status {status}", unhealthy_after=UNHEALTHY_AFTER_FAILURES)
-            self._metrics.set_endpoint_health(decoder)
-            raise UpstreamError(f"The decoder failed with status {status}: {content[:300].decode(errors='replace')}")
+            decoder.record_failure(f"status {status}")
+            raise DecodeFailed(
+                f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}", kv_consumed=True
+            )
         trace.fail("engine_rejected", f"decoder answered {status}", status=status)
         done()
         media_type = upstream.headers.get("content-type", "application/json")
@@ -216,17 +404,30 @@ class Gateway:
 
 
 class Completion:
-    """Releases what a request holds, exactly once: its decoder slot, the in-flight gauge, its trace."""
+    """Releases what a request holds, exactly once: its decoder slot, the in-flight gauge, its trace,
+    and the caller's `on_finish` (the admission slot)."""
 
-    def __init__(self, trace: RequestTrace, observer: Observer, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        trace: RequestTrace,
+        observer: Observer,
+        metrics: RouterMetrics,
+        on_finish: Callable[[], None] | None = None,
+    ) -> None:
         self._trace = trace
         self._observer = observer
         self._metrics = metrics
+        self._on_finish = on_finish
         self._decoder: Endpoint | None = None
         self._done = False
         metrics.in_flight.inc()
 
     def hold(self, decoder: Endpoint) -> None:
+        """Count the request against `decoder` (moving it off a decoder held before)."""
+        if self._decoder is decoder:
+            return
+        if self._decoder is not None:
+            self._decoder.finish()
         decoder.start()
         self._decoder = decoder
 
@@ -238,6 +439,8 @@ class Completion:
             self._decoder.finish()
         self._metrics.in_flight.dec()
         self._observer.finish(self._trace)
+        if self._on_finish is not None:
+            self._on_finish()
 
 
 class RelayedStream(StreamingResponse):

@@ -109,6 +109,54 @@ class RouterMetrics:
             ["endpoint", "role"],
             registry=r,
         )
+        self.endpoint_breaker_open = Gauge(
+            f"{PREFIX}_endpoint_circuit_open",
+            "1 while the endpoint's circuit breaker refuses new calls (open), else 0.",
+            ["endpoint", "role"],
+            registry=r,
+        )
+        self.endpoint_breaker_opened = Gauge(
+            f"{PREFIX}_endpoint_circuit_opened",
+            "How many times the endpoint's circuit breaker has opened since the router started.",
+            ["endpoint", "role"],
+            registry=r,
+        )
+        self.retries = Counter(
+            f"{PREFIX}_retries",
+            "Calls retried on another engine, by hop (prefill, decode).",
+            ["hop"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            f"{PREFIX}_client_disconnects",
+            "Clients that went away before their answer ended, by the phase they left in.",
+            ["phase"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            f"{PREFIX}_admission_queue_depth", "Requests waiting for an in-flight slot.", registry=r
+        )
+        self.queue_wait = Histogram(
+            f"{PREFIX}_admission_queue_wait_seconds",
+            "Time requests waited in the admission queue (admitted or not).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admission_rejected = Counter(
+            f"{PREFIX}_admission_rejected",
+            "Requests refused for capacity, by reason (queue_full, queue_timeout).",
+            ["reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            f"{PREFIX}_rate_limited",
+            "Requests refused by per-key rate limits, by limit (requests, prompt_tokens).",
+            ["limit"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            f"{PREFIX}_auth_failures", "Requests refused for a missing, unknown or insufficient API key.", registry=r
+        )
         self.endpoint_in_flight = Gauge(
             f"{PREFIX}_endpoint_in_flight_requests",
             "Calls the router has open to the endpoint now.",
@@ -148,17 +196,17 @@ class RouterMetrics:
         )
 
     def watch_endpoint(self, endpoint: Endpoint) -> None:
-        """Export the endpoint's live state; in-flight and scraped load are read at scrape time, O(1)."""
-        self.endpoint_in_flight.labels(endpoint.url, endpoint.role).set_function(lambda: endpoint.in_flight)
-        self.set_endpoint_health(endpoint)
+        """Export the endpoint's live state; in-flight, health and load are read at scrape time, O(1)."""
+        labels = (endpoint.url, endpoint.role)
+        self.endpoint_in_flight.labels(*labels).set_function(lambda: endpoint.in_flight)
+        self.endpoint_healthy.labels(*labels).set_function(lambda: 1 if endpoint.available else 0)
+        self.endpoint_breaker_open.labels(*labels).set_function(lambda: 0 if endpoint.breaker.allows() else 1)
+        self.endpoint_breaker_opened.labels(*labels).set_function(lambda: endpoint.breaker.times_opened)
         for signal, read in _LOAD_SIGNALS.items():
             self.endpoint_load.labels(endpoint.url, endpoint.role, signal).set_function(_load_reader(endpoint, read))
 
     def watch_cache_index(self, name: str, size: Callable[[], int]) -> None:
         self.cache_index_blocks.labels(name).set_function(size)
-
-    def set_endpoint_health(self, endpoint: Endpoint) -> None:
-        self.endpoint_healthy.labels(endpoint.url, endpoint.role).set(1 if endpoint.healthy else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

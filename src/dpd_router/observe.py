@@ -20,6 +20,7 @@ class RequestTrace:
     kind: str
     stream: bool
     started: float = field(default_factory=time.perf_counter)
+    tenant: str | None = None
     path: str = "direct"
     reason: str = ""
     threshold: int | None = None
@@ -81,6 +82,7 @@ class Observer:
     def _log(self, trace: RequestTrace, now: float) -> None:
         fields: dict[str, Any] = {
             "request_id": trace.request_id,
+            "tenant": trace.tenant,
             "kind": trace.kind,
             "stream": trace.stream,
             "path": trace.path,

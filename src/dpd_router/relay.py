@@ -7,6 +7,7 @@ metrics need: until the first token (TTFT), and the usage event at the end, whos
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,7 +29,7 @@ def _has_token(payload: dict[str, Any]) -> bool:
     if not choices:
         return False
     for choice in choices:
-        if choice.get("finish_reason") is not None or choice.get("text"):
+        if choice.get("finish_reason") not in (None, "error") or choice.get("text"):
             return True
         delta = choice.get("delta")
         if delta and (delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")):
@@ -70,8 +71,21 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
     return True
 
 
+class DecodeFailedEarly(Exception):
+    """The decoder failed before anything reached the client, so another decoder may still serve it."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
 class EventStream:
-    """Watches and relays one upstream SSE stream; closes it and records the trace at the end."""
+    """Watches and relays one upstream SSE stream; closes it and records the trace at the end.
+
+    `prime()` reads until the first token, so a decoder that fails before producing one can be
+    replaced before the client has seen a byte; the stream then relays what prime() read, and the
+    rest as it arrives. Each read waits at most `idle_timeout` seconds.
+    """
 
     def __init__(
         self,
@@ -80,14 +94,55 @@ class EventStream:
         *,
         cached_tokens: int | None,
         on_close: Callable[[], None],
+        idle_timeout: float,
     ) -> None:
         self._upstream = upstream
+        self._chunks = upstream.aiter_raw()
         self._trace = trace
         self._cached_tokens = cached_tokens
         self._on_close = on_close
+        self._idle_timeout = idle_timeout
+        self._pending = b""
+        self._head = b""
+        self._early_failure: str | None = None
+        self._relaying = False
+        self._ended = False
         self._saw_done = False
         self._complete = False
         self._closed = False
+
+    async def prime(self, deadline: float) -> None:
+        """Read until the first token arrives (by loop time `deadline`); raise DecodeFailedEarly if
+        the decoder reports an error before it, TimeoutError if it does not come in time."""
+        trace = self._trace
+        loop = asyncio.get_running_loop()
+        while trace.first_token_at is None and self._early_failure is None and not self._ended:
+            chunk = await self._read(deadline - loop.time())
+            if chunk is None:
+                self._ended = True
+                break
+            self._head += self._absorb(chunk)
+        if self._early_failure is not None:
+            failure = self._early_failure
+            self._complete = True  # nothing was relayed; the caller retries or reports
+            await self.close()
+            raise DecodeFailedEarly(failure)
+
+    async def _read(self, wait: float) -> bytes | None:
+        """The next upstream read, or None at its end; TimeoutError after `wait` seconds."""
+        try:
+            async with asyncio.timeout(max(wait, 0.0)):
+                return await anext(self._chunks)
+        except StopAsyncIteration:
+            return None
+
+    def _absorb(self, chunk: bytes) -> bytes:
+        """Add a read to the partial event; return the complete events, inspected, ready to send."""
+        self._pending += chunk
+        if _EVENT_END not in self._pending:
+            return b""
+        *events, self._pending = self._pending.split(_EVENT_END)
+        return self._relay_events(events)
 
     async def close(self) -> None:
         """Close the upstream response and record the request; safe to call more than once."""
@@ -102,22 +157,26 @@ class EventStream:
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         trace = self._trace
-        pending = b""
+        self._relaying = True
         try:
-            async for chunk in self._upstream.aiter_raw():
-                pending += chunk
-                if _EVENT_END not in pending:
-                    continue
-                *events, pending = pending.split(_EVENT_END)
-                yield self._relay_events(events)
-            if pending.strip():
-                yield pending
+            if self._head:
+                head, self._head = self._head, b""
+                yield head
+            while not self._ended:
+                chunk = await self._read(self._idle_timeout)
+                if chunk is None:
+                    break
+                out = self._absorb(chunk)
+                if out:
+                    yield out
+            if self._pending.strip():
+                yield self._pending
             self._complete = True
             if not self._saw_done and trace.outcome == "ok":
                 trace.fail("upstream_truncated", "the decoder closed the stream before [DONE]")
                 yield self._error_event("The decoder ended the stream early.")
-        except httpx.TimeoutException as exc:
-            trace.fail("upstream_timeout", f"{type(exc).__name__} while streaming from {trace.decoder}")
+        except TimeoutError:
+            trace.fail("upstream_timeout", f"no data from {trace.decoder} for {self._idle_timeout:g} s")
             self._complete = True
             yield self._error_event("The decoder stopped sending tokens before the stream ended.")
         except httpx.HTTPError as exc:
@@ -148,7 +207,10 @@ class EventStream:
                 continue
             failure = _errored(payload)
             if failure is not None:
-                trace.fail("upstream_error", failure)
+                if first and not self._relaying:
+                    self._early_failure = failure
+                else:
+                    trace.fail("upstream_error", failure)
             if _has_token(payload):
                 trace.mark_token_chunk(now)
             if reconcile_usage(payload, trace, self._cached_tokens):

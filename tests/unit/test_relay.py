@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
 import orjson
+import pytest
 
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
-from dpd_router.relay import EventStream, relay_body
+from dpd_router.relay import DecodeFailedEarly, EventStream, relay_body
 
 
 class Chunks(httpx.AsyncByteStream):
@@ -52,7 +54,11 @@ async def relay(chunks: list[bytes], *, cached: int | None = None, error: Except
     trace = RequestTrace(request_id="r", kind="chat", stream=True)
     closed: list[bool] = []
     relayed = EventStream(
-        httpx.Response(200, stream=stream), trace, cached_tokens=cached, on_close=lambda: closed.append(True)
+        httpx.Response(200, stream=stream),
+        trace,
+        cached_tokens=cached,
+        on_close=lambda: closed.append(True),
+        idle_timeout=5,
     )
     out = b"".join([part async for part in relayed])
     return out, trace, stream, closed
@@ -109,7 +115,9 @@ async def test_in_band_engine_error_is_recorded() -> None:
 async def test_closing_before_the_end_counts_a_client_disconnect() -> None:
     stream = Chunks([TOKEN, LAST, DONE])
     trace = RequestTrace(request_id="r", kind="chat", stream=True)
-    relayed = EventStream(httpx.Response(200, stream=stream), trace, cached_tokens=None, on_close=lambda: None)
+    relayed = EventStream(
+        httpx.Response(200, stream=stream), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5
+    )
     iterator = relayed.__aiter__()
     await iterator.__anext__()
     await iterator.aclose()
@@ -143,3 +151,52 @@ def test_observer_records_metrics_once() -> None:
     assert value("dpd_router_requests_total", {"path": "disaggregated", "outcome": "ok"}) == 1
     assert value("dpd_router_time_to_first_token_seconds_count", {"path": "disaggregated"}) == 1
     assert value("dpd_router_time_to_first_token_seconds_sum", {"path": "disaggregated"}) == 0.5
+
+
+def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tuple[EventStream, RequestTrace, Chunks]:
+    class Slow(Chunks):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for chunk in self.chunks:
+                await asyncio.sleep(gap)
+                yield chunk
+
+    upstream = Slow(chunks)
+    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    return (
+        EventStream(
+            httpx.Response(200, stream=upstream), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=idle
+        ),
+        trace,
+        upstream,
+    )
+
+
+async def test_prime_reads_up_to_the_first_token_and_the_stream_replays_it() -> None:
+    stream, trace, _ = stream_of([ROLE, TOKEN, LAST, DONE])
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    assert trace.first_token_at is not None
+    out = b"".join([part async for part in stream])
+    assert out == ROLE + TOKEN + LAST + DONE
+
+
+async def test_an_error_before_the_first_token_is_retryable_and_nothing_was_sent() -> None:
+    failed = event({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]})
+    stream, trace, upstream = stream_of([ROLE, failed, DONE])
+    with pytest.raises(DecodeFailedEarly):
+        await stream.prime(asyncio.get_running_loop().time() + 5)
+    assert upstream.closed
+    assert trace.outcome == "ok", "a retried attempt leaves no failure on the request"
+
+
+async def test_no_first_token_by_the_deadline_times_out() -> None:
+    stream, _, _ = stream_of([TOKEN, DONE], gap=1.0)
+    with pytest.raises(TimeoutError):
+        await stream.prime(asyncio.get_running_loop().time() + 0.05)
+    await stream.close()
+
+
+async def test_a_stream_idle_for_too_long_ends_with_an_error_event() -> None:
+    stream, trace, _ = stream_of([TOKEN, LAST, DONE], idle=0.05, gap=0.5)
+    out = b"".join([part async for part in stream])
+    assert b'"error"' in out and out.endswith(DONE)
+    assert trace.outcome == "upstream_timeout"

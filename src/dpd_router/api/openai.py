@@ -1,4 +1,8 @@
-"""The OpenAI-compatible surface: chat and text completions, and the model list."""
+"""The OpenAI-compatible surface: chat and text completions, and the model list.
+
+Each completion request passes, in order: body size limit, API key, per-key request rate,
+admission (in-flight cap and queue), body validation; then the gateway serves it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,14 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from dpd_router.api.errors import response_for
-from dpd_router.errors import ModelNotFound, RouterError
+from dpd_router.errors import (
+    AdmissionRejected,
+    ModelNotFound,
+    PayloadTooLarge,
+    RateLimited,
+    RouterError,
+    Unauthorized,
+)
 from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
 
 if TYPE_CHECKING:
@@ -32,6 +43,11 @@ async def completions(request: Request) -> Response:
 @routes.get("/v1/models")
 async def models(request: Request) -> Response:
     router: Router = request.app.state.router
+    request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+    try:
+        router.keys.authenticate(request.headers.get("authorization"))
+    except RouterError as exc:
+        return _error(router, exc, request_id)
     return Response(orjson.dumps(router.model.models_listing()), media_type="application/json")
 
 
@@ -39,14 +55,53 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
     router: Router = request.app.state.router
     request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
     try:
-        client_request = parse_request(kind, await request.body())
+        raw = await _read_body(request, router.settings.max_body_bytes)
+        principal = router.keys.authenticate(request.headers.get("authorization"))
+        principal.limits.take_request()
+        client_request = parse_request(kind, raw)
         _resolve_model(client_request, router.model.name)
-        return await router.gateway.handle(client_request, request_id, request.headers)
     except RouterError as exc:
-        headers = {"X-Request-Id": request_id}
-        if exc.status_code == 503:
-            headers["Retry-After"] = "1"
-        return response_for(exc, headers=headers)
+        return _error(router, exc, request_id)
+    try:
+        await router.admission.enter()
+    except AdmissionRejected as exc:
+        return _error(router, exc, request_id)
+    try:
+        return await router.gateway.handle(
+            client_request,
+            request_id,
+            request.headers,
+            principal=principal,
+            on_finish=router.admission.leave,
+        )
+    except RouterError as exc:
+        return _error(router, exc, request_id)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+    return bytes(body)
+
+
+def _error(router: Router, exc: RouterError, request_id: str) -> Response:
+    headers = {"X-Request-Id": request_id}
+    if isinstance(exc, RateLimited | AdmissionRejected):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    elif exc.status_code == 503:
+        headers["Retry-After"] = "1"
+    if isinstance(exc, Unauthorized) or exc.status_code == 403:
+        router.metrics.auth_failures.inc()
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, RateLimited) and "Requests per minute" in exc.message:
+        router.metrics.rate_limited.labels("requests").inc()
+    return response_for(exc, headers=headers)
 
 
 def _resolve_model(request: ClientRequest, served: str | None) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dpd_router.pool.breaker import CLOSED, CircuitBreaker
+
 Role = Literal["prefill", "decode"]
 
 
@@ -39,26 +41,49 @@ class Endpoint:
     in_flight: int = 0
     healthy: bool = True
     probed_ok: bool = False
-    consecutive_failures: int = 0
+    probe_failures: int = 0
+    probe_passes: int = 0
     last_error: str | None = field(default=None, repr=False)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker, repr=False)
     load: EngineLoad | None = field(default=None, repr=False)
     load_fresh_until: float = field(default=0.0, repr=False)
 
+    @property
+    def available(self) -> bool:
+        """Whether new calls may go here: its probes pass and its circuit breaker lets them through."""
+        return self.healthy and self.breaker.allows()
+
     def start(self) -> None:
         self.in_flight += 1
+        self.breaker.on_start()
 
     def finish(self) -> None:
         self.in_flight -= 1
 
     def record_success(self) -> None:
-        self.consecutive_failures = 0
-        self.healthy = True
+        self.breaker.on_success()
 
-    def record_failure(self, error: str, *, unhealthy_after: int) -> None:
-        self.consecutive_failures += 1
+    def record_failure(self, error: str) -> bool:
+        """Count a failed call (passive outlier detection); True when it opened the breaker."""
         self.last_error = error
-        if self.consecutive_failures >= unhealthy_after:
-            self.healthy = False
+        return self.breaker.on_failure()
+
+    def record_probe(self, ok: bool, error: str | None, *, unhealthy_after: int, healthy_after: int) -> bool:
+        """Count an active probe's result; True when it changed `healthy`."""
+        was = self.healthy
+        if ok:
+            self.probed_ok = True
+            self.probe_failures = 0
+            self.probe_passes += 1
+            if not self.healthy and self.probe_passes >= healthy_after:
+                self.healthy = True
+        else:
+            self.last_error = error
+            self.probe_passes = 0
+            self.probe_failures += 1
+            if self.probe_failures >= unhealthy_after:
+                self.healthy = False
+        return was != self.healthy
 
     def record_load(self, load: EngineLoad, *, fresh_for: float) -> None:
         self.load = load
@@ -70,4 +95,8 @@ class Endpoint:
 
     @property
     def state(self) -> str:
-        return "healthy" if self.healthy else "unhealthy"
+        """`unhealthy` (failing probes), else the breaker's state: `healthy`, `open` or `half_open`."""
+        if not self.healthy:
+            return "unhealthy"
+        breaker = self.breaker.state
+        return "healthy" if breaker == CLOSED else breaker

@@ -1,4 +1,4 @@
-"""Active health probes of every endpoint, run as one background task."""
+"""Active health probes of every endpoint."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ log = logging.getLogger("dpd_router.health")
 class HealthChecker:
     """Probes `GET /health` on every endpoint; the app runs a round every `health_interval` seconds.
 
-    A failed probe marks the endpoint unhealthy at once (it receives no new traffic); a passing
-    probe marks it healthy again, which is how an endpoint that failed requests comes back.
+    `unhealthy_after` failed probes in a row take an endpoint out of rotation; `healthy_after`
+    passing probes in a row bring it back.
     """
 
     def __init__(
@@ -28,11 +28,15 @@ class HealthChecker:
         metrics: RouterMetrics,
         *,
         timeout: float,
+        unhealthy_after: int = 1,
+        healthy_after: int = 1,
     ) -> None:
         self._pool = pool
         self._client = client
         self._metrics = metrics
         self._timeout = timeout
+        self._unhealthy_after = unhealthy_after
+        self._healthy_after = healthy_after
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(endpoint) for endpoint in self._pool.endpoints()))
@@ -44,14 +48,10 @@ class HealthChecker:
             error = None if ok else f"health answered {response.status_code}"
         except httpx.HTTPError as exc:
             ok, error = False, f"health probe failed: {type(exc).__name__}"
-        was_healthy = endpoint.healthy
-        if ok:
-            endpoint.record_success()
-            endpoint.probed_ok = True
-        else:
-            endpoint.healthy = False
-            endpoint.last_error = error
-        if was_healthy != endpoint.healthy:
+        changed = endpoint.record_probe(
+            ok, error, unhealthy_after=self._unhealthy_after, healthy_after=self._healthy_after
+        )
+        if changed:
             log.warning(
                 "endpoint %s (%s) is now %s%s",
                 endpoint.url,
@@ -59,5 +59,4 @@ class HealthChecker:
                 endpoint.state,
                 f": {error}" if error else "",
             )
-        self._metrics.set_endpoint_health(endpoint)
         return ok

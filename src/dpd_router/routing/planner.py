@@ -9,14 +9,14 @@ and hands its answer in.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from dpd_router.config import Settings, ThresholdMode
 from dpd_router.errors import NoHealthyDecoder
 from dpd_router.metrics import RouterMetrics
-from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
 from dpd_router.routing.cache import CacheLocator, CacheSource, KVHintSource
 from dpd_router.routing.load import Balance
@@ -121,6 +121,16 @@ class Planner:
         if self.cache is not None:
             self.cache.record(request, (decoder,) if plan.prefiller is None else (decoder, plan.prefiller))
         return plan
+
+    def alternative(
+        self, role: Role, prompt: Prompt, *, exclude: Collection[Endpoint], session_key: str | None = None
+    ) -> Endpoint | None:
+        """Another endpoint of `role` for a retry, chosen by the same strategy; None if none is left."""
+        candidates = [endpoint for endpoint in self.pool.healthy(role) if endpoint not in exclude]
+        if not candidates:
+            return None
+        strategy = self.prefill_strategy if role == "prefill" else self.decode_strategy
+        return strategy.select(candidates, RoutingRequest(prompt, session_key=session_key))
 
     def choose_decoder(self, request: RoutingRequest) -> Endpoint:
         decoders = self.pool.healthy("decode")

@@ -1,0 +1,124 @@
+"""API keys: who is calling, which tenant they belong to, and what they may spend.
+
+Keys are configured as SHA-256 hashes (never in the clear) in a YAML file and/or the environment;
+a presented key is hashed and looked up. The key itself is never logged: logs carry `key_id`,
+the first 12 hex digits of its hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dpd_router.api.limits import KeyLimits, TokenBucket
+from dpd_router.errors import Forbidden, Unauthorized
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class Principal:
+    """The caller behind one API key."""
+
+    key_id: str
+    tenant: str | None = None
+    admin: bool = False
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+
+ANONYMOUS = Principal(key_id="anonymous")
+
+
+class KeyRing:
+    """Every configured key, by hash. With no keys at all, the OpenAI API is open to anyone."""
+
+    def __init__(self, principals: dict[str, Principal]) -> None:
+        self._by_hash = principals
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_hash)
+
+    def tenants(self) -> set[str]:
+        return {p.tenant for p in self._by_hash.values() if p.tenant is not None}
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal for an `Authorization: Bearer <key>` header (anonymous when auth is off)."""
+        if not self.enabled:
+            return ANONYMOUS
+        principal = self._lookup(authorization)
+        if principal is None:
+            raise Unauthorized("A valid API key is required: send it as 'Authorization: Bearer <key>'.")
+        return principal
+
+    def authenticate_admin(self, authorization: str | None) -> Principal:
+        principal = self._lookup(authorization)
+        if principal is None:
+            raise Unauthorized("An admin API key is required: send it as 'Authorization: Bearer <key>'.")
+        if not principal.admin:
+            raise Forbidden("This API key may not use the admin endpoints.")
+        return principal
+
+    def _lookup(self, authorization: str | None) -> Principal | None:
+        if not authorization:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        return self._by_hash.get(hash_key(key.strip()))
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        keys_file: Path | None,
+        key_hashes: list[str],
+        admin_key_hashes: list[str],
+    ) -> KeyRing:
+        principals: dict[str, Principal] = {}
+        for digest in key_hashes:
+            principals[_checked_hash(digest)] = Principal(key_id=digest[:12])
+        for digest in admin_key_hashes:
+            principals[_checked_hash(digest)] = Principal(key_id=digest[:12], admin=True)
+        if keys_file is not None:
+            for entry in _read_keys_file(keys_file):
+                digest = _checked_hash(str(entry["sha256"]))
+                principals[digest] = Principal(
+                    key_id=digest[:12],
+                    tenant=entry.get("tenant"),
+                    admin=bool(entry.get("admin", False)),
+                    limits=KeyLimits(
+                        requests=_bucket(entry.get("requests_per_minute")),
+                        prompt_tokens=_bucket(entry.get("prompt_tokens_per_minute")),
+                    ),
+                )
+        return cls(principals)
+
+
+def _bucket(rate: Any) -> TokenBucket | None:
+    if rate is None:
+        return None
+    if not isinstance(rate, int | float) or rate <= 0:
+        raise ValueError(f"a rate limit must be a positive number, got {rate!r}")
+    return TokenBucket(float(rate))
+
+
+def _checked_hash(digest: str) -> str:
+    digest = digest.strip().lower().removeprefix("sha256:")
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("API keys are configured as SHA-256 hex digests (see `dpd-router hash-key`)")
+    return digest
+
+
+def _read_keys_file(path: Path) -> list[dict[str, Any]]:
+    data = yaml.safe_load(path.read_text()) or {}
+    keys = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(keys, list) or not all(isinstance(k, dict) and "sha256" in k for k in keys):
+        raise ValueError(f"{path}: expected 'keys:' with a list of entries that each have 'sha256'")
+    return keys

@@ -1,0 +1,65 @@
+"""Per-key rate limits: token buckets for requests per minute and prompt tokens per minute."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dpd_router.errors import RateLimited
+
+
+@dataclass
+class TokenBucket:
+    """`rate_per_minute` tokens refill continuously up to a burst of one minute's worth."""
+
+    rate_per_minute: float
+    clock: Callable[[], float] = time.monotonic
+    level: float = field(init=False)
+    updated: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.level = self.rate_per_minute
+        self.updated = self.clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.rate_per_minute, self.level + (now - self.updated) * self.rate_per_minute / 60.0)
+        self.updated = now
+
+    def take(self, amount: float) -> float:
+        """Spend `amount`; returns 0 when allowed, else the seconds until it would be."""
+        self._refill()
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        if amount > self.rate_per_minute:
+            # Larger than a full bucket: allowed only from a full bucket, leaving it in debt.
+            if self.level >= self.rate_per_minute:
+                self.level -= amount
+                return 0.0
+            return (self.rate_per_minute - self.level) * 60.0 / self.rate_per_minute
+        return (amount - self.level) * 60.0 / self.rate_per_minute
+
+
+@dataclass
+class KeyLimits:
+    """The buckets of one API key; None means unlimited."""
+
+    requests: TokenBucket | None = None
+    prompt_tokens: TokenBucket | None = None
+
+    def take_request(self) -> None:
+        if self.requests is not None:
+            wait = self.requests.take(1)
+            if wait:
+                raise RateLimited("Requests per minute exceeded for this API key.", retry_after=wait)
+
+    def take_prompt_tokens(self, tokens: int) -> None:
+        if self.prompt_tokens is not None:
+            wait = self.prompt_tokens.take(tokens)
+            if wait:
+                raise RateLimited(
+                    f"Prompt tokens per minute exceeded for this API key ({tokens} tokens asked).",
+                    retry_after=wait,
+                )

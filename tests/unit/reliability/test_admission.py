@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dpd_router.api.admission import Admission
+from dpd_router.errors import AdmissionRejected
+from dpd_router.metrics import RouterMetrics
+
+
+def admission(max_in_flight: int, max_queued: int, queue_timeout: float = 5.0) -> Admission:
+    return Admission(RouterMetrics(), max_in_flight=max_in_flight, max_queued=max_queued, queue_timeout=queue_timeout)
+
+
+async def test_requests_beyond_the_cap_wait_in_order_and_get_the_freed_slots() -> None:
+    gate = admission(1, 5)
+    await gate.enter()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await gate.enter()
+        order.append(i)
+
+    waiting = [asyncio.create_task(wait(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert gate.queued == 3 and order == []
+    for _ in range(3):
+        gate.leave()
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiting)
+    assert order == [0, 1, 2]
+    assert gate.in_flight == 1
+    gate.leave()
+    assert gate.in_flight == 0
+
+
+async def test_a_full_queue_rejects_at_once() -> None:
+    gate = admission(1, 1)
+    await gate.enter()
+    queued = asyncio.create_task(gate.enter())
+    await asyncio.sleep(0)
+    with pytest.raises(AdmissionRejected):
+        await gate.enter()
+    gate.leave()
+    await queued
+    gate.leave()
+    assert (gate.in_flight, gate.queued) == (0, 0)
+
+
+async def test_a_wait_past_the_limit_is_rejected_and_leaves_no_trace() -> None:
+    gate = admission(1, 4, queue_timeout=0.05)
+    await gate.enter()
+    with pytest.raises(AdmissionRejected):
+        await gate.enter()
+    assert gate.queued == 0
+    gate.leave()
+    assert gate.in_flight == 0
+
+
+async def test_a_cancelled_waiter_gives_up_its_place() -> None:
+    gate = admission(1, 4)
+    await gate.enter()
+    waiter = asyncio.create_task(gate.enter())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert gate.queued == 0
+    gate.leave()
+    assert gate.in_flight == 0
+
+
+async def test_no_cap_admits_everything() -> None:
+    gate = admission(0, 0)
+    for _ in range(100):
+        await gate.enter()
+    assert gate.queued == 0

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpd_router.api.auth import KeyRing, hash_key
+from dpd_router.api.limits import KeyLimits, TokenBucket
+from dpd_router.errors import Forbidden, RateLimited, Unauthorized
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_bucket_allows_a_minute_of_burst_then_refills() -> None:
+    clock = Clock()
+    bucket = TokenBucket(60, clock=clock)
+    assert all(bucket.take(1) == 0 for _ in range(60))
+    assert bucket.take(1) == pytest.approx(1.0)
+    clock.now += 2
+    assert bucket.take(2) == 0
+
+
+def test_an_amount_larger_than_the_bucket_needs_a_full_bucket() -> None:
+    clock = Clock()
+    bucket = TokenBucket(100, clock=clock)
+    assert bucket.take(150) == 0
+    assert bucket.take(150) > 0
+
+
+def test_key_limits_raise_429_with_retry_after() -> None:
+    limits = KeyLimits(requests=TokenBucket(1), prompt_tokens=TokenBucket(1000))
+    limits.take_request()
+    with pytest.raises(RateLimited) as caught:
+        limits.take_request()
+    assert caught.value.status_code == 429 and caught.value.retry_after > 0
+    limits.take_prompt_tokens(900)
+    with pytest.raises(RateLimited):
+        limits.take_prompt_tokens(900)
+
+
+def test_keys_are_matched_by_hash_and_admin_rights_are_checked(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(
+        f"keys:\n"
+        f"  - sha256: {hash_key('tenant-a-key')}\n    tenant: a\n    requests_per_minute: 10\n"
+        f"  - sha256: {hash_key('ops-key')}\n    admin: true\n"
+    )
+    ring = KeyRing.load(keys_file=keys_file, key_hashes=[hash_key("plain")], admin_key_hashes=[])
+    assert ring.enabled
+    principal = ring.authenticate("Bearer tenant-a-key")
+    assert principal.tenant == "a" and principal.limits.requests is not None
+    assert principal.key_id == hash_key("tenant-a-key")[:12]
+    assert ring.authenticate("bearer plain").tenant is None
+    for bad in (None, "", "Bearer", "Bearer wrong", "Basic plain"):
+        with pytest.raises(Unauthorized):
+            ring.authenticate(bad)
+    with pytest.raises(Forbidden):
+        ring.authenticate_admin("Bearer plain")
+    assert ring.authenticate_admin("Bearer ops-key").admin
+
+
+def test_without_keys_the_api_is_open_but_admin_is_not() -> None:
+    ring = KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[])
+    assert ring.authenticate(None).key_id == "anonymous"
+    with pytest.raises(Unauthorized):
+        ring.authenticate_admin(None)
