@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -211,6 +212,8 @@ class Gateway:
                 if exc.kv_consumed:
                     staged = None
                 replacement = planner.alternative("decode", prompt, exclude=tried)
+                if replacement is None and exc.kv_consumed and plan.decoder.available:
+                    replacement = plan.decoder  # the only decoder answered: try it again, with fresh KV
                 if replacement is None or attempt == self._retries.decode_retries:
                     raise UpstreamError(f"The decoder failed before answering: {exc.detail}") from None
                 self._metrics.retries.labels("decode").inc()
@@ -304,20 +307,23 @@ class Gateway:
         stream = EventStream(
             upstream, trace, cached_tokens=cached_tokens, on_close=done, idle_timeout=self._timeouts.idle
         )
+        primed = False
         try:
             await stream.prime(deadline)
+            primed = True
         except DecodeFailedEarly as exc:
             decoder.record_failure(exc.detail)
             raise DecodeFailed(exc.detail, kv_consumed=True) from None
         except TimeoutError:
-            await stream.close()
             decoder.record_failure("no first token in time")
             raise UpstreamTimeout(f"The decoder produced no token within {self._timeouts.first_token:g} s.") from None
         except httpx.HTTPError as exc:
-            await stream.close()
             decoder.record_failure(type(exc).__name__)
             detail = f"the stream broke before the first token: {type(exc).__name__}"
             raise DecodeFailed(detail, kv_consumed=True) from None
+        finally:
+            if not primed:
+                await stream.discard()  # not handed to the client: close it here, whatever happened
         decoder.record_success()
         media_type = upstream.headers.get("content-type", "text/event-stream")
         return RelayedStream(stream, media_type=media_type, headers=headers)
@@ -366,7 +372,7 @@ class Gateway:
             decoder.record_failure(type(exc).__name__)
             raise DecodeFailed(f"the answer broke off: {type(exc).__name__}", kv_consumed=True) from None
         finally:
-            await upstream.aclose()
+            await close_quietly(upstream)
         content = relay_body(content, trace, cached_tokens)
         if trace.outcome == "upstream_error" and trace.completion_tokens in (None, 0):
             decoder.record_failure(trace.error or "in-band error")
@@ -390,7 +396,7 @@ class Gateway:
         except httpx.HTTPError:
             content = b""
         finally:
-            await upstream.aclose()
+            await close_quietly(upstream)
         status = upstream.status_code
         if status >= 500:
             decoder.record_failure(f"status {status}")
@@ -401,6 +407,12 @@ class Gateway:
         done()
         media_type = upstream.headers.get("content-type", "application/json")
         return Response(content, status_code=status, media_type=media_type, headers=headers)
+
+
+async def close_quietly(response: httpx.Response) -> None:
+    """Close an upstream response even while the request is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await response.aclose()
 
 
 class Completion:

@@ -123,10 +123,8 @@ class EventStream:
                 break
             self._head += self._absorb(chunk)
         if self._early_failure is not None:
-            failure = self._early_failure
-            self._complete = True  # nothing was relayed; the caller retries or reports
-            await self.close()
-            raise DecodeFailedEarly(failure)
+            await self.discard()  # nothing was relayed: the caller retries or reports
+            raise DecodeFailedEarly(self._early_failure)
 
     async def _read(self, wait: float) -> bytes | None:
         """The next upstream read, or None at its end; TimeoutError after `wait` seconds."""
@@ -143,6 +141,14 @@ class EventStream:
             return b""
         *events, self._pending = self._pending.split(_EVENT_END)
         return self._relay_events(events)
+
+    async def discard(self) -> None:
+        """Close the upstream without ending the request: it is retried, or fails, elsewhere."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._upstream.aclose()
 
     async def close(self) -> None:
         """Close the upstream response and record the request; safe to call more than once."""

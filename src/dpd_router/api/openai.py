@@ -6,6 +6,8 @@ admission (in-flight cap and queue), body validation; then the gateway serves it
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from typing import TYPE_CHECKING
 
@@ -66,16 +68,32 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
         await router.admission.enter()
     except AdmissionRejected as exc:
         return _error(router, exc, request_id)
-    try:
-        return await router.gateway.handle(
-            client_request,
-            request_id,
-            request.headers,
-            principal=principal,
-            on_finish=router.admission.leave,
+    serving = asyncio.ensure_future(
+        router.gateway.handle(
+            client_request, request_id, request.headers, principal=principal, on_finish=router.admission.leave
         )
+    )
+    watching = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((serving, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if not serving.done():
+        # The client left before its answer began: stop both hops now instead of finishing for nobody.
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RouterError):
+            await serving
+        return Response(status_code=499)
+    try:
+        return serving.result()
     except RouterError as exc:
         return _error(router, exc, request_id)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -1,0 +1,358 @@
+"""Faults on loopback with real engine processes: nothing lost, nothing hung, nobody let in who does not belong."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from dpd_router.api.auth import hash_key
+from dpd_router.sim.cluster import SimCluster
+from tests.integration.conftest import MODEL, engine_stats, metric, requests_seen, running_router
+
+THRESHOLD = 64
+LONG = "Every region reported steady growth while costs stayed flat across the whole year. " * 10
+SHORT = "Hi there."
+SLOW_DECODE = ["--decode-step-base", "0.01"]
+
+
+def body(content: str, *, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+def router_settings(cluster: SimCluster, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "prefill_urls": cluster.prefill_urls,
+        "decode_urls": cluster.decode_urls,
+        "tokenizer": str(tokenizer_dir),
+        "routing_threshold": THRESHOLD,
+        "threshold_mode": "static",
+        **extra,
+    }
+
+
+async def wait_until(check: Any, *, within: float = 10.0) -> None:
+    """Poll an async predicate about other processes until it holds (bounded)."""
+    async with asyncio.timeout(within):
+        while not await check():  # noqa: ASYNC110 - the state lives in other processes: polling is the only way
+            await asyncio.sleep(0.05)
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    return [event for event in raw.split(b"\n\n") if event.startswith(b"data: ")]
+
+
+async def test_killing_a_prefiller_mid_run_loses_no_request(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir, prefill_strategy="roundrobin")) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+
+        async def one(i: int) -> httpx.Response:
+            await asyncio.sleep(0.02 * i)
+            return await client.post("/v1/chat/completions", json=body(f"{i} {LONG if i % 2 else SHORT}"))
+
+        requests = [asyncio.create_task(one(i)) for i in range(40)]
+        await asyncio.sleep(0.2)
+        await cluster.kill(cluster.engines[0])
+        answers = await asyncio.gather(*requests)
+        assert [a.status_code for a in answers] == [200] * 40
+        assert all(a.json()["choices"][0]["message"]["content"] for a in answers)
+        assert await metric(base_url, "dpd_router_requests_total", {"outcome": "ok", "path": "disaggregated"}) > 0
+
+
+async def test_killing_a_decoder_ends_its_streams_in_band_and_new_requests_use_the_other(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=SLOW_DECODE) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        received: list[bytes] = [b""] * 4
+        started = [asyncio.Event() for _ in range(4)]
+
+        async def stream(i: int) -> None:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body(f"{i} {SHORT}", max_tokens=400, stream=True)
+            ) as response:
+                async for chunk in response.aiter_bytes():
+                    received[i] += chunk
+                    started[i].set()
+
+        streams = [asyncio.create_task(stream(i)) for i in range(4)]
+        await asyncio.gather(*(event.wait() for event in started))
+        victim = cluster.engines[1]  # the first decoder
+        assert (await engine_stats(victim.url))["running"] > 0, "least-loaded spreads the streams over both"
+        await cluster.kill(victim)
+        await asyncio.gather(*streams)
+
+        endings = [sse_events(raw)[-2:] for raw in received]
+        broken = [end for end in endings if b'"error"' in end[0]]
+        finished = [end for end in endings if b'"error"' not in end[0]]
+        assert broken and finished
+        assert all(end[1] == b"data: [DONE]" for end in endings), "every stream ends with [DONE], none hangs"
+
+        for i in range(6):
+            answer = await client.post("/v1/chat/completions", json=body(f"after {i}"))
+            assert answer.status_code == 200
+
+
+async def test_a_hanging_prefiller_times_out_and_the_decoder_serves(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir, prefill_timeout=0.5)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        await client.post(f"{cluster.prefill_urls[0]}/sim/fault", json={"mode": "hang"})
+        answer = await client.post("/v1/chat/completions", json=body(LONG))
+        assert answer.status_code == 200
+        assert await metric(base_url, "dpd_router_prefill_fallbacks_total", {"reason": "timeout"}) == 1
+        assert (await engine_stats(cluster.decode_urls[0]))["local_prefills"] == 1
+
+
+async def test_prefill_failure_policy_fail_answers_503(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir, prefill_failure_policy="fail")) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        await client.post(f"{cluster.prefill_urls[0]}/sim/fault", json={"mode": "error_500"})
+        answer = await client.post("/v1/chat/completions", json=body(LONG))
+        assert answer.status_code == 503
+        assert answer.json()["error"]["type"] == "ServiceUnavailableError"
+        assert answer.headers["retry-after"]
+        assert (await engine_stats(cluster.decode_urls[0]))["requests_total"] == 0
+
+
+async def test_a_kv_load_failure_on_the_decoder_is_retried_with_fresh_kv(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        for stream in (True, False):
+            request_id = f"kvfail-{uuid.uuid4().hex[:8]}"
+            await client.post(f"{cluster.decode_urls[0]}/sim/fault", json={"mode": "reject_kv", "count": 1})
+            answer = await client.post(
+                "/v1/chat/completions",
+                json=body(LONG, stream=stream),
+                headers={"X-Request-Id": request_id},
+            )
+            assert answer.status_code == 200
+            assert b'"error"' not in answer.content
+            kinds = [e["kind"] for e in await requests_seen(cluster.prefill_urls[0], request_id)]
+            assert kinds == ["remote_prefill", "remote_prefill"], "the KV was staged again for the retry"
+        assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 2
+
+
+async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(tokenizer_dir: Path) -> None:
+    slow = ["--decode-step-base", "0.02", "--prefill-per-token", "0.01"]
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+    ):
+        prefiller, decoder = cluster.prefill_urls[0], cluster.decode_urls[0]
+
+        # 1. Gone during the prefill hop (it takes about 2 s here).
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+            request = asyncio.create_task(client.post("/v1/chat/completions", json=body(LONG, stream=True)))
+            await wait_until(lambda: _running(prefiller))
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+        # 2. Gone in the middle of the decoder's stream.
+        async with (
+            httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+            client.stream("POST", "/v1/chat/completions", json=body(SHORT, max_tokens=1000, stream=True)) as response,
+        ):
+            async for _ in response.aiter_bytes():
+                break
+            assert (await engine_stats(decoder))["running"] == 1
+
+        async def all_free() -> bool:
+            engines_idle = not await _running(prefiller) and not await _running(decoder)
+            router_idle = await metric(base_url, "dpd_router_in_flight_requests") == 0
+            slots = await metric(base_url, "dpd_router_endpoint_in_flight_requests", {"endpoint": decoder})
+            return engines_idle and router_idle and slots == 0
+
+        await wait_until(all_free)
+        assert await metric(base_url, "dpd_router_client_disconnects_total", {"phase": "serve"}) == 1
+        assert await metric(base_url, "dpd_router_requests_total", {"outcome": "client_disconnect"}) == 2
+        statuses = [e["status"] for e in (await engine_stats(decoder))["recent"]]
+        assert "cancelled" in statuses
+
+
+async def _running(url: str) -> bool:
+    stats = await engine_stats(url)
+    return stats["running"] + stats["waiting"] > 0
+
+
+async def test_admission_refuses_beyond_capacity_with_retry_after(cluster: SimCluster, tokenizer_dir: Path) -> None:
+    settings = router_settings(cluster, tokenizer_dir, max_in_flight=1, max_queued=0)
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body(SHORT, max_tokens=300, stream=True)
+        ) as first:
+            async for _ in first.aiter_bytes():
+                break
+            refused = await client.post("/v1/chat/completions", json=body(SHORT))
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        assert await metric(base_url, "dpd_router_admission_rejected_total", {"reason": "queue_full"}) == 1
+        later = await client.post("/v1/chat/completions", json=body(SHORT))
+        assert later.status_code == 200, "the slot is free again once the stream ended"
+
+
+async def test_api_keys_and_tenant_isolation(cluster: SimCluster, tokenizer_dir: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - sha256: {hash_key('acme-key')}\n    tenant: acme\n"
+        f"  - sha256: {hash_key('public-key')}\n"
+        f"  - sha256: {hash_key('tiny-key')}\n    requests_per_minute: 1\n"
+    )
+    shared_p, acme_p = cluster.prefill_urls
+    shared_d, acme_d = cluster.decode_urls
+    settings = {
+        "prefill_urls": [shared_p],
+        "decode_urls": [shared_d],
+        "tenants": {"acme": {"prefill_urls": [acme_p], "decode_urls": [acme_d]}},
+        "api_keys_file": str(keys),
+        "tokenizer": str(tokenizer_dir),
+        "routing_threshold": THRESHOLD,
+    }
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        assert (await client.post("/v1/chat/completions", json=body(SHORT))).status_code == 401
+        wrong = await client.post("/v1/chat/completions", json=body(SHORT), headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
+        assert (await client.get("/v1/models")).status_code == 401
+
+        seen: dict[str, set[str]] = {}
+        for key in ("acme-key", "public-key"):
+            for content in (LONG, SHORT):
+                request_id = f"{key}-{uuid.uuid4().hex[:8]}"
+                answer = await client.post(
+                    "/v1/chat/completions",
+                    json=body(content),
+                    headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id},
+                )
+                assert answer.status_code == 200
+                for url in cluster.prefill_urls + cluster.decode_urls:
+                    if await requests_seen(url, request_id):
+                        seen.setdefault(key, set()).add(url)
+        assert seen["acme-key"] == {acme_p, acme_d}
+        assert seen["public-key"] == {shared_p, shared_d}
+
+        tiny = {"Authorization": "Bearer tiny-key"}
+        assert (await client.post("/v1/chat/completions", json=body(SHORT), headers=tiny)).status_code == 200
+        limited = await client.post("/v1/chat/completions", json=body(SHORT), headers=tiny)
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+
+
+async def test_oversized_bodies_and_prompts_are_refused_before_any_engine(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    settings = router_settings(cluster, tokenizer_dir, max_body_bytes=256 * 1024)
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        before = [(await engine_stats(url))["requests_total"] for url in cluster.decode_urls + cluster.prefill_urls]
+        too_big = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 300_000})
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == 413
+        too_long = await client.post("/v1/completions", json={"model": MODEL, "prompt": [7] * 33_000})
+        assert too_long.status_code == 400
+        assert "maximum context length" in too_long.json()["error"]["message"]
+        after = [(await engine_stats(url))["requests_total"] for url in cluster.decode_urls + cluster.prefill_urls]
+        assert before == after
+
+
+async def test_a_thousand_concurrent_streams_complete_without_errors(cluster: SimCluster, tokenizer_dir: Path) -> None:
+    async with (
+        running_router(**router_settings(cluster, tokenizer_dir, log_level="warning")) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=None)) as client,
+    ):
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        async def stream(i: int) -> tuple[int, bytes]:
+            content = f"{i} {LONG}" if i % 4 == 0 else f"{i} {SHORT}"
+            async with client.stream("POST", "/v1/chat/completions", json=body(content, stream=True)) as response:
+                return response.status_code, await response.aread()
+
+        results = await asyncio.gather(*(stream(i) for i in range(1000)))
+        assert [status for status, _ in results] == [200] * 1000
+        assert all(sse_events(raw)[-1] == b"data: [DONE]" and b'"error"' not in raw for _, raw in results)
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+        assert grown_mib < 400, f"router + client grew {grown_mib:.0f} MiB for 1000 streams"
+        assert await metric(base_url, "dpd_router_in_flight_requests") == 0
+
+
+async def test_malformed_requests_never_get_a_500(router_for_fuzz: str) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+        max_leaves=12,
+    )
+    fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "model": st.sampled_from([MODEL, "other", ""]) | json_values,
+            "messages": st.lists(
+                st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | json_values}).map(
+                    lambda m: {**m, "content": "hello"}
+                ),
+                max_size=3,
+            )
+            | json_values,
+            "prompt": st.text(max_size=50) | st.lists(st.integers(-5, 5000), max_size=5) | json_values,
+            "max_tokens": st.integers(-3, 5) | json_values,
+            "stream": st.booleans() | json_values,
+            "n": st.integers(-1, 3),
+            "temperature": json_values,
+            "stop": json_values,
+        },
+    )
+    valid_chat = st.fixed_dictionaries(
+        {"model": st.just(MODEL), "messages": st.just([{"role": "user", "content": "hi"}]), "max_tokens": st.just(2)},
+        optional={"seed": json_values, "temperature": json_values, "logprobs": json_values, "extra": json_values},
+    )
+    statuses: list[int] = []
+
+    async with httpx.AsyncClient(base_url=router_for_fuzz, timeout=30) as client:
+        examples: list[tuple[str, bytes]] = []
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(
+            path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+            payload=valid_chat.map(orjson.dumps) | fields.map(orjson.dumps) | st.binary(max_size=40),
+        )
+        def collect(path: str, payload: bytes) -> None:
+            examples.append((path, payload))
+
+        collect()
+        for path, payload in examples:
+            response = await client.post(path, content=payload, headers={"Content-Type": "application/json"})
+            statuses.append(response.status_code)
+            assert response.status_code < 500, (path, payload, response.text)
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) >= {"message", "type", "code"}
+    assert 200 in statuses and 400 in statuses
+
+
+@pytest.fixture
+async def router_for_fuzz(cluster: SimCluster, tokenizer_dir: Path):
+    async with running_router(**router_settings(cluster, tokenizer_dir)) as base_url:
+        yield base_url
