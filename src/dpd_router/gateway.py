@@ -125,9 +125,18 @@ class Gateway:
         *,
         principal: Principal = ANONYMOUS,
         on_finish: Callable[[], None] | None = None,
+        arrived: float | None = None,
+        queued: float = 0.0,
     ) -> Response:
-        """Serve the request; `on_finish` runs once when it is over (after the last byte, if streamed)."""
+        """Serve the request; `on_finish` runs once when it is over (after the last byte, if streamed).
+
+        `arrived` (a perf_counter reading) and `queued` (seconds waited for admission) let TTFT
+        count from the moment the request reached the router.
+        """
         trace = RequestTrace(request_id=request_id, kind=request.kind, stream=request.stream)
+        if arrived is not None:
+            trace.started = arrived
+        trace.queue_seconds = queued
         trace.tenant = principal.tenant
         done = Completion(trace, self._observer, self._metrics, on_finish)
         phase = "tokenize"
@@ -203,6 +212,8 @@ class Gateway:
             if attempt == 0:
                 self._record_plan(trace, plan)
             trace.decoder = plan.decoder.url
+            if trace.decode_started is None:
+                trace.decode_started = time.perf_counter()
             body = request.encoded() if staged is None else self._connector.decode_body(request, staged)
             try:
                 return await self._decode(request, plan.decoder, body, request_id, trace, staged, done)

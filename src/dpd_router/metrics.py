@@ -26,6 +26,16 @@ TOKEN_GAP_BUCKETS = (
 )  # fmt: skip
 # Token counts, powers of two from 16 to a million: the audit operators run before choosing a threshold.
 TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 21))
+# Prompt-length buckets for TTFT by prompt length: powers of two from 128 to 128k tokens.
+PROMPT_LENGTH_BOUNDS = tuple(2**k for k in range(7, 18))
+
+
+def prompt_length_bucket(tokens: int) -> str:
+    """The `prompt_tokens` label of a prompt: the smallest bound it fits under, or +Inf."""
+    for bound in PROMPT_LENGTH_BOUNDS:
+        if tokens <= bound:
+            return str(bound)
+    return "+Inf"
 
 
 class RouterMetrics:
@@ -54,6 +64,41 @@ class RouterMetrics:
             "Time from the request's arrival to the first generated token relayed, by path.",
             ["path"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Gaps between consecutive output chunks relayed to streaming clients, by path.",
+            ["path"],
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.ttft_by_prompt = Histogram(
+            f"{PREFIX}_ttft_by_prompt_length_seconds",
+            "Time to first token by path and prompt-length bucket (the label is the bucket's upper bound in "
+            "tokens): the evidence for choosing the routing threshold.",
+            ["path", "prompt_tokens"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            f"{PREFIX}_phase_seconds",
+            "Where the time to first token went, by path and phase: queue (admission wait), tokenize, "
+            "prefill (the KV-staging call), first_token (decode call start to the first token relayed).",
+            ["path", "phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_ineffective = Counter(
+            f"{PREFIX}_kv_transfer_ineffective",
+            "Disaggregated requests whose decoder recomputed the prompt anyway (it reported far fewer cached "
+            "prompt tokens than the prefiller staged): a KV connector misconfiguration.",
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            f"{PREFIX}_config_reloads",
+            "Live configuration changes, by source (file, sighup, admin) and outcome (applied, unchanged, rejected).",
+            ["source", "outcome"],
             registry=r,
         )
         self.tpot = Histogram(

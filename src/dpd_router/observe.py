@@ -7,9 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpd_router.metrics import RouterMetrics
+from dpd_router.metrics import RouterMetrics, prompt_length_bucket
 
 log = logging.getLogger("dpd_router.request")
+
+# Inter-token gaps kept per request for the ITL histogram: enough for long answers, bounded memory.
+MAX_RECORDED_GAPS = 4096
 
 
 @dataclass
@@ -20,6 +23,8 @@ class RequestTrace:
     kind: str
     stream: bool
     started: float = field(default_factory=time.perf_counter)
+    queue_seconds: float = 0.0
+    decode_started: float | None = None
     tenant: str | None = None
     path: str = "direct"
     reason: str = ""
@@ -41,9 +46,13 @@ class RequestTrace:
     error: str | None = None
     finished: bool = False
 
+    gaps: list[float] = field(default_factory=list, repr=False)
+
     def mark_token_chunk(self, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
+        elif self.last_chunk_at is not None and len(self.gaps) < MAX_RECORDED_GAPS:
+            self.gaps.append(now - self.last_chunk_at)
         self.last_chunk_at = now
         self.token_chunks += 1
 
@@ -70,14 +79,33 @@ class Observer:
         m.requests.labels(path, trace.outcome).inc()
         m.e2e.labels(path).observe(now - trace.started)
         if trace.first_token_at is not None:
-            m.ttft.labels(path).observe(trace.first_token_at - trace.started)
+            ttft = trace.first_token_at - trace.started
+            m.ttft.labels(path).observe(ttft)
+            if trace.prompt_tokens is not None:
+                m.ttft_by_prompt.labels(path, prompt_length_bucket(trace.prompt_tokens)).observe(ttft)
+            self._observe_phases(trace)
             if trace.token_chunks > 1 and trace.last_chunk_at is not None:
                 m.tpot.labels(path).observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
+            if trace.gaps:
+                itl = m.itl.labels(path)
+                for gap in trace.gaps:
+                    itl.observe(gap)
         if trace.prompt_tokens is not None:
             m.prompt_tokens.labels(path).observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:
             m.output_tokens.labels(path).observe(trace.completion_tokens)
         self._log(trace, now)
+
+    def _observe_phases(self, trace: RequestTrace) -> None:
+        phase = self.metrics.phase
+        path = trace.path
+        phase.labels(path, "queue").observe(trace.queue_seconds)
+        if trace.tokenize_seconds is not None:
+            phase.labels(path, "tokenize").observe(trace.tokenize_seconds)
+        if trace.prefill_seconds is not None:
+            phase.labels(path, "prefill").observe(trace.prefill_seconds)
+        if trace.decode_started is not None and trace.first_token_at is not None:
+            phase.labels(path, "first_token").observe(trace.first_token_at - trace.decode_started)
 
     def _log(self, trace: RequestTrace, now: float) -> None:
         fields: dict[str, Any] = {
@@ -94,6 +122,7 @@ class Observer:
             "decoder": trace.decoder,
             "cached_tokens": trace.cached_tokens,
             "completion_tokens": trace.completion_tokens,
+            "queue_ms": _ms(trace.queue_seconds),
             "tokenize_ms": _ms(trace.tokenize_seconds),
             "prefill_ms": _ms(trace.prefill_seconds),
             "ttft_ms": _ms(None if trace.first_token_at is None else trace.first_token_at - trace.started),

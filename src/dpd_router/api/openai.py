@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,7 @@ async def models(request: Request) -> Response:
 
 
 async def _serve(request: Request, kind: RequestKind) -> Response:
+    arrived = time.perf_counter()
     router: Router = request.app.state.router
     request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
     try:
@@ -64,13 +66,20 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
         _resolve_model(client_request, router.model.name)
     except RouterError as exc:
         return _error(router, exc, request_id)
+    admission_started = time.perf_counter()
     try:
         await router.admission.enter()
     except AdmissionRejected as exc:
         return _error(router, exc, request_id)
     serving = asyncio.ensure_future(
         router.gateway.handle(
-            client_request, request_id, request.headers, principal=principal, on_finish=router.admission.leave
+            client_request,
+            request_id,
+            request.headers,
+            principal=principal,
+            on_finish=router.admission.leave,
+            arrived=arrived,
+            queued=time.perf_counter() - admission_started,
         )
     )
     watching = asyncio.ensure_future(_client_gone(request))

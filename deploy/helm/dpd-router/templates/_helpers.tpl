@@ -1,0 +1,227 @@
+{{/*
+Names. Component names stay within 52 characters so that StatefulSet pod names and their
+controller-revision-hash labels fit Kubernetes' 63-character limit.
+*/}}
+{{- define "dpd-router.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "dpd-router.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 44 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 44 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 44 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The name of one component's objects: router, prefill or decode. Call with (list $ "prefill"). */}}
+{{- define "dpd-router.componentName" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (include "dpd-router.fullname" $root) (index . 1) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "dpd-router.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "dpd-router.labels" -}}
+helm.sh/chart: {{ include "dpd-router.chart" . }}
+app.kubernetes.io/name: {{ include "dpd-router.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dpd-router
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one component. Call with (list $ "router"). */}}
+{{- define "dpd-router.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "dpd-router.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "dpd-router.componentLabels" -}}
+{{- $root := index . 0 -}}
+{{ include "dpd-router.labels" $root }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "dpd-router.routerImage" -}}
+{{- $image := .Values.router.image }}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- end }}
+
+{{- define "dpd-router.serviceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "dpd-router.componentName" (list . "router")) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The port the router listens on: its own in standalone mode, beside the decoder's in sidecar mode. */}}
+{{- define "dpd-router.routerPort" -}}
+{{- if eq .Values.router.mode "sidecar" }}{{ .Values.router.sidecarPort }}{{ else }}{{ .Values.router.port }}{{ end }}
+{{- end }}
+
+{{/*
+How many engine pods of a pool the router is told about: its replicas, or with autoscaling on, its
+maxReplicas (pods not yet scaled up fail their health probes and get no traffic until they exist).
+Call with (list $ "prefill").
+*/}}
+{{- define "dpd-router.poolSize" -}}
+{{- $root := index . 0 -}}
+{{- $pool := index $root.Values (index . 1) }}
+{{- if $pool.autoscaling.enabled }}{{ $pool.autoscaling.maxReplicas }}{{ else }}{{ $pool.replicas }}{{ end }}
+{{- end }}
+
+{{/*
+The engines of a pool as URLs: each StatefulSet pod by its stable DNS name under the pool's headless
+Service. Call with (list $ "decode"); renders a JSON list.
+*/}}
+{{- define "dpd-router.engineUrls" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 }}
+{{- $pool := index $root.Values $role }}
+{{- $urls := list }}
+{{- if $pool.enabled }}
+{{- $name := include "dpd-router.componentName" (list $root $role) }}
+{{- range $i := until (int (include "dpd-router.poolSize" (list $root $role))) }}
+{{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc.%s:%d" $name $i $name $root.Release.Namespace $root.Values.clusterDomain (int $root.Values.engines.port)) }}
+{{- end }}
+{{- end }}
+{{- toJson $urls }}
+{{- end }}
+
+{{/*
+The router's settings file (router.yaml): what the chart knows (listen address, model, engines,
+tokenizer), then router.settings on top. Every key is a dpd-router setting.
+*/}}
+{{- define "dpd-router.routerSettings" -}}
+{{- $settings := dict "host" "0.0.0.0" "port" (int (include "dpd-router.routerPort" .)) "model" .Values.model.name }}
+{{- $_ := set $settings "prefill_urls" (include "dpd-router.engineUrls" (list . "prefill") | fromJsonArray) }}
+{{- if eq .Values.router.mode "sidecar" }}
+{{- $_ := set $settings "decode_urls" (list (printf "http://127.0.0.1:%d" (int .Values.engines.port))) }}
+{{- else }}
+{{- $_ := set $settings "decode_urls" (include "dpd-router.engineUrls" (list . "decode") | fromJsonArray) }}
+{{- end }}
+{{- if .Values.router.tokenizerSubPath }}
+{{- $_ := set $settings "tokenizer" (printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.router.tokenizerSubPath) }}
+{{- end }}
+{{- toYaml (mergeOverwrite $settings (deepCopy .Values.router.settings)) }}
+{{- end }}
+
+{{/* The JSON given to `vllm serve --kv-transfer-config`. */}}
+{{- define "dpd-router.kvTransferConfig" -}}
+{{- $nixl := dict "kv_connector" "NixlConnector" "kv_role" "kv_both" }}
+{{- with .Values.engines.nixl.extraConfig }}
+{{- $_ := set $nixl "kv_connector_extra_config" . }}
+{{- end }}
+{{- if eq .Values.engines.kvConnector "lmcache" }}
+{{- $lmcache := dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_both" }}
+{{- toJson (dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "connectors" (list $nixl $lmcache))) }}
+{{- else }}
+{{- toJson $nixl }}
+{{- end }}
+{{- end }}
+
+{{/* Pod anti-affinity spreading a component's pods over nodes. Call with (list $ "router" "soft"). */}}
+{{- define "dpd-router.antiAffinity" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 }}
+{{- $mode := index . 2 -}}
+{{- if eq $mode "hard" -}}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- include "dpd-router.selectorLabels" (list $root $component) | nindent 10 }}
+{{- else if eq $mode "soft" -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "dpd-router.selectorLabels" (list $root $component) | nindent 12 }}
+{{- end }}
+{{- end }}
+
+{{/* The router container, used by the router Deployment and, in sidecar mode, by every decode pod. */}}
+{{- define "dpd-router.routerContainer" -}}
+- name: router
+  image: {{ include "dpd-router.routerImage" . }}
+  imagePullPolicy: {{ .Values.router.image.pullPolicy }}
+  env:
+    - name: DPD_CONFIG
+      value: /etc/dpd-router/router.yaml
+    {{- with .Values.router.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - name: {{ if eq .Values.router.mode "sidecar" }}router{{ else }}http{{ end }}
+      containerPort: {{ include "dpd-router.routerPort" . }}
+      protocol: TCP
+  readinessProbe:
+    httpGet:
+      path: /ready
+      port: {{ include "dpd-router.routerPort" . }}
+    {{- toYaml .Values.router.readinessProbe | nindent 4 }}
+  livenessProbe:
+    httpGet:
+      path: /health
+      port: {{ include "dpd-router.routerPort" . }}
+    {{- toYaml .Values.router.livenessProbe | nindent 4 }}
+  resources:
+    {{- toYaml .Values.router.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.router.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: router-config
+      mountPath: /etc/dpd-router
+      readOnly: true
+    - name: router-tmp
+      mountPath: /tmp
+    {{- if .Values.router.tokenizerSubPath }}
+    - name: models
+      mountPath: {{ .Values.model.mountPath }}
+      readOnly: true
+    {{- end }}
+    {{- with .Values.router.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+
+{{/* The router's volumes: its settings file and a scratch /tmp (the root filesystem is read-only). */}}
+{{- define "dpd-router.routerVolumes" -}}
+- name: router-config
+  configMap:
+    name: {{ include "dpd-router.componentName" (list . "router") }}
+- name: router-tmp
+  emptyDir:
+    sizeLimit: 256Mi
+{{- with .Values.router.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The model volume's source: model.volume, or an emptyDir when it is empty. */}}
+{{- define "dpd-router.modelVolume" -}}
+{{- if .Values.model.volume }}
+{{- toYaml .Values.model.volume }}
+{{- else -}}
+emptyDir: {}
+{{- end }}
+{{- end }}

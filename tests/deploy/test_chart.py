@@ -1,0 +1,311 @@
+"""The Helm chart rendered by Helm itself with its defaults and every example values file, each
+object validated against the Kubernetes schemas, and the topology checked object by object."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from dpd_router.config import Settings
+
+from .chart import (
+    CHART,
+    DEPLOY,
+    EXAMPLES,
+    NAMESPACE,
+    example_files,
+    example_id,
+    load_values,
+    monitoring_on,
+    render,
+    render_example,
+)
+from .crds import validate_custom_resource
+
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
+KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+VALUES_FILES = [None, *example_files()]
+VALUES_IDS = ["defaults", *map(example_id, example_files())]
+
+
+def test_there_is_an_example_for_each_topology() -> None:
+    names = {example_id(path) for path in example_files()}
+    assert {"chat-1to1.yaml", "chat-sidecar.yaml", "rag-2to1.yaml", "rag-3to1.yaml"} <= names
+    assert len([n for n in names if n.startswith("multi-tenant/")]) >= 2
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_chart_lints_clean(values_file: Path | None) -> None:
+    report = helm.lint(str(CHART), load_values(values_file), strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_every_object_is_valid_for_kubernetes(values_file: Path | None) -> None:
+    values = load_values(values_file)
+    release = render(monitoring_on(values)) if values_file is None else render_example(values_file)
+    assert release.objects
+    for obj in release.objects:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            validate_custom_resource(obj)
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{where} (Kubernetes {version}): {exc.message} at {list(exc.absolute_path)}")
+            except kubernetes_validate.SchemaNotFoundError as exc:
+                pytest.fail(f"{where}: {exc.message}")
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_router_config_holds_only_real_router_settings(values_file: Path | None) -> None:
+    settings = render_example(values_file).router_settings()
+    unknown = set(settings) - set(Settings.model_fields)
+    assert not unknown, f"router.yaml names settings the router does not have: {sorted(unknown)}"
+    settings.pop("tokenizer", None)  # a directory inside the pod's model volume
+    Settings.model_validate(settings)
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_router_is_told_every_engine_pod_by_its_stable_name(values_file: Path | None) -> None:
+    release = render_example(values_file)
+    settings = release.router_settings()
+    for role in ("prefill", "decode"):
+        statefulset = release.component("StatefulSet", role)
+        service = release.get("Service", statefulset["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None", "a headless Service gives each pod a DNS name"
+        assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+        pool = release.values[role]
+        count = pool["autoscaling"]["maxReplicas"] if pool["autoscaling"]["enabled"] else pool["replicas"]
+        name = statefulset["metadata"]["name"]
+        expected = [f"http://{name}-{i}.{name}.{NAMESPACE}.svc.cluster.local:8000" for i in range(count)]
+        if role == "decode" and release.values["router"]["mode"] == "sidecar":
+            expected = ["http://127.0.0.1:8000"]
+        assert settings[f"{role}_urls"] == expected
+    assert settings["model"] == release.values["model"]["name"]
+    assert settings["host"] == "0.0.0.0"
+
+
+def test_router_deployment_probes_spreads_and_survives_disruption() -> None:
+    release = render_example(None)
+    deployment = release.component("Deployment", "router")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    port = release.router_settings()["port"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": port}
+    assert container["ports"][0]["containerPort"] == port
+    assert deployment["spec"]["replicas"] == 2
+    assert container["resources"]["requests"]["cpu"]
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    budget = release.component("PodDisruptionBudget", "router")
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    assert budget["spec"]["minAvailable"] == 1
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_router_reads_its_settings_from_the_configmap() -> None:
+    release = render_example(None)
+    pod = release.component("Deployment", "router")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    config_path = Path(env["DPD_CONFIG"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(config_path.parent))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_map = release.get("ConfigMap", volume["configMap"]["name"])
+    assert config_path.name in config_map["data"]
+
+
+def test_router_reads_the_tokenizer_from_the_model_volume() -> None:
+    release = render_example(EXAMPLES / "chat-1to1.yaml")
+    assert release.router_settings()["tokenizer"] == "/models/Llama-3.1-8B-Instruct"
+    pod = release.component("Deployment", "router")["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["models"]["mountPath"] == "/models" and mounts["models"]["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert volume["persistentVolumeClaim"]["claimName"] == "llama-3-1-8b-instruct"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_engine_pools_serve_the_model_with_the_kv_connector(values_file: Path | None) -> None:
+    release = render_example(values_file)
+    role_label = release.values["discovery"]["roleLabel"]
+    for role in ("prefill", "decode"):
+        statefulset = release.component("StatefulSet", role)
+        pod = statefulset["spec"]["template"]
+        assert pod["metadata"]["labels"][role_label] == role, "the role label discovery uses"
+        vllm = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")
+        assert vllm["command"] == ["vllm", "serve"]
+        flags = dict(arg.split("=", 1) for arg in vllm["args"] if arg.startswith("--") and "=" in arg)
+        assert flags["--served-model-name"] == release.values["model"]["name"]
+        assert flags["--port"] == "8000"
+        kv_config = json.loads(flags["--kv-transfer-config"])
+        connectors = kv_config.get("kv_connector_extra_config", {}).get("connectors", [kv_config])
+        assert connectors[0] == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        env = {item["name"]: item for item in vllm["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        gpus = release.values[role]["tensorParallelSize"]
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert flags["--tensor-parallel-size"] == str(gpus)
+        shm = next(m for m in vllm["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == shm["name"])
+        assert volume["emptyDir"]["medium"] == "Memory"
+        assert vllm["startupProbe"]["httpGet"]["path"] == "/health"
+        assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+        if not release.values[role]["autoscaling"]["enabled"]:
+            assert statefulset["spec"]["replicas"] == release.values[role]["replicas"]
+
+
+def test_pools_scale_independently() -> None:
+    release = render_example(EXAMPLES / "rag-2to1.yaml")
+    assert release.values["prefill"]["autoscaling"]["minReplicas"] == 2
+    assert release.values["decode"]["autoscaling"]["minReplicas"] == 1
+    release = render(yaml.safe_load("prefill: {replicas: 3}\ndecode: {replicas: 1}"))
+    assert release.component("StatefulSet", "prefill")["spec"]["replicas"] == 3
+    assert release.component("StatefulSet", "decode")["spec"]["replicas"] == 1
+    assert len(release.router_settings()["prefill_urls"]) == 3
+
+
+def test_lmcache_variant_adds_lmcache_beside_nixl() -> None:
+    release = render_example(EXAMPLES / "rag-3to1.yaml")
+    pod = release.component("StatefulSet", "prefill")["spec"]["template"]["spec"]
+    vllm = pod["containers"][0]
+    flag = next(a for a in vllm["args"] if a.startswith("--kv-transfer-config="))
+    config = json.loads(flag.split("=", 1)[1])
+    assert config["kv_connector"] == "MultiConnector"
+    assert [c["kv_connector"] for c in config["kv_connector_extra_config"]["connectors"]] == [
+        "NixlConnector",
+        "LMCacheConnectorV1",
+    ]
+    env = {item["name"]: item.get("value") for item in vllm["env"]}
+    mount = next(m for m in vllm["volumeMounts"] if env["LMCACHE_CONFIG_FILE"].startswith(m["mountPath"]))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    lmcache = yaml.safe_load(release.get("ConfigMap", volume["configMap"]["name"])["data"]["lmcache.yaml"])
+    assert lmcache == release.values["engines"]["lmcache"]["config"]
+
+
+def test_each_pool_autoscales_on_its_own_custom_metrics() -> None:
+    release = render_example(EXAMPLES / "chat-1to1.yaml")
+    signals = {}
+    for role in ("prefill", "decode"):
+        hpa = release.component("HorizontalPodAutoscaler", role)
+        target = release.component("StatefulSet", role)
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "name": target["metadata"]["name"],
+        }
+        assert "replicas" not in target["spec"], "the HPA owns the replica count"
+        signals[role] = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    assert signals["prefill"] == {"vllm_num_requests_waiting", "vllm_time_to_first_token_seconds_p95"}
+    assert signals["decode"] == {"vllm_generation_tokens_per_second", "vllm_inter_token_latency_seconds_p95"}
+    served = {rule["name"]["as"] for rule in adapter_rules()}
+    assert signals["prefill"] | signals["decode"] <= served, "prometheus-adapter serves every HPA metric"
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    values = yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())
+    return values["rules"]["custom"]
+
+
+def test_sidecar_mode_runs_a_router_in_every_decode_pod() -> None:
+    release = render_example(EXAMPLES / "chat-sidecar.yaml")
+    assert not release.of_kind("Deployment"), "no separate router tier"
+    pod = release.component("StatefulSet", "decode")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert set(containers) == {"vllm", "router"}
+    router_port = release.router_settings()["port"]
+    assert router_port != 8000, "the decoder has 8000"
+    assert containers["router"]["ports"] == [{"name": "router", "containerPort": router_port, "protocol": "TCP"}]
+    assert containers["router"]["readinessProbe"]["httpGet"] == {"path": "/ready", "port": router_port}
+    prefill_pod = release.component("StatefulSet", "prefill")["spec"]["template"]["spec"]
+    assert [c["name"] for c in prefill_pod["containers"]] == ["vllm"]
+    service = release.get("Service", release.fullname)
+    assert (
+        service["spec"]["selector"].items()
+        <= release.component("StatefulSet", "decode")["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert service["spec"]["ports"][0]["targetPort"] == "router"
+
+
+def test_discovery_rbac_lets_the_router_watch_pods() -> None:
+    release = render_example(EXAMPLES / "multi-tenant" / "tenant-acme.yaml")
+    role = release.component("Role", "router")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = release.component("RoleBinding", "router")
+    account = release.component("ServiceAccount", "router")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    pod = release.component("Deployment", "router")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is True
+    assert not render_example(None).of_kind("Role"), "off by default"
+
+
+def test_tenants_get_isolated_pools() -> None:
+    tenants = [render_example(path) for path in sorted((EXAMPLES / "multi-tenant").glob("*.yaml"))]
+    names = [{obj["metadata"]["name"] for obj in tenant.objects} for tenant in tenants]
+    assert not set.intersection(*names), "no object is shared between tenants"
+    for tenant in tenants:
+        node_pool = {"dpd-router.io/tenant": tenant.name}
+        for role in ("prefill", "decode"):
+            pod = tenant.component("StatefulSet", role)["spec"]["template"]
+            assert pod["spec"]["nodeSelector"] == node_pool
+            assert pod["metadata"]["labels"]["dpd-router.io/tenant"] == tenant.name
+        policy = tenant.get("NetworkPolicy", f"{tenant.fullname}-engines")
+        same_release = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        assert same_release["app.kubernetes.io/instance"] == tenant.name
+        router_policy = tenant.get("NetworkPolicy", f"{tenant.fullname}-router")
+        assert router_policy["spec"]["ingress"][0]["from"] == tenant.values["networkPolicy"]["clients"]
+
+
+def test_monitors_scrape_the_router_and_the_engines() -> None:
+    for values_file in (EXAMPLES / "chat-1to1.yaml", EXAMPLES / "chat-sidecar.yaml"):
+        release = render_example(values_file)
+        monitor = release.of_kind("ServiceMonitor")[0]
+        service = release.get("Service", release.fullname)
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert [e["port"] for e in monitor["spec"]["endpoints"]] == [p["name"] for p in service["spec"]["ports"]]
+        assert _relabel_targets(monitor["spec"]["endpoints"][0]) == {"dpd_release": release.name}
+
+        pod_monitor = release.of_kind("PodMonitor")[0]
+        for role in ("prefill", "decode"):
+            labels = release.component("StatefulSet", role)["spec"]["template"]["metadata"]["labels"]
+            assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            (expression,) = pod_monitor["spec"]["selector"]["matchExpressions"]
+            assert labels[expression["key"]] in expression["values"]
+        endpoint = pod_monitor["spec"]["podMetricsEndpoints"][0]
+        assert endpoint["port"] == "http"
+        pool_label = next(r for r in endpoint["relabelings"] if r["targetLabel"] == "dpd_pool")
+        assert pool_label["sourceLabels"] == ["__meta_kubernetes_pod_label_dpd_router_io_role"]
+
+
+def _relabel_targets(endpoint: dict[str, Any]) -> dict[str, str]:
+    return {r["targetLabel"]: r["replacement"] for r in endpoint["relabelings"] if "replacement" in r}
+
+
+def test_dashboard_configmap_carries_the_dashboard_file() -> None:
+    release = render_example(EXAMPLES / "chat-1to1.yaml")
+    config_map = release.get("ConfigMap", f"{release.fullname}-dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    assert json.loads(config_map["data"]["dpd-router.json"]) == shipped
+
+
+def test_schema_rejects_a_misspelt_value() -> None:
+    with pytest.raises(helm.HelmValuesError, match="replica"):
+        render({"router": {"replicaz": 3}})
