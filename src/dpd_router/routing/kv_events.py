@@ -3,8 +3,9 @@
 Each engine (each data-parallel rank) publishes on a ZMQ PUB socket
 (`--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}'`)
 multipart messages `[topic, seq (8-byte big-endian), msgpack(batch)]`. A batch is
-`[ts, [event...], dp_rank]` or, from current engines, the map `{"ts", "events", "data_parallel_rank"}`;
-an event is a map with a `type` key or a positional array headed by its type:
+`[ts, [event...], dp_rank]` (vLLM's `EventBatch` is a msgspec `array_like` struct; the map
+`{"ts", "events", "data_parallel_rank"}` is accepted too). An event is a map with a `type` key
+(vLLM after 0.23, since PR #42892) or, from earlier engines, a positional array headed by its type:
 
     BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name
     BlockRemoved     block_hashes, medium
@@ -134,7 +135,8 @@ def _decode_event(item: Any) -> KVEvent | None:
     return None
 
 
-# Field positions in the array form (msgspec array_like structs, tag first, trailing defaults omitted).
+# Field positions in the array form (msgspec array_like structs: the tag, then every field in order;
+# older engines have fewer fields, newer ones more after these).
 _POSITIONAL: dict[str, dict[str, int]] = {
     "BlockStored": {
         "block_hashes": 1,

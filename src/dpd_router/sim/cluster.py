@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -35,10 +35,16 @@ class SimEngine:
     port: int
     log_path: Path
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
+    kv_events_port: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def kv_events_address(self) -> str | None:
+        """The ZMQ address its KV events are published on (None unless the cluster publishes them)."""
+        return None if self.kv_events_port is None else f"tcp://{HOST}:{self.kv_events_port}"
 
     @property
     def alive(self) -> bool:
@@ -56,6 +62,11 @@ class SimCluster:
 
     >>> async with SimCluster(prefill=1, decode=1, tokenizer=path) as cluster:
     ...     cluster.prefill_urls, cluster.decode_urls
+
+    With `kv_events=True` every engine publishes vLLM KV events on a free port of its own
+    (`engine.kv_events_address`; `cluster.kv_events_endpoints` maps engine URLs to them, the
+    router's `kv_events_endpoints` setting). `engine_args` adds arguments for one engine by name
+    (`"prefill-0"`, `"decode-1"`), after `extra_args`.
     """
 
     def __init__(
@@ -68,11 +79,15 @@ class SimCluster:
         extra_args: Sequence[str] = (),
         startup_timeout: float = 30.0,
         stop_grace: float = 5.0,
+        kv_events: bool = False,
+        engine_args: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.counts: dict[Role, int] = {"prefill": prefill, "decode": decode, "both": both}
         self.tokenizer = tokenizer
         self.model = model
         self.extra_args = list(extra_args)
+        self.kv_events = kv_events
+        self.engine_args = {name: list(args) for name, args in (engine_args or {}).items()}
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.engines: list[SimEngine] = []
@@ -90,6 +105,18 @@ class SimCluster:
     def both_urls(self) -> list[str]:
         return [engine.url for engine in self.engines if engine.role == "both"]
 
+    @property
+    def kv_events_endpoints(self) -> dict[str, list[str]]:
+        """Engine URL -> [its KV events address], for every engine that publishes them."""
+        return {engine.url: [address] for engine in self.engines if (address := engine.kv_events_address)}
+
+    def engine(self, name: str) -> SimEngine:
+        """The engine called `name` (`"prefill-0"`, `"decode-1"`, ...)."""
+        for engine in self.engines:
+            if engine.name == name:
+                return engine
+        raise KeyError(name)
+
     async def __aenter__(self) -> SimCluster:
         await self.start()
         return self
@@ -106,12 +133,16 @@ class SimCluster:
         """Spawn every engine and wait until each answers `/health` with 200."""
         self.tokenizer = await asyncio.to_thread(ensure_tokenizer, self.tokenizer)
         self.log_dir = Path(tempfile.mkdtemp(prefix="dpd-sim-"))
-        ports = _free_ports(sum(self.counts.values()))
+        engines = sum(self.counts.values())
+        ports = _free_ports(engines * 2 if self.kv_events else engines)
         for role, count in self.counts.items():
             for index in range(count):
                 name = f"{role}-{index}"
                 port = ports.pop()
-                self.engines.append(SimEngine(name, role, port, self.log_dir / f"{name}.log"))
+                kv_events_port = ports.pop() if self.kv_events else None
+                self.engines.append(
+                    SimEngine(name, role, port, self.log_dir / f"{name}.log", kv_events_port=kv_events_port)
+                )
         try:
             for engine in self.engines:
                 await self._spawn(engine)
@@ -149,6 +180,9 @@ class SimCluster:
             "--tokenizer", str(self.tokenizer),
             *self.extra_args,
         ]  # fmt: skip
+        if engine.kv_events_port is not None:
+            args += ["--kv-events-port", str(engine.kv_events_port)]
+        args += self.engine_args.get(engine.name, [])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error"}
         with engine.log_path.open("ab") as log:
             engine.process = await asyncio.create_subprocess_exec(

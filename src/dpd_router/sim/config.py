@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from dpd_router.sim.gpu import TimingModel
+from dpd_router.sim.kv_events import EventFormat
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -32,6 +33,15 @@ class SimConfig:
     """KV cache size used for `vllm:kv_cache_usage_perc` (about an H100 with an 8B model)."""
     side_channel_host: str | None = None
     """The host decoders reach this engine's KV at (`remote_host`); defaults to `host`."""
+    prefix_cache_blocks: int = 65536
+    """Blocks of 16 tokens the prefix cache holds before it evicts the least recently used."""
+    kv_events_port: int | None = None
+    """Publish vLLM KV events on a ZMQ PUB socket bound to tcp://<host>:<port> (None: off)."""
+    kv_events_topic: str = "kv-events"
+    kv_events_format: EventFormat = "map"
+    """`map`: events as current vLLM encodes them (tagged maps); `array`: as vLLM 0.23 and earlier (tagged arrays)."""
+    kv_events_replay_port: int | None = None
+    """A ZMQ ROUTER socket replaying recent batches from a requested sequence number (None: off)."""
 
     @property
     def advertised_host(self) -> str:

@@ -14,6 +14,7 @@ from dpd_router.sim.config import SimConfig
 from dpd_router.sim.faults import FaultInjector
 from dpd_router.sim.gpu import Scheduler
 from dpd_router.sim.kv import KvLease, LeaseTable, PrefixCache
+from dpd_router.sim.kv_events import KvEventPublisher
 from dpd_router.sim.metrics import EngineMetrics
 from dpd_router.sim.nixl import KvPuller, NixlSideChannel
 from dpd_router.sim.sampler import Sampler
@@ -29,7 +30,16 @@ class EngineCore:
         self.parser = RequestParser(self.tokenizer, model=config.model, max_model_len=config.max_model_len)
         self.sampler = Sampler(self.tokenizer.backend_tokenizer, engine_seed=config.seed)
         self.scheduler = Scheduler(config.timing, max_batch_size=config.max_batch_size)
-        self.prefix_cache = PrefixCache()
+        self.kv_events: KvEventPublisher | None = None
+        if config.kv_events_port is not None:
+            self.kv_events = KvEventPublisher(
+                config.host,
+                config.kv_events_port,
+                topic=config.kv_events_topic,
+                event_format=config.kv_events_format,
+                replay_port=config.kv_events_replay_port,
+            )
+        self.prefix_cache = PrefixCache(config.prefix_cache_blocks, listener=self.kv_events)
         self.metrics = EngineMetrics(config.model)
         self.leases = LeaseTable(config.lease_seconds, on_expire=self._lease_expired)
         self.side_channel = NixlSideChannel(config.engine_id, self.leases, config.timing)
@@ -50,6 +60,8 @@ class EngineCore:
         )
 
     async def start(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.start()
         self.scheduler.start()
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_leases(), name="sim-lease-reaper")
@@ -62,6 +74,8 @@ class EngineCore:
                 await reaper
         await self.scheduler.close()
         await self.kv_puller.client.aclose()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     def classify(self, request: GenerationRequest) -> RequestKind:
         """Which path this request takes here, from its kv_transfer_params and this engine's role."""

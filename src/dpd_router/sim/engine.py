@@ -22,6 +22,7 @@ from dpd_router.sim.config import ROLES, Role, SimConfig
 from dpd_router.sim.core import EngineCore
 from dpd_router.sim.faults import FAULT_MODES, FaultMode
 from dpd_router.sim.gpu import TimingModel
+from dpd_router.sim.kv_events import EVENT_FORMATS, EventFormat
 from dpd_router.sim.nixl import TRANSFER_PATH
 from dpd_router.sim.openai_format import error_body
 from dpd_router.sim.serving import CompletionsEndpoint
@@ -100,6 +101,14 @@ def create_app(config: SimConfig) -> FastAPI:
         core.faults.set(cast(FaultMode, mode), count)
         return _json(core.faults.describe())
 
+    async def reset_prefix_cache() -> Response:
+        """Forget every cached block (the engine publishes AllBlocksCleared), as vLLM's dev endpoint does."""
+        core.prefix_cache.clear()
+        return Response(status_code=200)
+
+    app.add_api_route("/sim/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
+    app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
+
     @app.post(TRANSFER_PATH)
     async def nixl_transfer(request: Request) -> Response:
         if core.faults.dead:
@@ -140,12 +149,45 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--side-channel-host", default=None, help="remote_host given to decoders")
     parser.add_argument("--seed", type=int, default=0, help="engine seed mixed into the output text")
     parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument(
+        "--prefix-cache-blocks", type=_positive, default=65536, help="blocks of 16 tokens in the prefix cache (LRU)"
+    )
+    parser.add_argument(
+        "--kv-events-port", type=_port, default=None, help="publish vLLM KV events on a ZMQ PUB socket on this port"
+    )
+    parser.add_argument("--kv-events-topic", default="kv-events", help="the KV events' ZMQ topic frame")
+    parser.add_argument(
+        "--kv-events-format",
+        choices=EVENT_FORMATS,
+        default="map",
+        help="map: events as current vLLM encodes them (tagged maps); array: as vLLM 0.23 and earlier (tagged arrays)",
+    )
+    parser.add_argument(
+        "--kv-events-replay-port",
+        type=_port,
+        default=None,
+        help="a ZMQ ROUTER socket replaying recent KV event batches",
+    )
     parser.add_argument("--timing", choices=("default", "realistic"), default="default")
     for name in TimingModel.__dataclass_fields__:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=float, default=None, help=f"seconds; overrides the --timing preset's {name}")
     parser.add_argument("--log-level", default="warning")
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError("must be a port number (1-65535)")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -165,6 +207,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         max_batch_size=args.max_batch_size,
         side_channel_host=args.side_channel_host,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        kv_events_port=args.kv_events_port,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_format=cast(EventFormat, args.kv_events_format),
+        kv_events_replay_port=args.kv_events_replay_port,
     )
     if args.engine_id:
         config = replace(config, engine_id=args.engine_id)

@@ -120,7 +120,7 @@ class Generation:
         core.metrics.kv_transfers.inc()
         core.stats.kv_transfers += 1
         self._hashes[0] = block_hashes(prompt)
-        core.prefix_cache.insert(self._hashes[0])
+        core.prefix_cache.insert(self._hashes[0], prompt)
         self.cached_tokens = len(prompt)
         return True
 
@@ -182,7 +182,7 @@ class Generation:
                 core.stats.remote_prefills += 1
                 core.metrics.remote_prefills.inc()
         if self.kind != "kv_decode":
-            core.prefix_cache.insert(self._hashes[choice])
+            core.prefix_cache.insert(self._hashes[choice], self.request.prompts[choice])
 
     def _finished(self, choice: int) -> None:
         self._unfinished -= 1

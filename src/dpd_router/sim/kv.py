@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
+from typing import Protocol
 
 BLOCK_SIZE = 16
 _BLOCK_ID_LIMIT = 2**31
@@ -22,13 +23,15 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     return blake2b(token_bytes(token_ids), digest_size=16).hexdigest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks: block i's hash covers tokens 0 .. 16(i+1)."""
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, *, parent: bytes = b"") -> list[bytes]:
+    """Chained hashes of the prompt's full blocks: block i's hash covers tokens 0 .. 16(i+1).
+
+    `parent` is the hash of the block before `token_ids` (none: they start a prompt).
+    """
     raw = token_bytes(token_ids)
     width = 4 * block_size
     full = (len(token_ids) // block_size) * width
     hashes: list[bytes] = []
-    parent = b""
     for start in range(0, full, width):
         parent = blake2b(parent + raw[start : start + width], digest_size=16).digest()
         hashes.append(parent)
@@ -39,15 +42,33 @@ def block_count(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-num_tokens // block_size)
 
 
-class PrefixCache:
-    """A bounded LRU of block hashes the engine has computed or received."""
+class PrefixCacheListener(Protocol):
+    """Told what the prefix cache stores, evicts and clears (the engine's KV events)."""
 
-    def __init__(self, capacity_blocks: int = 65536) -> None:
+    def stored(self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]) -> None: ...
+
+    def removed(self, hashes: Sequence[bytes]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+class PrefixCache:
+    """A bounded LRU of block hashes the engine has computed or received.
+
+    A prompt's blocks are touched last-block-first, so its leading blocks are the last to be
+    evicted, as vLLM frees a request's blocks tail first: a block whose parent is gone is of no use.
+    """
+
+    def __init__(self, capacity_blocks: int = 65536, listener: PrefixCacheListener | None = None) -> None:
         self.capacity_blocks = capacity_blocks
+        self.listener = listener
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
 
     def cached_tokens(self, hashes: Sequence[bytes], prompt_tokens: int) -> int:
         """Tokens of the prompt's prefix already in cache; the last prompt token is always computed."""
@@ -55,19 +76,42 @@ class PrefixCache:
         for block_hash in hashes:
             if block_hash not in self._blocks:
                 break
-            self._blocks.move_to_end(block_hash)
             matched += 1
+        for block_hash in reversed(hashes[:matched]):
+            self._blocks.move_to_end(block_hash)
         computable_blocks = max(prompt_tokens - 1, 0) // BLOCK_SIZE
         return min(matched, computable_blocks) * BLOCK_SIZE
 
-    def insert(self, hashes: Sequence[bytes]) -> None:
-        for block_hash in hashes:
+    def insert(self, hashes: Sequence[bytes], token_ids: Sequence[int] = ()) -> None:
+        """Cache a prompt's full blocks (`token_ids` is the prompt, for the listener); evict beyond capacity."""
+        runs: list[tuple[int, int]] = []
+        for position, block_hash in enumerate(hashes):
             if block_hash in self._blocks:
-                self._blocks.move_to_end(block_hash)
+                continue
+            self._blocks[block_hash] = None
+            if runs and runs[-1][1] == position:
+                runs[-1] = (runs[-1][0], position + 1)
             else:
-                self._blocks[block_hash] = None
+                runs.append((position, position + 1))
+        for block_hash in reversed(hashes):
+            self._blocks.move_to_end(block_hash)
+        evicted: list[bytes] = []
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
+        listener = self.listener
+        if listener is None:
+            return
+        for start, end in runs:
+            parent = hashes[start - 1] if start else None
+            listener.stored(hashes[start:end], parent, token_ids[start * BLOCK_SIZE : end * BLOCK_SIZE])
+        if evicted:
+            listener.removed(evicted)
+
+    def clear(self) -> None:
+        """Forget every block (vLLM's reset_prefix_cache)."""
+        self._blocks.clear()
+        if self.listener is not None:
+            self.listener.cleared()
 
 
 class LeaseError(Exception):

@@ -26,6 +26,12 @@ from dpd_router.routing.kv_events import (
 )
 from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
+from dpd_router.sim.kv import block_hashes as sim_block_hashes
+from dpd_router.sim.kv_events import EventFormat, encode_batch
+from dpd_router.sim.kv_events import all_blocks_cleared as sim_cleared
+from dpd_router.sim.kv_events import block_removed as sim_removed
+from dpd_router.sim.kv_events import block_stored as sim_stored
+from dpd_router.sim.kv_events import external_hash as sim_external_hash
 from dpd_router.tokenizer import Prompt
 
 BLOCK = 4
@@ -292,3 +298,29 @@ def test_a_prefix_the_decoders_engine_reports_makes_a_long_prompt_go_direct() ->
     kv.apply(decoder.url, decode_batch(batch_map(stored_map(list(range(10)), None, list(range(40))))))
     plan = planner.plan(Prompt(token_ids=list(range(44)), num_tokens=44, seconds=0.0))
     assert (plan.path, plan.reason, plan.decoder, plan.uncached_tokens) == ("direct", "cached_on_decoder", decoder, 4)
+
+
+# what the simulated engines send (byte for byte vLLM's msgspec encoding, in both event shapes)
+
+
+@pytest.mark.parametrize("event_format", ["map", "array"])
+def test_the_simulated_engines_events_index_like_real_vllms(event_format: EventFormat) -> None:
+    prompt = list(range(1000, 1040))
+    engine_hashes = [sim_external_hash(block) for block in sim_block_hashes(prompt)]  # u64, like vLLM's
+    kv = KVEventIndex(block_size=16, capacity_per_endpoint=1000)
+    first = sim_stored(engine_hashes[:1], None, prompt[:16])
+    rest = sim_stored(engine_hashes[1:], engine_hashes[0], prompt[16:32])
+    batch = decode_batch(encode_batch(time.time(), [first, rest], event_format))
+    assert (batch.dp_rank, batch.unknown) == (0, 0)
+    assert batch.events == [
+        BlockStored(engine_hashes[:1], None, prompt[:16], 16, medium="GPU"),
+        BlockStored(engine_hashes[1:], engine_hashes[0], prompt[16:32], 16, medium="GPU"),
+    ]
+    assert kv.apply(ENGINE.url, batch).counts() == {"stored": 2}
+    assert kv.matched_tokens(request([*prompt, 7]), [ENGINE]) == {ENGINE: 32}
+    removed = decode_batch(encode_batch(time.time(), [sim_removed(engine_hashes[1:])], event_format))
+    assert kv.apply(ENGINE.url, removed).counts() == {"removed": 1}
+    assert kv.matched_tokens(request([*prompt, 7]), [ENGINE]) == {ENGINE: 16}
+    cleared = decode_batch(encode_batch(time.time(), [sim_cleared()], event_format))
+    assert kv.apply(ENGINE.url, cleared).counts() == {"cleared": 1}
+    assert kv.blocks_of(ENGINE.url) == 0
