@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import math
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -14,25 +15,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from dpd_router import __version__
-from dpd_router.api import openai, ops
+from dpd_router.api import admin, openai, ops
 from dpd_router.api.admission import Admission
 from dpd_router.api.auth import KeyRing
 from dpd_router.api.errors import error_response
 from dpd_router.config import Settings
 from dpd_router.gateway import ENGINE_PATHS, Gateway, PhaseTimeouts, RetryPolicy
+from dpd_router.live import LiveConfig
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.pool.breaker import BreakerPolicy
+from dpd_router.pool.discovery import Discovery
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
+from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.kv_events import KVEventSubscriber
 from dpd_router.routing.lmcache import LMCacheController
-from dpd_router.routing.planner import Planner, build_planner
+from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
+from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
 from dpd_router.transfer.nixl import NixlConnector
+from dpd_router.transfer.shared_storage import SharedStorageConnector
 
 log = logging.getLogger("dpd_router.app")
 
@@ -53,8 +59,10 @@ class Router:
     scraper: LoadScraper
     keys: KeyRing
     admission: Admission
+    live: LiveConfig = field(init=False)
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
+    discovery: Discovery | None = None
     _maintenance: asyncio.Task[None] | None = None
     _scraping: asyncio.Task[None] | None = None
 
@@ -71,16 +79,24 @@ class Router:
         metrics = RouterMetrics()
         for endpoint in every_engine.endpoints():
             metrics.watch_endpoint(endpoint)
+        discovery = await start_discovery(settings, pool, tenant_pools.values(), metrics)
         metrics.routing_threshold.set(settings.routing_threshold)
         model = ServedModel(settings.model)
         tokenizer = await load_tokenizer(settings, client, pool, model)
         kv_events = KVEventSubscriber.from_settings(settings, every_engine, metrics)
         lmcache = LMCacheController.from_settings(settings, client, metrics)
         kv_sources = [kv_events.index] if kv_events else []
-        planner = build_planner(settings, pool, metrics, kv_sources=kv_sources, kv_lookup=lmcache)
+        adaptive = AdaptiveModel(adaptive_policy(settings), settings.routing_threshold)
+        planner = build_planner(settings, pool, metrics, kv_sources=kv_sources, kv_lookup=lmcache, adaptive=adaptive)
         planners: dict[str | None, Planner] = {None: planner}
         for tenant, reserved in tenant_pools.items():
-            planners[tenant] = build_planner(settings, reserved, metrics, kv_sources=kv_sources, kv_lookup=lmcache)
+            planners[tenant] = build_planner(
+                settings, reserved, metrics, kv_sources=kv_sources, kv_lookup=lmcache, adaptive=adaptive
+            )
+        metrics.watch_adaptive(
+            lambda: [(entry["decoder"], entry["threshold_tokens"] or math.inf) for entry in planner.adaptive_view()],
+            adaptive.cost_rows,
+        )
         scraper = LoadScraper(
             every_engine, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
         )
@@ -97,7 +113,11 @@ class Router:
             tokenizer=tokenizer,
             planners=planners,
             connector=build_connector(settings, client),
-            observer=Observer(metrics),
+            observer=Observer(
+                metrics,
+                SpanExporter.create() if settings.otel_tracing else None,
+                listeners=[adaptive.learn_from],
+            ),
             metrics=metrics,
             model=model,
             timeouts=PhaseTimeouts.from_settings(settings),
@@ -132,7 +152,10 @@ class Router:
             admission=admission,
             kv_events=kv_events,
             lmcache=lmcache,
+            discovery=discovery,
         )
+        router.live = LiveConfig(router)
+        router.live.start()
         await router.maintain_once()
         router._maintenance = asyncio.create_task(router._maintain(), name="router-maintenance")
         router._scraping = asyncio.create_task(scraper.run(), name="load-scraper")
@@ -168,6 +191,9 @@ class Router:
                 log.exception("health round failed")
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
+        await self.live.close()
         for task in (self._maintenance, self._scraping):
             if task is not None:
                 task.cancel()
@@ -177,6 +203,24 @@ class Router:
             await self.kv_events.close()
         self.tokenizer.close()
         await self.client.aclose()
+
+
+async def start_discovery(
+    settings: Settings, pool: Pool, tenant_pools: Iterable[Pool], metrics: RouterMetrics
+) -> Discovery | None:
+    """With `discovery: kubernetes`, watch the shared pool's engine pods (tenants' pools stay static)."""
+    if settings.discovery != "kubernetes":
+        return None
+    reserved = {endpoint.url for tenant_pool in tenant_pools for endpoint in tenant_pool.endpoints()}
+    discovery = Discovery.from_settings(settings, pool, metrics, reserved=reserved)
+    await discovery.start()
+    log.info(
+        "discovering %s engines in Kubernetes: %d prefillers and %d decoders ready",
+        " and ".join(discovery.roles),
+        len(pool.healthy("prefill")),
+        len(pool.healthy("decode")),
+    )
+    return discovery
 
 
 def build_client(settings: Settings) -> httpx.AsyncClient:
@@ -201,9 +245,11 @@ def engine_headers(settings: Settings) -> dict[str, str]:
 
 
 def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:
+    timeout = httpx.Timeout(settings.prefill_timeout, connect=settings.connect_timeout)
     if settings.kv_connector == "nixl":
-        timeout = httpx.Timeout(settings.prefill_timeout, connect=settings.connect_timeout)
         return NixlConnector(client, timeout=timeout, path_for=ENGINE_PATHS)
+    if settings.kv_connector == "shared_storage":
+        return SharedStorageConnector(client, timeout=timeout, path_for=ENGINE_PATHS)
     raise ValueError(f"unknown kv_connector {settings.kv_connector!r}")
 
 
@@ -233,6 +279,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="dpd-router", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(openai.routes)
     app.include_router(ops.routes)
+    app.include_router(admin.routes)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -27,8 +27,17 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
         int,
         "prompts with at least this many tokens are disaggregated (default 4096)",
     ),
-    "--prefill-strategy": ("prefill_strategy", str, "how a prefiller is chosen: roundrobin"),
-    "--kv-connector": ("kv_connector", str, "KV transfer protocol: nixl"),
+    "--threshold-mode": (
+        "threshold_mode",
+        str,
+        "static, cache_aware (default: only the tokens the decoder has not cached count) or adaptive",
+    ),
+    "--prefill-strategy": (
+        "prefill_strategy",
+        str,
+        "how a prefiller is chosen: roundrobin, session, prefixaware (default), kvaware, leastloaded",
+    ),
+    "--kv-connector": ("kv_connector", str, "KV transfer protocol: nixl or shared_storage"),
     "--log-level": ("log_level", str, "debug, info, warning or error (default info)"),
     "--log-format": ("log_format", str, "json or text (default json)"),
 }
@@ -73,16 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the router in front of prefill and decode engines")
     _add_serve_flags(serve)
 
-    demo = commands.add_parser("demo", help="start 2 prefill + 1 decode simulated engines and the router on 127.0.0.1")
+    demo = commands.add_parser(
+        "demo", help="start 2 prefill + 1 decode simulated engines (or a real vLLM pair) and the router on 127.0.0.1"
+    )
     _add_serve_flags(demo)
     demo.set_defaults(routing_threshold=None)
     demo.add_argument("--prefillers", type=int, default=2, help="simulated prefill engines (default 2)")
     demo.add_argument("--decoders", type=int, default=1, help="simulated decode engines (default 1)")
+    demo.add_argument(
+        "--engines",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="sim: simulated engines; vllm: one real vLLM prefill and one decode engine on this CPU, moving KV "
+        "over NIXL (scripts/vllm-cpu-env builds their venv on first use; a source checkout is needed)",
+    )
 
     commands.add_parser("sim", help="run one simulated vLLM engine (see `dpd-router sim --help`)", add_help=False)
 
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 digest of an API key, for api_key_hashes")
     hash_key.add_argument("--key", help="the key (default: one line from stdin, which keeps it out of shell history)")
+
+    from dpd_router.advise import add_arguments as add_advise_arguments
+
+    advise = commands.add_parser(
+        "advise", help="recommend a routing threshold and prefill:decode ratio from a router's /metrics"
+    )
+    add_advise_arguments(advise)
     return parser
 
 
@@ -98,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(_settings_from(args))
         if args.command == "demo":
             return _demo(args)
+        if args.command == "advise":
+            from dpd_router.advise import run as advise
+
+            return advise(args)
         if args.command == "hash-key":
             from dpd_router.api.auth import hash_key
 
@@ -157,8 +186,21 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.logs import configure_logging
     from dpd_router.sim.cluster import SimCluster
 
-    cluster = SimCluster(prefill=args.prefillers, decode=args.decoders, tokenizer=tokenizer, model="sim-model")
-    print(f"starting {args.prefillers} prefill and {args.decoders} decode simulated engines ...", flush=True)
+    if args.engines == "vllm":
+        vllm_cpu = _vllm_cpu_module()
+        try:
+            await asyncio.to_thread(vllm_cpu.ensure_env)
+            vllm_cpu.check_memory()
+        except vllm_cpu.EnvironmentUnavailable as exc:
+            print(f"dpd-router: the real engines cannot run here: {exc}", file=sys.stderr)
+            return 2
+        cluster = vllm_cpu.VllmPair("nixl", tokenizer_dir=tokenizer)
+        model = cluster.model_name
+        print(f"starting a real vLLM prefill and decode engine (about 70 s; logs in {cluster.log_dir}) ...", flush=True)
+    else:
+        cluster = SimCluster(prefill=args.prefillers, decode=args.decoders, tokenizer=tokenizer, model="sim-model")
+        model = "sim-model"
+        print(f"starting {args.prefillers} prefill and {args.decoders} decode simulated engines ...", flush=True)
     await cluster.start()
     try:
         settings = _settings_from(
@@ -166,7 +208,7 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
             prefill_urls=cluster.prefill_urls,
             decode_urls=cluster.decode_urls,
             tokenizer=str(tokenizer),
-            model="sim-model",
+            model=model,
             routing_threshold=DEMO_THRESHOLD,
             log_format="text",
         )
@@ -187,9 +229,24 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await announce
     finally:
-        print("stopping the simulated engines ...", flush=True)
+        print("stopping the engines ...", flush=True)
         await cluster.stop()
     return 0
+
+
+def _vllm_cpu_module() -> Any:
+    """scripts/vllm_cpu.py of this source checkout: real engines are a development tool, not a dependency."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu.py"
+    if not path.is_file():
+        raise SettingsError(f"--engines vllm needs a source checkout of dpd-router ({path} is missing)")
+    spec = importlib.util.spec_from_file_location("dpd_router_vllm_cpu", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 async def _announce(server: Any, settings: Settings, prefill: list[str], decode: list[str]) -> None:
@@ -205,16 +262,16 @@ dpd-router demo is up at {base}
 
 A long prompt (disaggregated: watch the router's log line say disaggregate=True):
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "sim-model", "max_tokens": 32, "stream": true,
+    -d '{{"model": "{settings.model}", "max_tokens": 32, "stream": true,
          "messages": [{{"role": "user", "content": "{DEMO_LONG_PROMPT.strip()}"}}]}}'
 
 A short prompt (straight to the decoder):
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "sim-model", "max_tokens": 16, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{settings.model}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 With the openai client:
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
-r = c.chat.completions.create(model='sim-model', messages=[{{'role': 'user', 'content': 'Hi'}}]); \\
+r = c.chat.completions.create(model='{settings.model}', messages=[{{'role': 'user', 'content': 'Hi'}}]); \\
 print(r.choices[0].message.content)"
 
 Routing decisions and TTFT by path:  curl -s {base}/metrics | grep -E 'dpd_router_(route|requests|time_to)'

@@ -11,7 +11,16 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -21,9 +30,10 @@ from pydantic_settings import (
 )
 
 PrefillStrategy = Literal["roundrobin", "session", "prefixaware", "kvaware", "leastloaded"]
-ThresholdMode = Literal["static", "cache_aware"]
-KVConnectorName = Literal["nixl"]
+ThresholdMode = Literal["static", "cache_aware", "adaptive"]
+KVConnectorName = Literal["nixl", "shared_storage"]
 LogFormat = Literal["json", "text"]
+DiscoveryMode = Literal["static", "kubernetes"]
 
 UrlList = Annotated[list[str], NoDecode]
 
@@ -78,6 +88,10 @@ class Settings(BaseSettings):
 
     # Where the config file came from (set by the CLI or DPD_CONFIG); not itself read from YAML.
     config: Path | None = Field(default=None, exclude=True)
+    # Seconds between checks of the config file for changes (applied live); 0 turns watching off.
+    config_watch_interval: float = Field(default=2.0, ge=0)
+    # What the settings were built from (flags), so a reload re-reads env and file under them.
+    _overrides: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -91,6 +105,16 @@ class Settings(BaseSettings):
     routing_threshold: int = Field(default=4096, ge=1)
     # cache_aware: compare the tokens the chosen decoder would still compute; static: the whole prompt.
     threshold_mode: ThresholdMode = "cache_aware"
+    # threshold_mode adaptive: disaggregate when interference_weight x (the stall a direct prefill inflicts
+    # on the decoder's running streams) exceeds the hop's extra cost, both learned online; never below
+    # min_threshold uncached tokens, always from max_threshold; explore_share of the decisions near the
+    # boundary are flipped to keep measuring both paths; a known ttft_slo (seconds) wins when only one
+    # path meets it.
+    interference_weight: float = Field(default=1.0, ge=0)
+    min_threshold: int = Field(default=256, ge=0)
+    max_threshold: int = Field(default=32768, ge=1)
+    explore_share: float = Field(default=0.03, ge=0, le=0.2)
+    ttft_slo: float | None = Field(default=None, gt=0)
     prefill_strategy: PrefillStrategy = "prefixaware"
     # The `session` strategy's key: this header, else the body's `user` field.
     session_header: str = Field(default="x-session-id", min_length=1)
@@ -176,6 +200,36 @@ class Settings(BaseSettings):
     # Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).
     engine_api_key: SecretStr | None = None
 
+    # Where the shared pool's engines come from. static: prefill_urls and decode_urls. kubernetes: engine
+    # pods watched through the Kubernetes API, for each role whose URL list is empty (a role given URLs
+    # keeps them, like a sidecar router's own decoder); tenants' pools stay static. A pod serves once it is
+    # Ready; one that stops being Ready, starts terminating or is deleted drains (no new calls) and leaves
+    # the pool when its last call ends, or drain_timeout seconds after it began draining.
+    discovery: DiscoveryMode = "static"
+    # The pods' namespace (default: the router's own, from its service account, else "default").
+    kubernetes_namespace: str | None = None
+    # Prefill pods carry <role label>=prefill and decode pods <role label>=decode, and both match
+    # kubernetes_selector (for example app.kubernetes.io/instance=my-release). A role's own selector,
+    # when set, replaces that rule for the role. Selectors are Kubernetes label selectors
+    # (key=value, key!=value, key in (a,b), key notin (a,b), key, !key; comma-separated).
+    kubernetes_role_label: str = Field(default="dpd-router.io/role", min_length=1)
+    kubernetes_selector: str = ""
+    kubernetes_prefill_selector: str | None = None
+    kubernetes_decode_selector: str | None = None
+    # An engine's URL is http://<pod IP>:<port>, the port from the pod's annotation, else kubernetes_port.
+    kubernetes_port: int = Field(default=8000, ge=1, le=65535)
+    kubernetes_port_annotation: str = Field(default="dpd-router.io/port", min_length=1)
+    # The API server. Unset: in-cluster (KUBERNETES_SERVICE_HOST/PORT, the service account's token and CA).
+    # Set (out of the cluster, tests): this URL, with the bearer token read from kubernetes_token_file
+    # (re-read when the server answers 401) and TLS verified against kubernetes_ca_file when given.
+    kubernetes_api_url: str | None = None
+    kubernetes_token_file: Path | None = None
+    kubernetes_ca_file: Path | None = None
+    drain_timeout: float = Field(default=120.0, gt=0)
+
+    # OpenTelemetry spans for each request and its two hops (needs the `otel` extra).
+    otel_tracing: bool = False
+
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: LogFormat = "json"
 
@@ -235,6 +289,18 @@ class Settings(BaseSettings):
                 raise ValueError("expected SHA-256 hex digests of the keys (see `dpd-router hash-key`)")
         return digests
 
+    @field_validator("kubernetes_api_url")
+    @classmethod
+    def _check_kubernetes_api_url(cls, value: str | None) -> str | None:
+        return None if value is None else _normalise_url(value)
+
+    @field_validator("kubernetes_token_file", "kubernetes_ca_file")
+    @classmethod
+    def _check_kubernetes_files(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.expanduser().is_file():
+            raise ValueError(f"{value} does not exist")
+        return None if value is None else value.expanduser()
+
     @field_validator("api_keys_file")
     @classmethod
     def _check_keys_file(cls, value: Path | None) -> Path | None:
@@ -254,8 +320,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_pools(self) -> Settings:
-        if not self.decode_urls:
-            raise ValueError("decode_urls: at least one decoder URL is required")
+        if self.discovery == "static" and not self.decode_urls:
+            raise ValueError("decode_urls: at least one decoder URL is required (or discovery: kubernetes)")
+        if self.discovery == "kubernetes" and self.prefill_urls and self.decode_urls:
+            raise ValueError(
+                "discovery: kubernetes discovers the roles whose URL list is empty, but prefill_urls and "
+                "decode_urls are both set"
+            )
         overlap = set(self.prefill_urls) & set(self.decode_urls)
         if overlap:
             raise ValueError(f"prefill_urls and decode_urls both list {sorted(overlap)}")
@@ -304,9 +375,23 @@ def load_settings(**overrides: Any) -> Settings:
     """Build Settings from flags, env and YAML; raise SettingsError naming the bad setting."""
     given = {key: value for key, value in overrides.items() if value is not None}
     try:
-        return Settings(**given)
+        settings = Settings(**given)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc)) from None
+    settings._overrides = given
+    return settings
+
+
+def updated_settings(current: Settings, changes: dict[str, Any]) -> Settings:
+    """`current` with `changes` applied and everything validated again; raise SettingsError."""
+    values = {name: getattr(current, name) for name in Settings.model_fields}
+    values.update(changes)
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+    settings._overrides = current._overrides
+    return settings
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -113,6 +113,15 @@ class Gateway:
         self._timeouts = timeouts
         self._retries = retries
 
+    def reconfigure(self, timeouts: PhaseTimeouts, retries: RetryPolicy) -> None:
+        """Apply live timeout and retry settings to the requests that start from now on."""
+        self._timeouts = timeouts
+        self._retries = retries
+
+    @property
+    def planners(self) -> Mapping[str | None, Planner]:
+        return self._planners
+
     def planner_for(self, tenant: str | None) -> Planner:
         """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
         return self._planners.get(tenant) or self._planners[None]
@@ -155,7 +164,8 @@ class Gateway:
             plan = planner.plan(prompt, batch_size=request.batch_size, session_key=session_key, kv_hint=kv_hint)
             trace.threshold = planner.threshold
             phase = "serve"
-            return await self._serve(request, plan, planner, prompt, request_id, trace, done)
+            strip_usage = ask_for_usage(request)
+            return await self._serve(request, plan, planner, prompt, request_id, trace, done, strip_usage)
         except RouterError as exc:
             trace.fail("error", exc.message, status=exc.status_code)
             done()
@@ -201,6 +211,7 @@ class Gateway:
         request_id: str,
         trace: RequestTrace,
         done: Completion,
+        strip_usage: bool,
     ) -> Response:
         """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte."""
         tried: list[Endpoint] = []
@@ -209,6 +220,7 @@ class Gateway:
             done.hold(plan.decoder)
             if plan.prefiller is not None and staged is None:
                 staged, plan = await self._stage(request, plan, planner, prompt, request_id, trace)
+                trace.staged_tokens = None if staged is None else staged.prompt_tokens
             if attempt == 0:
                 self._record_plan(trace, plan)
             trace.decoder = plan.decoder.url
@@ -216,7 +228,7 @@ class Gateway:
                 trace.decode_started = time.perf_counter()
             body = request.encoded() if staged is None else self._connector.decode_body(request, staged)
             try:
-                return await self._decode(request, plan.decoder, body, request_id, trace, staged, done)
+                return await self._decode(request, plan.decoder, body, request_id, trace, staged, done, strip_usage)
             except DecodeFailed as exc:
                 tried.append(plan.decoder)
                 log.warning("request %s: decoder %s failed before answering: %s", request_id, plan.decoder.url, exc)
@@ -268,7 +280,7 @@ class Gateway:
         self, request: ClientRequest, prefiller: Endpoint, request_id: str, trace: RequestTrace
     ) -> StagedKV:
         trace.prefiller = prefiller.url
-        started = time.perf_counter()
+        started = trace.prefill_started = time.perf_counter()
         prefiller.start()
         outcome = "ok"
         try:
@@ -305,6 +317,7 @@ class Gateway:
         trace: RequestTrace,
         staged: StagedKV | None,
         done: Completion,
+        strip_usage: bool,
     ) -> Response:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeouts.first_token if request.stream else self._timeouts.total)
@@ -316,7 +329,12 @@ class Gateway:
         if not request.stream:
             return await self._whole_answer(upstream, decoder, trace, cached_tokens, deadline, headers, done)
         stream = EventStream(
-            upstream, trace, cached_tokens=cached_tokens, on_close=done, idle_timeout=self._timeouts.idle
+            upstream,
+            trace,
+            cached_tokens=cached_tokens,
+            on_close=done,
+            idle_timeout=self._timeouts.idle,
+            strip_usage=strip_usage,
         )
         primed = False
         try:
@@ -418,6 +436,21 @@ class Gateway:
         done()
         media_type = upstream.headers.get("content-type", "application/json")
         return Response(content, status_code=status, media_type=media_type, headers=headers)
+
+
+def ask_for_usage(request: ClientRequest) -> bool:
+    """Make a stream end with a usage chunk, which the metrics need (output and cached tokens).
+
+    Returns True when the client did not ask for it: the relay then drops it before the client sees it.
+    """
+    if not request.stream:
+        return False
+    options = request.body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return False
+    request.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    request.body_changed = True
+    return True
 
 
 async def close_quietly(response: httpx.Response) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from dpd_router.pool.endpoint import Endpoint, EngineLoad
@@ -61,7 +64,7 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
-            "Time from the request's arrival to the first generated token relayed, by path.",
+            "Time from a streamed request's arrival to its first generated token relayed, by path.",
             ["path"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -84,9 +87,17 @@ class RouterMetrics:
         self.phase = Histogram(
             f"{PREFIX}_phase_seconds",
             "Where the time to first token went, by path and phase: queue (admission wait), tokenize, "
-            "prefill (the KV-staging call), first_token (decode call start to the first token relayed).",
+            "prefill (the KV-staging call), first_token (decode call start to the first token relayed), "
+            "router (the rest: parsing, planning, waiting for the event loop). A request's phases add up to its TTFT.",
             ["path", "phase"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.uncached_prompt_tokens = Counter(
+            f"{PREFIX}_uncached_prompt_tokens",
+            "Prompt tokens the serving engines had to compute (the prompt minus the prefix already cached on "
+            "the chosen decoder, as the router estimates it), by path: the prefill work each pool does.",
+            ["path"],
             registry=r,
         )
         self.kv_transfer_ineffective = Counter(
@@ -240,6 +251,15 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.discovery_events = Counter(
+            f"{PREFIX}_discovery_events",
+            "Kubernetes discovery, by role and event: added, draining, restored (ready again while draining), "
+            "removed (drained), conflict (a pod the pool cannot take), relisted, watch_gone (410: relisted), "
+            "watch_error (reconnected after a back-off).",
+            ["role", "event"],
+            registry=r,
+        )
+
     def watch_endpoint(self, endpoint: Endpoint) -> None:
         """Export the endpoint's live state; in-flight, health and load are read at scrape time, O(1)."""
         labels = (endpoint.url, endpoint.role)
@@ -250,8 +270,35 @@ class RouterMetrics:
         for signal, read in _LOAD_SIGNALS.items():
             self.endpoint_load.labels(endpoint.url, endpoint.role, signal).set_function(_load_reader(endpoint, read))
 
+    def forget_endpoint(self, endpoint: Endpoint) -> None:
+        """Stop exporting an endpoint that left the pool, so series of departed engines do not pile up."""
+        labels = (endpoint.url, endpoint.role)
+        series: list[tuple[Gauge | Counter, tuple[str, ...]]] = [
+            (gauge, labels)
+            for gauge in (
+                self.endpoint_in_flight,
+                self.endpoint_healthy,
+                self.endpoint_breaker_open,
+                self.endpoint_breaker_opened,
+            )
+        ]
+        series += [(self.endpoint_load, (*labels, signal)) for signal in _LOAD_SIGNALS]
+        series += [(self.load_scrapes, (*labels, outcome)) for outcome in _SCRAPE_OUTCOMES]
+        for metric, values in series:
+            with contextlib.suppress(KeyError):  # prometheus-client before 0.21 raises for an absent series
+                metric.remove(*values)
+
     def watch_cache_index(self, name: str, size: Callable[[], int]) -> None:
         self.cache_index_blocks.labels(name).set_function(size)
+
+    def watch_adaptive(
+        self,
+        thresholds: Callable[[], Iterable[tuple[str, float]]],
+        costs: Callable[[], Iterable[tuple[str, str, str, float]]],
+    ) -> None:
+        """Export the adaptive model, read at scrape time: the effective threshold per decoder at its
+        present load, and the learned costs (model, endpoint, term -> value)."""
+        self.registry.register(_AdaptiveCollector(thresholds, costs))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -266,6 +313,10 @@ _LOAD_SIGNALS: dict[str, Callable[[EngineLoad], float | None]] = {
 }
 
 
+# Every `outcome` label value of load_scrapes (pool/scrape.py).
+_SCRAPE_OUTCOMES = ("ok", "timeout", "error", "unreadable", *(f"status_{n}xx" for n in range(1, 6)))
+
+
 def _load_reader(endpoint: Endpoint, read: Callable[[EngineLoad], float | None]) -> Callable[[], float]:
     """A load signal for export; NaN until the endpoint has been scraped or when it lacks the signal."""
 
@@ -274,3 +325,33 @@ def _load_reader(endpoint: Endpoint, read: Callable[[EngineLoad], float | None])
         return math.nan if value is None else value
 
     return current
+
+
+class _AdaptiveCollector(Collector):
+    def __init__(
+        self,
+        thresholds: Callable[[], Iterable[tuple[str, float]]],
+        costs: Callable[[], Iterable[tuple[str, str, str, float]]],
+    ) -> None:
+        self._thresholds = thresholds
+        self._costs = costs
+
+    def collect(self) -> Iterable[Metric]:
+        threshold = GaugeMetricFamily(
+            f"{PREFIX}_adaptive_threshold_tokens",
+            "The prompt length (uncached tokens) at which threshold_mode adaptive would disaggregate now, "
+            "given the decoder's running streams and the least-queued prefiller (+Inf: it would not).",
+            labels=["decoder"],
+        )
+        for decoder, tokens in self._thresholds():
+            threshold.add_metric([decoder], tokens)
+        yield threshold
+        cost = GaugeMetricFamily(
+            f"{PREFIX}_adaptive_cost",
+            "Costs the adaptive threshold learned: model (direct_prefill per decoder, prefill_hop per "
+            "prefiller, handoff), term (overhead_seconds, seconds_per_token, observations).",
+            labels=["model", "endpoint", "term"],
+        )
+        for model, endpoint, term, value in self._costs():
+            cost.add_metric([model, endpoint, term], value)
+        yield cost

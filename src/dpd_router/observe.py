@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dpd_router.metrics import RouterMetrics, prompt_length_bucket
 
@@ -34,6 +35,7 @@ class RequestTrace:
     tokenize_seconds: float | None = None
     prefiller: str | None = None
     decoder: str | None = None
+    prefill_started: float | None = None
     prefill_seconds: float | None = None
     prefill_error: str | None = None
     first_token_at: float | None = None
@@ -41,6 +43,8 @@ class RequestTrace:
     token_chunks: int = 0
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    decoder_cached_tokens: int | None = None
+    staged_tokens: int | None = None
     status: int = 200
     outcome: str = "ok"
     error: str | None = None
@@ -63,11 +67,22 @@ class RequestTrace:
             self.status = status
 
 
-class Observer:
-    """Turns finished traces into metrics and one structured log line each."""
+class SpanSink(Protocol):
+    def export(self, trace: RequestTrace, ended: float) -> None: ...
 
-    def __init__(self, metrics: RouterMetrics) -> None:
+
+class Observer:
+    """Turns finished traces into metrics, one structured log line each, and optional spans."""
+
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        spans: SpanSink | None = None,
+        listeners: Sequence[Callable[[RequestTrace], None]] = (),
+    ) -> None:
         self.metrics = metrics
+        self.spans = spans
+        self.listeners = list(listeners)
 
     def finish(self, trace: RequestTrace) -> None:
         if trace.finished:
@@ -78,7 +93,10 @@ class Observer:
         path = trace.path
         m.requests.labels(path, trace.outcome).inc()
         m.e2e.labels(path).observe(now - trace.started)
-        if trace.first_token_at is not None:
+        if trace.uncached_tokens is not None:
+            m.uncached_prompt_tokens.labels(path).inc(trace.uncached_tokens)
+        # A whole (non-streamed) answer has no first token to time: TTFT and its phases are for streams.
+        if trace.stream and trace.first_token_at is not None:
             ttft = trace.first_token_at - trace.started
             m.ttft.labels(path).observe(ttft)
             if trace.prompt_tokens is not None:
@@ -90,22 +108,48 @@ class Observer:
                 itl = m.itl.labels(path)
                 for gap in trace.gaps:
                     itl.observe(gap)
+        if transfer_was_ineffective(trace):
+            m.kv_transfer_ineffective.inc()
+            log.warning(
+                "KV transfer ineffective for request %s: the decoder %s reported %s cached prompt tokens of the %s "
+                "the prefiller %s staged, so it recomputed the prompt. Check that both engines run the same "
+                "kv_connector and can reach each other's side channel (vLLM logs 'Retrieved 0 out of N required "
+                "tokens' on the decoder).",
+                trace.request_id,
+                trace.decoder,
+                trace.decoder_cached_tokens,
+                trace.staged_tokens,
+                trace.prefiller,
+                extra={"fields": {"request_id": trace.request_id, "event": "kv_transfer_ineffective"}},
+            )
         if trace.prompt_tokens is not None:
             m.prompt_tokens.labels(path).observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:
             m.output_tokens.labels(path).observe(trace.completion_tokens)
         self._log(trace, now)
+        if self.spans is not None:
+            self.spans.export(trace, now)
+        for listener in self.listeners:
+            listener(trace)
 
     def _observe_phases(self, trace: RequestTrace) -> None:
+        """Split the TTFT into what each step took; `router` is the rest (parsing, planning, and
+        waiting for the event loop), so the phases of a request add up to its TTFT."""
+        assert trace.first_token_at is not None
+        measured = {
+            "queue": trace.queue_seconds,
+            "tokenize": trace.tokenize_seconds,
+            "prefill": trace.prefill_seconds,
+            "first_token": None if trace.decode_started is None else trace.first_token_at - trace.decode_started,
+        }
         phase = self.metrics.phase
-        path = trace.path
-        phase.labels(path, "queue").observe(trace.queue_seconds)
-        if trace.tokenize_seconds is not None:
-            phase.labels(path, "tokenize").observe(trace.tokenize_seconds)
-        if trace.prefill_seconds is not None:
-            phase.labels(path, "prefill").observe(trace.prefill_seconds)
-        if trace.decode_started is not None and trace.first_token_at is not None:
-            phase.labels(path, "first_token").observe(trace.first_token_at - trace.decode_started)
+        accounted = 0.0
+        for name, seconds in measured.items():
+            if seconds is not None:
+                phase.labels(trace.path, name).observe(seconds)
+                accounted += seconds
+        ttft = trace.first_token_at - trace.started
+        phase.labels(trace.path, "router").observe(max(ttft - accounted, 0.0))
 
     def _log(self, trace: RequestTrace, now: float) -> None:
         fields: dict[str, Any] = {
@@ -121,6 +165,7 @@ class Observer:
             "prefiller": trace.prefiller,
             "decoder": trace.decoder,
             "cached_tokens": trace.cached_tokens,
+            "decoder_cached_tokens": trace.decoder_cached_tokens,
             "completion_tokens": trace.completion_tokens,
             "queue_ms": _ms(trace.queue_seconds),
             "tokenize_ms": _ms(trace.tokenize_seconds),
@@ -143,6 +188,20 @@ class Observer:
             trace.path == "disaggregated",
             extra={"fields": fields},
         )
+
+
+# A decoder that reports fewer cached prompt tokens than this share of what the prefiller staged
+# did not get the KV (engines always recompute the last token, and may miss a partial block).
+INEFFECTIVE_BELOW_SHARE = 0.5
+
+
+def transfer_was_ineffective(trace: RequestTrace) -> bool:
+    """A disaggregated request whose decoder reported recomputing the staged prompt."""
+    if trace.path != "disaggregated" or trace.outcome != "ok":
+        return False
+    if trace.decoder_cached_tokens is None or not trace.staged_tokens:
+        return False
+    return trace.decoder_cached_tokens < trace.staged_tokens * INEFFECTIVE_BELOW_SHARE
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -50,7 +50,8 @@ def _errored(payload: dict[str, Any]) -> str | None:
 def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
     """Record the usage block; report the prefiller's cached tokens instead of the decoder's.
 
-    Returns True when the payload was changed.
+    The decoder's own count is kept as `trace.decoder_cached_tokens`: on the disaggregated path it
+    shows whether the KV really arrived. Returns True when the payload was changed.
     """
     usage = payload.get("usage")
     if not isinstance(usage, dict):
@@ -59,9 +60,11 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
     if isinstance(completion, int):
         trace.completion_tokens = completion
     details = usage.get("prompt_tokens_details")
+    reported = details.get("cached_tokens") if isinstance(details, dict) else None
+    # None when the engine does not report it (vLLM needs --enable-prompt-tokens-details).
+    trace.decoder_cached_tokens = reported if isinstance(reported, int) else None
     if cached_tokens is None:
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            trace.cached_tokens = details["cached_tokens"]
+        trace.cached_tokens = trace.decoder_cached_tokens
         return False
     trace.cached_tokens = cached_tokens
     if isinstance(details, dict):
@@ -95,8 +98,10 @@ class EventStream:
         cached_tokens: int | None,
         on_close: Callable[[], None],
         idle_timeout: float,
+        strip_usage: bool = False,
     ) -> None:
         self._upstream = upstream
+        self._strip_usage = strip_usage
         self._chunks = upstream.aiter_raw()
         self._trace = trace
         self._cached_tokens = cached_tokens
@@ -221,7 +226,14 @@ class EventStream:
                 trace.mark_token_chunk(now)
             if reconcile_usage(payload, trace, self._cached_tokens):
                 events[index] = _DATA + orjson.dumps(payload)
-        return _EVENT_END.join(events) + _EVENT_END
+            if self._strip_usage and "usage" in payload:
+                if payload.get("choices"):
+                    payload.pop("usage")
+                    events[index] = _DATA + orjson.dumps(payload)
+                else:
+                    events[index] = b""  # the usage-only chunk the router asked for, not the client
+        kept = [event for event in events if event]
+        return _EVENT_END.join(kept) + _EVENT_END if kept else b""
 
     def _error_event(self, message: str) -> bytes:
         error = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}

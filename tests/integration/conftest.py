@@ -81,3 +81,10 @@ async def metric(base_url: str, name: str, labels: dict[str, str] | None = None)
             if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
                 return float(sample.value)
     return 0.0
+
+
+async def settled(base_url: str, *, within: float = 10.0) -> None:
+    """Wait until the router has finished recording every request (a client can see [DONE] first)."""
+    async with asyncio.timeout(within):
+        while await metric(base_url, "dpd_router_in_flight_requests") != 0:  # noqa: ASYNC110 - polling another task's state
+            await asyncio.sleep(0.02)

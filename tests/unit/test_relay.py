@@ -200,3 +200,36 @@ async def test_a_stream_idle_for_too_long_ends_with_an_error_event() -> None:
     out = b"".join([part async for part in stream])
     assert b'"error"' in out and out.endswith(DONE)
     assert trace.outcome == "upstream_timeout"
+
+
+async def test_a_usage_chunk_the_client_did_not_ask_for_is_read_then_dropped() -> None:
+    upstream = Chunks([TOKEN, LAST, USAGE, DONE])
+    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    relayed = EventStream(
+        httpx.Response(200, stream=upstream),
+        trace,
+        cached_tokens=None,
+        on_close=lambda: None,
+        idle_timeout=5,
+        strip_usage=True,
+    )
+    out = b"".join([part async for part in relayed])
+    assert out == TOKEN + LAST + DONE
+    assert trace.completion_tokens == 2 and trace.decoder_cached_tokens == 300
+
+
+def test_a_decoder_that_recomputed_the_staged_prompt_is_an_ineffective_transfer() -> None:
+    from dpd_router.observe import transfer_was_ineffective
+
+    def trace(decoder_cached: int | None, staged: int | None, path: str = "disaggregated") -> RequestTrace:
+        t = RequestTrace(request_id="r", kind="chat", stream=True, path=path)
+        t.decoder_cached_tokens, t.staged_tokens = decoder_cached, staged
+        return t
+
+    assert transfer_was_ineffective(trace(0, 300))
+    assert not transfer_was_ineffective(trace(299, 300))
+    assert not transfer_was_ineffective(trace(None, 300)), "an engine that does not report cached tokens"
+    assert not transfer_was_ineffective(trace(0, 300, path="direct"))
+    metrics = RouterMetrics()
+    Observer(metrics).finish(trace(0, 300))
+    assert metrics.registry.get_sample_value("dpd_router_kv_transfer_ineffective_total") == 1

@@ -26,6 +26,15 @@ class Admission:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._metrics = metrics
 
+    def reconfigure(self, *, max_in_flight: int, max_queued: int, queue_timeout: float) -> None:
+        """New limits for requests arriving from now on; a raised cap admits queued requests at once."""
+        self.max_in_flight, self.max_queued, self.queue_timeout = max_in_flight, max_queued, queue_timeout
+        while self._waiters and (self.max_in_flight <= 0 or self.in_flight < self.max_in_flight):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
     @property
     def queued(self) -> int:
         return len(self._waiters)

@@ -36,14 +36,18 @@ ANONYMOUS = Principal(key_id="anonymous")
 
 
 class KeyRing:
-    """Every configured key, by hash. With no keys at all, the OpenAI API is open to anyone."""
+    """Every configured key, by hash. With no API keys, the OpenAI API is open to anyone."""
 
     def __init__(self, principals: dict[str, Principal]) -> None:
         self._by_hash = principals
 
     @property
     def enabled(self) -> bool:
-        return bool(self._by_hash)
+        """Whether the OpenAI API needs a key: yes once any non-admin key is configured.
+
+        Admin keys alone protect only the admin endpoints (and are accepted on the API too).
+        """
+        return any(not principal.admin for principal in self._by_hash.values())
 
     def tenants(self) -> set[str]:
         return {p.tenant for p in self._by_hash.values() if p.tenant is not None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,7 +34,8 @@ class Endpoint:
     `healthy` starts optimistic so the first requests are not refused before the first probe;
     `probed_ok` says whether an active probe has ever seen it answer. `load` is the last scraped
     engine load; it counts only until `load_fresh_until` (monotonic), so a scraper that stops
-    getting answers stops steering traffic with old numbers.
+    getting answers stops steering traffic with old numbers. A `draining` endpoint takes no new
+    calls while the ones it has finish (discovery saw its engine go away).
     """
 
     url: str
@@ -47,11 +49,13 @@ class Endpoint:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker, repr=False)
     load: EngineLoad | None = field(default=None, repr=False)
     load_fresh_until: float = field(default=0.0, repr=False)
+    draining: bool = False
+    _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @property
     def available(self) -> bool:
-        """Whether new calls may go here: its probes pass and its circuit breaker lets them through."""
-        return self.healthy and self.breaker.allows()
+        """Whether new calls may go here: not draining, its probes pass and its breaker lets them through."""
+        return self.healthy and not self.draining and self.breaker.allows()
 
     def start(self) -> None:
         self.in_flight += 1
@@ -59,6 +63,16 @@ class Endpoint:
 
     def finish(self) -> None:
         self.in_flight -= 1
+        if self.in_flight <= 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no call is open here (the caller bounds the wait)."""
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        while self.in_flight > 0:
+            self._idle.clear()
+            await self._idle.wait()
 
     def record_success(self) -> None:
         self.breaker.on_success()
@@ -95,7 +109,9 @@ class Endpoint:
 
     @property
     def state(self) -> str:
-        """`unhealthy` (failing probes), else the breaker's state: `healthy`, `open` or `half_open`."""
+        """`draining`, `unhealthy` (failing probes), else the breaker's state: `healthy`, `open` or `half_open`."""
+        if self.draining:
+            return "draining"
         if not self.healthy:
             return "unhealthy"
         breaker = self.breaker.state

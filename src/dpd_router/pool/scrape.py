@@ -120,7 +120,12 @@ class LoadScraper:
             await asyncio.sleep(self.interval)
 
     async def scrape_all(self) -> None:
-        await asyncio.gather(*(self.scrape(endpoint) for endpoint in self._pool.endpoints()))
+        endpoints = self._pool.endpoints()
+        if len(self._counters) > len(endpoints):
+            # Endpoints left the pool (discovery): drop their counters.
+            members = {endpoint.url for endpoint in endpoints}
+            self._counters = {url: counters for url, counters in self._counters.items() if url in members}
+        await asyncio.gather(*(self.scrape(endpoint) for endpoint in endpoints))
 
     async def scrape(self, endpoint: Endpoint) -> bool:
         """One scrape of one endpoint; True when it yielded fresh load numbers."""

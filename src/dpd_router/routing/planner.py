@@ -9,6 +9,7 @@ and hands its answer in.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
@@ -18,6 +19,7 @@ from dpd_router.errors import NoHealthyDecoder
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
+from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy
 from dpd_router.routing.cache import CacheLocator, CacheSource, KVHintSource
 from dpd_router.routing.load import Balance
 from dpd_router.routing.prefix_index import PrefixIndex
@@ -80,6 +82,7 @@ class Planner:
         busy_gate: PrefillBusyGate | None = None,
         kv_lookup: KVLookup | None = None,
         session_header: str | None = None,
+        adaptive: AdaptiveModel | None = None,
     ) -> None:
         self.pool = pool
         self.threshold = threshold
@@ -90,6 +93,25 @@ class Planner:
         self._busy_gate = busy_gate
         self._kv_lookup = kv_lookup
         self._session_header = session_header
+        self.adaptive = adaptive
+
+    def reconfigure(self, settings: Settings) -> None:
+        """Apply live routing settings (threshold, mode, strategy, balance, busy gate, session header).
+
+        The prefix index and KV sources are kept, so affinity survives the change.
+        """
+        self.threshold = settings.routing_threshold
+        self._threshold = Threshold(settings.routing_threshold, settings.threshold_mode)
+        self._busy_gate = PrefillBusyGate(settings.prefill_busy_queue_depth, settings.prefill_busy_max_tokens)
+        self._session_header = settings.session_header
+        if self.adaptive is not None:
+            self.adaptive.policy = adaptive_policy(settings)
+            self.adaptive.reprior(settings.routing_threshold)
+        if self.cache is not None:
+            balance = Balance(settings.balance_abs_threshold, settings.balance_rel_threshold)
+            self.prefill_strategy = prefill_strategy(settings.prefill_strategy, cache=self.cache, balance=balance)
+            kvaware = settings.prefill_strategy == "kvaware"
+            self.decode_strategy = KVAware(self.cache, balance) if kvaware else PrefixAware(self.cache, balance)
 
     @property
     def threshold_mode(self) -> ThresholdMode:
@@ -139,6 +161,8 @@ class Planner:
         return self.decode_strategy.select(decoders, request)
 
     def _decide(self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int) -> Plan:
+        if self.adaptive is not None and self._threshold.mode == "adaptive":
+            return self._decide_adaptively(request, decoder, uncached, batch_size, self.adaptive)
         if request.prompt.num_tokens < self.threshold:
             return Plan("direct", BELOW_THRESHOLD, decoder, uncached_tokens=uncached)
         if uncached < self.threshold:
@@ -154,6 +178,63 @@ class Planner:
         prefiller = self.prefill_strategy.select(prefillers, request)
         return Plan("disaggregated", LONG_PROMPT, decoder, prefiller, uncached_tokens=uncached)
 
+    def _decide_adaptively(
+        self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int, model: AdaptiveModel
+    ) -> Plan:
+        """Weigh the stall a direct prefill inflicts on the decoder's streams against the hop's cost."""
+        if uncached < model.policy.min_threshold:
+            return Plan("direct", BELOW_THRESHOLD, decoder, uncached_tokens=uncached)
+        if batch_size > 1:
+            return Plan("direct", BATCHED_PROMPT, decoder, uncached_tokens=uncached)
+        prefillers = self.pool.healthy("prefill")
+        if not prefillers:
+            return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
+        if self._busy_gate is not None and self._busy_gate.diverts(prefillers, uncached):
+            return Plan("direct", PREFILL_POOL_BUSY, decoder, uncached_tokens=uncached)
+        prefiller = self.prefill_strategy.select(prefillers, request)
+        now = time.monotonic()
+        estimate = model.estimate(
+            decoder.url, prefiller.url, uncached, running_streams(decoder, now), queued_prefills(prefiller, now)
+        )
+        if estimate.disaggregate:
+            return Plan("disaggregated", estimate.reason, decoder, prefiller, uncached_tokens=uncached)
+        return Plan("direct", estimate.reason, decoder, uncached_tokens=uncached)
+
+    def adaptive_view(self) -> list[dict[str, Any]]:
+        """Per healthy decoder: its load now and the prompt length at which adaptive mode would
+        disaggregate, with the least-queued prefiller. Empty without an adaptive model."""
+        if self.adaptive is None:
+            return []
+        now = time.monotonic()
+        prefillers = self.pool.healthy("prefill")
+        view: list[dict[str, Any]] = []
+        for decoder in self.pool.healthy("decode"):
+            streams = running_streams(decoder, now)
+            entry: dict[str, Any] = {"decoder": decoder.url, "running_streams": streams, "threshold_tokens": None}
+            if prefillers:
+                prefiller = min(prefillers, key=lambda p: queued_prefills(p, now))
+                queue = queued_prefills(prefiller, now)
+                entry |= {
+                    "prefiller": prefiller.url,
+                    "prefiller_queue": queue,
+                    "threshold_tokens": self.adaptive.effective_threshold(decoder.url, prefiller.url, streams, queue),
+                }
+            view.append(entry)
+        return view
+
+
+def running_streams(decoder: Endpoint, now: float) -> float:
+    """Streams a direct prefill would stall: the engine's running requests, or the router's own calls."""
+    load = decoder.fresh_load(now)
+    return max(float(decoder.in_flight), load.running if load is not None else 0.0)
+
+
+def queued_prefills(prefiller: Endpoint, now: float) -> float:
+    """Prefills ahead of a new one on this prefiller."""
+    load = prefiller.fresh_load(now)
+    scraped = (load.waiting + load.running) if load is not None else 0.0
+    return max(float(prefiller.in_flight), scraped)
+
 
 def build_planner(
     settings: Settings,
@@ -162,6 +243,7 @@ def build_planner(
     *,
     kv_sources: Sequence[CacheSource] = (),
     kv_lookup: KVLookup | None = None,
+    adaptive: AdaptiveModel | None = None,
 ) -> Planner:
     """The planner the settings describe. `kv_sources` and `kv_lookup` feed `kvaware` routing only."""
     index = PrefixIndex(block_size=settings.block_size, capacity=settings.prefix_index_capacity)
@@ -184,6 +266,17 @@ def build_planner(
         busy_gate=PrefillBusyGate(settings.prefill_busy_queue_depth, settings.prefill_busy_max_tokens),
         kv_lookup=kv_lookup if kvaware else None,
         session_header=settings.session_header,
+        adaptive=adaptive,
+    )
+
+
+def adaptive_policy(settings: Settings) -> AdaptivePolicy:
+    return AdaptivePolicy(
+        interference_weight=settings.interference_weight,
+        min_threshold=settings.min_threshold,
+        max_threshold=settings.max_threshold,
+        explore_share=settings.explore_share,
+        ttft_slo=settings.ttft_slo,
     )
 
 

@@ -25,7 +25,8 @@ class Threshold:
 
     @property
     def cache_aware(self) -> bool:
-        return self.mode == "cache_aware"
+        """Whether the decision looks at the decoder's cached prefix (cache_aware and adaptive do)."""
+        return self.mode in ("cache_aware", "adaptive")
 
     def uncached_tokens(self, prompt_tokens: int, cached_tokens: int) -> int:
         """The prompt tokens the decoder would compute itself; the whole prompt in `static` mode."""

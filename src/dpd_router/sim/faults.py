@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-FaultMode = Literal["none", "dead", "error_500", "hang", "no_kv_params", "reject_kv"]
+FaultMode = Literal["none", "dead", "error_500", "hang", "no_kv_params", "reject_kv", "ignore_kv"]
 FAULT_MODES: tuple[FaultMode, ...] = get_args(FaultMode)
 
 
@@ -15,7 +15,9 @@ class FaultInjector:
     - error_500: completions answer 500 with an OpenAI error body;
     - hang: completions never answer, until the client gives up;
     - no_kv_params: a prefill for a remote decoder answers without kv_transfer_params;
-    - reject_kv: a decoder treats any kv_transfer_params as invalid (in-band KV load failure).
+    - reject_kv: a decoder treats any kv_transfer_params as invalid (in-band KV load failure);
+    - ignore_kv: a decoder ignores kv_transfer_params and recomputes the prompt (a misconfigured
+      connector: vLLM's "Retrieved 0 out of N required tokens").
     """
 
     def __init__(self) -> None:

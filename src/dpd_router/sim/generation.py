@@ -38,10 +38,12 @@ class Generation:
         *,
         reject_kv: bool = False,
         withhold_kv_params: bool = False,
+        ignore_kv: bool = False,
     ) -> None:
         self.core = core
         self.request = request
-        self.kind = kind
+        # A decoder whose connector is misconfigured drops the transfer parameters and recomputes.
+        self.kind: RequestKind = "local" if ignore_kv and kind == "kv_decode" else kind
         self.request_id = request_id
         self.reject_kv = reject_kv
         self.withhold_kv_params = withhold_kv_params

@@ -65,6 +65,7 @@ class CompletionsEndpoint:
             request_id,
             reject_kv=fault == "reject_kv",
             withhold_kv_params=fault == "no_kv_params",
+            ignore_kv=fault == "ignore_kv",
         )
         response = ResponseFormat(
             self.api, response_id=self.id_prefix + request_id, model=core.config.model, created=int(time.time())
@@ -87,7 +88,7 @@ def _faults_for(kind: RequestKind) -> tuple[FaultMode, ...]:
     if kind == "remote_prefill":
         return ("dead", "error_500", "hang", "no_kv_params")
     if kind == "kv_decode":
-        return ("dead", "error_500", "hang", "reject_kv")
+        return ("dead", "error_500", "hang", "reject_kv", "ignore_kv")
     return ("dead", "error_500", "hang")
 
 

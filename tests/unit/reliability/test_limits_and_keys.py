@@ -70,3 +70,10 @@ def test_without_keys_the_api_is_open_but_admin_is_not() -> None:
     assert ring.authenticate(None).key_id == "anonymous"
     with pytest.raises(Unauthorized):
         ring.authenticate_admin(None)
+
+
+def test_admin_keys_alone_protect_only_the_admin_endpoints() -> None:
+    ring = KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[hash_key("ops")])
+    assert not ring.enabled
+    assert ring.authenticate(None).key_id == "anonymous"
+    assert ring.authenticate_admin("Bearer ops").admin

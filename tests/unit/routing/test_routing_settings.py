@@ -48,7 +48,7 @@ def test_a_port_convention_covers_the_engines_not_listed() -> None:
         ({"kv_events_endpoints": {"http://10.0.0.9:1": "tcp://x:1"}}, "kv_events_endpoints"),
         ({"kv_events_endpoints": {P: "http://10.0.0.1:5557"}}, "kv_events_endpoints"),
         ({"lmcache_instance_ids": {"http://10.0.0.9:1": "i"}}, "lmcache_instance_ids"),
-        ({"threshold_mode": "adaptive"}, "threshold_mode"),
+        ({"threshold_mode": "smart"}, "threshold_mode"),
         ({"balance_rel_threshold": 0.5}, "balance_rel_threshold"),
         ({"block_size": 0}, "block_size"),
     ],

@@ -61,6 +61,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- end }}
 
+{{/* "true" when the router reads the Kubernetes API (discovery, or RBAC asked for): its token is mounted. */}}
+{{- define "dpd-router.watchesPods" -}}
+{{- if or .Values.router.rbac.create .Values.discovery.enabled }}true{{ else }}false{{ end }}
+{{- end }}
+
 {{- define "dpd-router.serviceAccountName" -}}
 {{- if .Values.router.serviceAccount.create }}
 {{- default (include "dpd-router.componentName" (list . "router")) .Values.router.serviceAccount.name }}
@@ -109,10 +114,20 @@ tokenizer), then router.settings on top. Every key is a dpd-router setting.
 */}}
 {{- define "dpd-router.routerSettings" -}}
 {{- $settings := dict "host" "0.0.0.0" "port" (int (include "dpd-router.routerPort" .)) "model" .Values.model.name }}
+{{- if .Values.discovery.enabled }}
+{{- /* The router watches this release's engine pods; a sidecar keeps its own decoder as decode_urls. */}}
+{{- $_ := set $settings "discovery" "kubernetes" }}
+{{- $_ := set $settings "kubernetes_namespace" .Release.Namespace }}
+{{- $_ := set $settings "kubernetes_role_label" .Values.discovery.roleLabel }}
+{{- $_ := set $settings "kubernetes_selector" (printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s" (include "dpd-router.name" .) .Release.Name) }}
+{{- $_ := set $settings "kubernetes_port" (int .Values.engines.port) }}
+{{- $_ := set $settings "drain_timeout" (int .Values.engines.terminationGracePeriodSeconds) }}
+{{- else }}
 {{- $_ := set $settings "prefill_urls" (include "dpd-router.engineUrls" (list . "prefill") | fromJsonArray) }}
+{{- end }}
 {{- if eq .Values.router.mode "sidecar" }}
 {{- $_ := set $settings "decode_urls" (list (printf "http://127.0.0.1:%d" (int .Values.engines.port))) }}
-{{- else }}
+{{- else if not .Values.discovery.enabled }}
 {{- $_ := set $settings "decode_urls" (include "dpd-router.engineUrls" (list . "decode") | fromJsonArray) }}
 {{- end }}
 {{- if .Values.router.tokenizerSubPath }}

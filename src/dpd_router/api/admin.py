@@ -1,0 +1,115 @@
+"""Admin endpoints (admin API key required): the effective configuration, and changing it live."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from dpd_router.api.errors import error_response, response_for
+from dpd_router.errors import RouterError
+from dpd_router.live import ConfigRejected
+
+if TYPE_CHECKING:
+    from dpd_router.app import Router
+
+routes = APIRouter(prefix="/admin")
+
+
+def _json(value: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(value, default=str), status_code=status, media_type="application/json")
+
+
+def _authorize(request: Request) -> Router | Response:
+    router: Router = request.app.state.router
+    try:
+        router.keys.authenticate_admin(request.headers.get("authorization"))
+    except RouterError as exc:
+        router.metrics.auth_failures.inc()
+        return response_for(exc, headers={"WWW-Authenticate": "Bearer"})
+    return router
+
+
+@routes.get("/config")
+async def get_config(request: Request) -> Response:
+    router = _authorize(request)
+    if isinstance(router, Response):
+        return router
+    return _json(router.live.effective())
+
+
+@routes.put("/config")
+async def put_config(request: Request) -> Response:
+    """Change live settings: a JSON object of setting names and values."""
+    router = _authorize(request)
+    if isinstance(router, Response):
+        return router
+    try:
+        changes = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        return error_response(f"The body is not valid JSON: {exc}", "BadRequestError", 400)
+    if not isinstance(changes, dict) or not changes:
+        return error_response("Send a JSON object of settings to change.", "BadRequestError", 400)
+    try:
+        changed = await router.live.update(changes, source="admin")
+    except ConfigRejected as exc:
+        return error_response(str(exc), "BadRequestError", 400)
+    return _json({"changed": changed, "config": router.live.effective()})
+
+
+@routes.post("/reload")
+async def reload(request: Request) -> Response:
+    """Re-read flags, environment and the config file, as SIGHUP does."""
+    router = _authorize(request)
+    if isinstance(router, Response):
+        return router
+    changed = await router.live.reload("admin")
+    return _json({"changed": changed, "config": router.live.effective()})
+
+
+@routes.get("/routing")
+async def routing(request: Request) -> Response:
+    """The routing decision in words: the threshold in force, what the adaptive model learned, and the
+    decisions taken so far by reason."""
+    router = _authorize(request)
+    if isinstance(router, Response):
+        return router
+    planner = router.planner
+    settings = router.settings
+    decisions = {
+        f"{sample.labels['path']}/{sample.labels['reason']}": int(sample.value)
+        for metric in router.metrics.route_decisions.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
+    view = planner.adaptive_view()
+    summary = [
+        f"threshold_mode {settings.threshold_mode}, routing_threshold {settings.routing_threshold} tokens, "
+        f"prefill_strategy {settings.prefill_strategy}."
+    ]
+    for entry in view:
+        tokens = entry["threshold_tokens"]
+        where = (
+            "would keep every prompt (no prefiller, or an idle decoder)"
+            if tokens is None or tokens == float("inf")
+            else f"would disaggregate prompts from {tokens:,.0f} uncached tokens"
+        )
+        summary.append(
+            f"Decoder {entry['decoder']} runs {entry['running_streams']:.0f} streams: adaptive mode {where}"
+            + (
+                f" (prefiller {entry['prefiller']}, {entry['prefiller_queue']:.0f} queued)."
+                if "prefiller" in entry
+                else "."
+            )
+        )
+    body = {
+        "threshold_mode": settings.threshold_mode,
+        "routing_threshold": settings.routing_threshold,
+        "summary": summary,
+        "decoders": view,
+        "learned": planner.adaptive.describe() if planner.adaptive is not None else None,
+        "decisions": decisions,
+    }
+    return _json(body)

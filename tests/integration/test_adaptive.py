@@ -1,0 +1,77 @@
+"""Adaptive disaggregation on loopback: the effective threshold follows the decoder's load."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import httpx
+
+from dpd_router.api.auth import hash_key
+from dpd_router.sim.cluster import SimCluster
+from tests.integration.conftest import MODEL, metric, running_router, settled
+
+MEDIUM = "Each quarter the regional teams reported their numbers in the same format. " * 40
+OTHER = "A river runs through the valley past the old mill and the village school every spring. " * 40
+BUSY_DECODE = ["--decode-step-base", "0.01"]
+
+
+def chat(content: str, *, max_tokens: int = 4, stream: bool = True) -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=BUSY_DECODE) as cluster,
+        running_router(
+            prefill_urls=cluster.prefill_urls,
+            decode_urls=cluster.decode_urls,
+            tokenizer=str(tokenizer_dir),
+            threshold_mode="adaptive",
+            routing_threshold=2048,
+            min_threshold=64,
+            explore_share=0.0,
+            load_scrape_interval=0.2,
+            admin_key_hashes=[hash_key("ops")],
+        ) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+    ):
+        decoder = {"decoder": cluster.decode_urls[0]}
+        idle = await metric(base_url, "dpd_router_adaptive_threshold_tokens", decoder)
+        assert math.isinf(idle), "an idle decoder keeps every prompt"
+        quiet = await client.post("/v1/chat/completions", json=chat(MEDIUM))
+        assert quiet.status_code == 200
+
+        async def long_stream(i: int) -> None:
+            async with client.stream("POST", "/v1/chat/completions", json=chat(f"{i} hello", max_tokens=300)) as r:
+                await r.aread()
+
+        background = [asyncio.create_task(long_stream(i)) for i in range(24)]
+        async with asyncio.timeout(20):
+            while (busy := await metric(base_url, "dpd_router_adaptive_threshold_tokens", decoder)) > 400:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert busy < 400
+        loaded = await client.post("/v1/chat/completions", json=chat(OTHER))
+        assert loaded.status_code == 200
+        routing = (await client.get("/admin/routing", headers={"Authorization": "Bearer ops"})).json()
+        assert routing["threshold_mode"] == "adaptive"
+        assert any("streams" in line for line in routing["summary"])
+        await asyncio.gather(*background)
+        await settled(base_url)
+
+        decisions = {
+            reason: await metric(base_url, "dpd_router_route_decisions_total", {"reason": reason})
+            for reason in ("adaptive_cheaper_direct", "adaptive_interference")
+        }
+        assert decisions["adaptive_cheaper_direct"] >= 1, "quiet: the medium prompt stayed on the decoder"
+        assert decisions["adaptive_interference"] >= 1, "busy: the medium prompt went to the prefill pool"
+        learned = await metric(
+            base_url, "dpd_router_adaptive_cost", {"model": "direct_prefill", "term": "observations"}
+        )
+        assert learned >= 1, "the direct path's timings were learned"
