@@ -14,11 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.routing.request import RoutingRequest
 
+# Distinct endpoint URLs an index tracks before it starts afresh (rolling pods bring new addresses;
+# masks would otherwise grow a bit per address ever seen).
+MAX_ENDPOINT_URLS = 4096
+
 
 class EndpointBits:
     """Gives each endpoint URL a bit, so one int holds the set of endpoints that have a block.
 
-    It grows by one entry per distinct endpoint URL ever seen, which the pool bounds.
+    It grows by one entry per distinct endpoint URL ever seen; under discovery, pods that come and go
+    with new addresses keep adding URLs, so the index starts afresh past MAX_ENDPOINT_URLS of them.
     """
 
     def __init__(self) -> None:
@@ -91,6 +96,9 @@ class PrefixIndex:
 
     def record(self, request: RoutingRequest, endpoints: Iterable[Endpoint]) -> None:
         """Note that `endpoints` now hold (or are about to compute) the request's prompt."""
+        if len(self._bits) > MAX_ENDPOINT_URLS:
+            self._bits = EndpointBits()  # losing affinity once beats masks that grow without bound
+            self._entries.clear()
         mask = self._bits.mask(endpoint.url for endpoint in endpoints)
         if not mask:
             return

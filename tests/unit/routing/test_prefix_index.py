@@ -79,3 +79,19 @@ def test_matched_depths_reports_where_each_endpoint_drops_out() -> None:
     assert matched_depths([10, 11, 12, 13], entries, 0b11) == {0b01: 3, 0b10: 2}
     assert matched_depths([10, 11, 12], entries, 0b01) == {0b01: 3}
     assert matched_depths([99], entries, 0b11) == {}
+
+
+def test_an_index_that_has_seen_too_many_endpoint_urls_starts_afresh() -> None:
+    from dpd_router.pool.endpoint import Endpoint
+    from dpd_router.routing import prefix_index as module
+    from dpd_router.routing.request import RoutingRequest
+    from dpd_router.tokenizer import Prompt
+
+    index = module.PrefixIndex(block_size=4, capacity=1000)
+    request = RoutingRequest(Prompt(token_ids=list(range(16)), num_tokens=16, seconds=0.0))
+    for i in range(module.MAX_ENDPOINT_URLS + 2):
+        index.record(request, [Endpoint(f"http://10.0.{i // 250}.{i % 250}:8000", "prefill")])
+    assert len(index._bits) <= module.MAX_ENDPOINT_URLS + 1
+    fresh = Endpoint("http://10.9.9.9:8000", "prefill")
+    index.record(request, [fresh])
+    assert index.matched_tokens(request, [fresh])[fresh] == 16
