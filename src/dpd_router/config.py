@@ -294,16 +294,9 @@ class Settings(BaseSettings):
     def _check_kubernetes_api_url(cls, value: str | None) -> str | None:
         return None if value is None else _normalise_url(value)
 
-    @field_validator("kubernetes_token_file", "kubernetes_ca_file")
+    @field_validator("kubernetes_token_file", "kubernetes_ca_file", "api_keys_file")
     @classmethod
-    def _check_kubernetes_files(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.expanduser().is_file():
-            raise ValueError(f"{value} does not exist")
-        return None if value is None else value.expanduser()
-
-    @field_validator("api_keys_file")
-    @classmethod
-    def _check_keys_file(cls, value: Path | None) -> Path | None:
+    def _check_files(cls, value: Path | None) -> Path | None:
         if value is not None and not value.expanduser().is_file():
             raise ValueError(f"{value} does not exist")
         return None if value is None else value.expanduser()

@@ -224,8 +224,7 @@ class Gateway:
             if attempt == 0:
                 self._record_plan(trace, plan)
             trace.decoder = plan.decoder.url
-            if trace.decode_started is None:
-                trace.decode_started = time.perf_counter()
+            trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
             body = request.encoded() if staged is None else self._connector.decode_body(request, staged)
             try:
                 return await self._decode(request, plan.decoder, body, request_id, trace, staged, done, strip_usage)

@@ -167,6 +167,15 @@ class Planner:
             return Plan("direct", BELOW_THRESHOLD, decoder, uncached_tokens=uncached)
         if uncached < self.threshold:
             return Plan("direct", CACHED_ON_DECODER, decoder, uncached_tokens=uncached)
+        prefiller = self._available_prefiller(request, decoder, uncached, batch_size)
+        if isinstance(prefiller, Plan):
+            return prefiller
+        return Plan("disaggregated", LONG_PROMPT, decoder, prefiller, uncached_tokens=uncached)
+
+    def _available_prefiller(
+        self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int
+    ) -> Endpoint | Plan:
+        """The prefiller for a prompt worth disaggregating, or the direct plan when none can take it."""
         if batch_size > 1:
             # An engine answers a batched prompt with one kv_transfer_params: it cannot hand over several.
             return Plan("direct", BATCHED_PROMPT, decoder, uncached_tokens=uncached)
@@ -175,8 +184,7 @@ class Planner:
             return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
         if self._busy_gate is not None and self._busy_gate.diverts(prefillers, uncached):
             return Plan("direct", PREFILL_POOL_BUSY, decoder, uncached_tokens=uncached)
-        prefiller = self.prefill_strategy.select(prefillers, request)
-        return Plan("disaggregated", LONG_PROMPT, decoder, prefiller, uncached_tokens=uncached)
+        return self.prefill_strategy.select(prefillers, request)
 
     def _decide_adaptively(
         self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int, model: AdaptiveModel
@@ -184,14 +192,9 @@ class Planner:
         """Weigh the stall a direct prefill inflicts on the decoder's streams against the hop's cost."""
         if uncached < model.policy.min_threshold:
             return Plan("direct", BELOW_THRESHOLD, decoder, uncached_tokens=uncached)
-        if batch_size > 1:
-            return Plan("direct", BATCHED_PROMPT, decoder, uncached_tokens=uncached)
-        prefillers = self.pool.healthy("prefill")
-        if not prefillers:
-            return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
-        if self._busy_gate is not None and self._busy_gate.diverts(prefillers, uncached):
-            return Plan("direct", PREFILL_POOL_BUSY, decoder, uncached_tokens=uncached)
-        prefiller = self.prefill_strategy.select(prefillers, request)
+        prefiller = self._available_prefiller(request, decoder, uncached, batch_size)
+        if isinstance(prefiller, Plan):
+            return prefiller
         now = time.monotonic()
         estimate = model.estimate(
             decoder.url, prefiller.url, uncached, running_streams(decoder, now), queued_prefills(prefiller, now)
