@@ -77,7 +77,7 @@ class SimCluster:
         tokenizer: Path | None = None,
         model: str = "sim-model",
         extra_args: Sequence[str] = (),
-        startup_timeout: float = 30.0,
+        startup_timeout: float = 120.0,
         stop_grace: float = 5.0,
         kv_events: bool = False,
         engine_args: Mapping[str, Sequence[str]] | None = None,
