@@ -94,7 +94,10 @@ class Router:
                 settings, reserved, metrics, kv_sources=kv_sources, kv_lookup=lmcache, adaptive=adaptive
             )
         metrics.watch_adaptive(
-            lambda: [(entry["decoder"], entry["threshold_tokens"] or math.inf) for entry in planner.adaptive_view()],
+            lambda: [
+                (entry["decoder"], math.inf if entry["threshold_tokens"] is None else entry["threshold_tokens"])
+                for entry in planner.adaptive_view()
+            ],
             adaptive.cost_rows,
         )
         scraper = LoadScraper(

@@ -163,6 +163,8 @@ class Gateway:
             kv_hint = await planner.lookup_kv(prompt)
             plan = planner.plan(prompt, batch_size=request.batch_size, session_key=session_key, kv_hint=kv_hint)
             trace.threshold = planner.threshold
+            trace.uncached_tokens = plan.uncached_tokens
+            trace.decoder_streams = plan.decoder_streams
             phase = "serve"
             strip_usage = ask_for_usage(request)
             return await self._serve(request, plan, planner, prompt, request_id, trace, done, strip_usage)
@@ -281,6 +283,8 @@ class Gateway:
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
         prefiller.start()
+        tokens = trace.uncached_tokens or 0
+        prefiller.queued_tokens += tokens
         outcome = "ok"
         try:
             async with asyncio.timeout(self._timeouts.prefill):
@@ -298,6 +302,7 @@ class Gateway:
             raise
         finally:
             prefiller.finish()
+            prefiller.queued_tokens -= tokens
             trace.prefill_seconds = time.perf_counter() - started
             self._metrics.prefill.labels(outcome).observe(trace.prefill_seconds)
 

@@ -32,6 +32,8 @@ class RequestTrace:
     threshold: int | None = None
     prompt_tokens: int | None = None
     uncached_tokens: int | None = None
+    # Streams running on the chosen decoder when the request was planned (what a direct prefill stalls).
+    decoder_streams: float = 0.0
     tokenize_seconds: float | None = None
     prefiller: str | None = None
     decoder: str | None = None

@@ -41,6 +41,8 @@ class Endpoint:
     url: str
     role: Role
     in_flight: int = 0
+    # Prompt tokens of the prefill calls open here (prefillers only): the work queued ahead of a new one.
+    queued_tokens: int = 0
     healthy: bool = True
     probed_ok: bool = False
     probe_failures: int = 0

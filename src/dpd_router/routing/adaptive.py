@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from dpd_router.observe import RequestTrace
 
 # Endpoints whose fits are kept (a pool larger than this forgets the least recently used).
 MAX_TRACKED_ENDPOINTS = 1024
+# A direct request teaches the decoder's prefill speed only if at most this many streams ran beside it.
+QUIET_DECODER_STREAMS = 2
 
 
 @dataclass
@@ -42,7 +45,11 @@ class LinearCost:
     per_token: float
     half_life: float = 200.0
     prior_weight: float = 4.0
+    # Observations also fade with time, so a fit follows the engine after the load changes.
+    half_life_seconds: float = 60.0
+    clock: Callable[[], float] = time.monotonic
     observations: int = 0
+    _last: float | None = field(init=False, default=None)
     _w: float = field(init=False, default=0.0)
     _x: float = field(init=False, default=0.0)
     _y: float = field(init=False, default=0.0)
@@ -64,7 +71,10 @@ class LinearCost:
     def observe(self, tokens: float, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
             return
-        decay = 0.5 ** (1.0 / self.half_life)
+        now = self.clock()
+        elapsed = 0.0 if self._last is None else max(now - self._last, 0.0)
+        self._last = now
+        decay = 0.5 ** (1.0 / self.half_life + elapsed / self.half_life_seconds)
         self._w *= decay
         self._x *= decay
         self._y *= decay
@@ -192,15 +202,19 @@ class AdaptiveModel:
         first_token = trace.first_token_at - trace.decode_started
         if trace.path == "disaggregated":
             self.learn_handoff(tokens, first_token)
-        elif trace.prefill_seconds is None:  # a direct request that did not first try a prefill
+        elif trace.prefill_seconds is None and trace.decoder_streams <= QUIET_DECODER_STREAMS:
+            # Only a quiet decoder's first token measures its prefill speed: on a busy one it also
+            # counts the wait behind other work, which the stall estimate multiplies in already.
             self.learn_direct(trace.decoder, tokens, first_token)
 
     # -- deciding -----------------------------------------------------------------------------
     def estimate(
         self, decoder: str, prefiller: str, uncached_tokens: int, running_streams: float, prefiller_queue: float
     ) -> Estimate:
+        """`prefiller_queue` is the prompt tokens already queued on the prefiller (their prefill comes first)."""
         direct = self.direct_cost(decoder).predict(uncached_tokens)
-        hop = self.hop_cost(prefiller).predict(uncached_tokens) * (1.0 + max(prefiller_queue, 0.0))
+        hop_fit = self.hop_cost(prefiller)
+        hop = hop_fit.predict(uncached_tokens) + hop_fit.per_token * max(prefiller_queue, 0.0)
         hop += self.handoff.predict(uncached_tokens)
         stall = direct * max(running_streams, 0.0)
         extra = hop - direct
@@ -233,11 +247,11 @@ class AdaptiveModel:
         """The prompt length (uncached tokens) at which the decision flips, at this load; inf if never."""
         d = self.direct_cost(decoder)
         p = self.hop_cost(prefiller)
-        q = 1.0 + max(prefiller_queue, 0.0)
+        queued = p.per_token * max(prefiller_queue, 0.0)
         w = self.policy.interference_weight * max(running_streams, 0.0)
-        # w * (d0 + d1 x) > q (p0 + p1 x) + h0 + h1 x - (d0 + d1 x)
-        slope = (w + 1) * d.per_token - q * p.per_token - self.handoff.per_token
-        intercept = q * p.overhead + self.handoff.overhead - (w + 1) * d.overhead
+        # w * (d0 + d1 x) > p0 + p1 x + queued + h0 + h1 x - (d0 + d1 x)
+        slope = (w + 1) * d.per_token - p.per_token - self.handoff.per_token
+        intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead
         if slope <= 0:
             return math.inf if intercept >= 0 else float(self.policy.min_threshold)
         crossing = max(intercept / slope, 0.0)

@@ -52,6 +52,8 @@ class Plan:
     decoder: Endpoint
     prefiller: Endpoint | None = None
     uncached_tokens: int = 0
+    # Streams running on the decoder when the plan was made (what a direct prefill would stall).
+    decoder_streams: float = 0.0
 
     def direct(self, reason: str) -> Plan:
         """The same plan served by the decoder alone (for example after the prefill hop failed)."""
@@ -139,7 +141,10 @@ class Planner:
         decoder = self.choose_decoder(request)
         cached = self.cache.cached_tokens(request, decoder) if self.cache and self._threshold.cache_aware else 0
         uncached = self._threshold.uncached_tokens(prompt.num_tokens, cached)
-        plan = self._decide(request, decoder, uncached, batch_size)
+        plan = replace(
+            self._decide(request, decoder, uncached, batch_size),
+            decoder_streams=running_streams(decoder, time.monotonic()),
+        )
         if self.cache is not None:
             self.cache.record(request, (decoder,) if plan.prefiller is None else (decoder, plan.prefiller))
         return plan
@@ -205,8 +210,8 @@ class Planner:
 
     def adaptive_view(self) -> list[dict[str, Any]]:
         """Per healthy decoder: its load now and the prompt length at which adaptive mode would
-        disaggregate, with the least-queued prefiller. Empty without an adaptive model."""
-        if self.adaptive is None:
+        disaggregate, with the least-queued prefiller. Empty unless threshold_mode is adaptive."""
+        if self.adaptive is None or self._threshold.mode != "adaptive":
             return []
         now = time.monotonic()
         prefillers = self.pool.healthy("prefill")
@@ -233,10 +238,13 @@ def running_streams(decoder: Endpoint, now: float) -> float:
 
 
 def queued_prefills(prefiller: Endpoint, now: float) -> float:
-    """Prefills ahead of a new one on this prefiller."""
+    """Prompt tokens ahead of a new prefill on this prefiller: the router's own open calls, or the
+    engine's scraped queue at the mean size of those calls when the engine reports more."""
     load = prefiller.fresh_load(now)
     scraped = (load.waiting + load.running) if load is not None else 0.0
-    return max(float(prefiller.in_flight), scraped)
+    if scraped <= prefiller.in_flight or prefiller.in_flight == 0:
+        return float(prefiller.queued_tokens)
+    return prefiller.queued_tokens / prefiller.in_flight * scraped
 
 
 def build_planner(

@@ -62,7 +62,8 @@ def test_an_idle_decoder_keeps_long_prompts_and_a_busy_one_sends_medium_ones_awa
 def test_a_queued_prefill_pool_raises_the_cost_of_disaggregating() -> None:
     m = model()
     assert m.estimate("d", "p", 1500, running_streams=4, prefiller_queue=0).disaggregate
-    assert not m.estimate("d", "p", 1500, running_streams=4, prefiller_queue=20).disaggregate
+    # 20k prompt tokens already queued on the prefiller come before this prompt's prefill.
+    assert not m.estimate("d", "p", 1500, running_streams=4, prefiller_queue=20_000).disaggregate
 
 
 def test_guard_rails_win_over_the_model() -> None:
@@ -109,3 +110,14 @@ def test_memory_stays_bounded_with_many_endpoints() -> None:
     for i in range(5000):
         m.learn_direct(f"http://10.0.{i // 250}.{i % 250}:8000", 100, 0.01)
     assert len(m.describe()["direct_prefill"]) <= 1024  # type: ignore[arg-type]
+
+
+def test_old_observations_also_fade_with_time() -> None:
+    now = [0.0]
+    fit = LinearCost(overhead=0.0, per_token=0.0001, half_life=10_000, half_life_seconds=10.0, clock=lambda: now[0])
+    for tokens in range(0, 8000, 40):
+        fit.observe(tokens, 0.0004 * tokens)  # a busy spell
+    now[0] += 120.0  # two minutes later, the engine is quiet again
+    for tokens in range(0, 8000, 400):
+        fit.observe(tokens, 0.0001 * tokens)
+    assert fit.per_token == pytest.approx(0.0001, rel=0.1)
