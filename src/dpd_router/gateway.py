@@ -223,6 +223,8 @@ class Gateway:
             if plan.prefiller is not None and staged is None:
                 staged, plan = await self._stage(request, plan, planner, prompt, request_id, trace)
                 trace.staged_tokens = None if staged is None else staged.prompt_tokens
+                if staged is not None and "remote_prefill_cached_tokens" in staged.params:
+                    trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
             if attempt == 0:
                 self._record_plan(trace, plan)
             trace.decoder = plan.decoder.url

@@ -47,6 +47,9 @@ class RequestTrace:
     cached_tokens: int | None = None
     decoder_cached_tokens: int | None = None
     staged_tokens: int | None = None
+    # Whether the decoder's usage can show the transfer: vLLM >= 0.32 decoders report the prefiller's
+    # cache hit (kv_transfer_params.remote_prefill_cached_tokens) instead of the tokens they pulled.
+    usage_shows_transfer: bool = True
     status: int = 200
     outcome: str = "ok"
     error: str | None = None
@@ -201,7 +204,7 @@ def transfer_was_ineffective(trace: RequestTrace) -> bool:
     """A disaggregated request whose decoder reported recomputing the staged prompt."""
     if trace.path != "disaggregated" or trace.outcome != "ok":
         return False
-    if trace.decoder_cached_tokens is None or not trace.staged_tokens:
+    if trace.decoder_cached_tokens is None or not trace.staged_tokens or not trace.usage_shows_transfer:
         return False
     return trace.decoder_cached_tokens < trace.staged_tokens * INEFFECTIVE_BELOW_SHARE
 

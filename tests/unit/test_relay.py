@@ -230,6 +230,9 @@ def test_a_decoder_that_recomputed_the_staged_prompt_is_an_ineffective_transfer(
     assert not transfer_was_ineffective(trace(299, 300))
     assert not transfer_was_ineffective(trace(None, 300)), "an engine that does not report cached tokens"
     assert not transfer_was_ineffective(trace(0, 300, path="direct"))
+    echoed = trace(0, 300)
+    echoed.usage_shows_transfer = False  # vLLM >= 0.32 decoders report the prefiller's cache hit
+    assert not transfer_was_ineffective(echoed)
     metrics = RouterMetrics()
     Observer(metrics).finish(trace(0, 300))
     assert metrics.registry.get_sample_value("dpd_router_kv_transfer_ineffective_total") == 1
