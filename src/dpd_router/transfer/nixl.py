@@ -14,7 +14,7 @@ import orjson
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.request import ClientRequest
-from dpd_router.transfer.base import StagedKV
+from dpd_router.transfer.base import StagedKV, post_prefill, prefill_usage
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -51,14 +51,8 @@ def staged_from_answer(payload: Any) -> StagedKV:
     params = payload.get("kv_transfer_params")
     if not isinstance(params, dict) or not params:
         raise PrefillFailed("no_kv_params", "the prefill answer carries no kv_transfer_params")
-    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
-    prompt_tokens = usage.get("prompt_tokens")
-    return StagedKV(
-        params=params,
-        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
-        cached_tokens=int(details.get("cached_tokens") or 0),
-    )
+    prompt_tokens, cached_tokens = prefill_usage(payload)
+    return StagedKV(params=params, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
 
 
 class NixlConnector:
@@ -72,26 +66,14 @@ class NixlConnector:
         self._path_for = path_for
 
     async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
-        url = f"{prefiller.url}{self._path_for[request.kind]}"
-        body = orjson.dumps(prefill_body(request))
-        try:
-            response = await self._client.post(
-                url,
-                content=body,
-                headers={"X-Request-Id": request_id, "Content-Type": "application/json"},
-                timeout=self._timeout,
-            )
-        except httpx.TimeoutException as exc:
-            raise PrefillFailed("timeout", f"{prefiller.url}: {type(exc).__name__}") from None
-        except httpx.HTTPError as exc:
-            raise PrefillFailed("connect_error", f"{prefiller.url}: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            reason = "status_5xx" if response.status_code >= 500 else "status_4xx"
-            raise PrefillFailed(reason, f"{prefiller.url} answered {response.status_code}: {response.text[:300]}")
-        try:
-            payload = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            raise PrefillFailed("bad_answer", f"{prefiller.url} answered with invalid JSON") from None
+        payload = await post_prefill(
+            self._client,
+            prefiller,
+            self._path_for[request.kind],
+            prefill_body(request),
+            request_id=request_id,
+            limits=self._timeout,
+        )
         return staged_from_answer(payload)
 
     def decode_body(self, request: ClientRequest, staged: StagedKV) -> bytes:
