@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -211,7 +213,7 @@ async def profile_router(args: argparse.Namespace, urls: dict[str, Any], prompts
     if not pyspy.exists():
         tools.ensure_venv("genai-bench")
     pid = urls["_pids"]["dpd-router"]
-    raw = out / "profile_dpd_router_c64.txt"
+    raw = Path(tempfile.mkdtemp(prefix="py-spy-")) / "profile_dpd_router_c64.txt"
     short_in, short_out = (int(x) for x in args.short.strip("D()").split(","))
     requests = prompts.short(100_000, short_in, short_out, seed=77)[: int(args.profile * 600)]
     spy = await asyncio.create_subprocess_exec(
@@ -226,7 +228,10 @@ async def profile_router(args: argparse.Namespace, urls: dict[str, Any], prompts
     await asyncio.gather(run, return_exceptions=True)
     if not raw.exists():
         return {"error": err.decode(errors="replace")[-500:]}
-    return summarize_profile(raw)
+    try:
+        return summarize_profile(raw)
+    finally:
+        shutil.rmtree(raw.parent, ignore_errors=True)
 
 
 def summarize_profile(raw: Path, top: int = 25) -> dict[str, Any]:
