@@ -80,3 +80,48 @@ def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
     details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
     prompt_tokens = usage.get("prompt_tokens")
     return (prompt_tokens if isinstance(prompt_tokens, int) else None), int(details.get("cached_tokens") or 0)
+
+
+_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
+
+
+def one_token_body(request: ClientRequest) -> dict[str, Any]:
+    """The client's body cut to a prefill: one token, not streamed, no minimum length."""
+    body = {key: value for key, value in request.body.items() if key not in _DROPPED_FOR_PREFILL}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    return body
+
+
+class SequentialConnector:
+    """A prefill call that must finish before the decode call starts (NIXL, shared storage).
+
+    Subclasses say how the prefill body looks (`prefill_body`) and what its answer staged
+    (`read_answer`); the call itself, and its failures, are the same for all of them.
+    """
+
+    name = "sequential"
+
+    def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
+        self._client = client
+        self._timeout = timeout
+        self._path_for = path_for
+
+    def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def read_answer(self, payload: dict[str, Any]) -> StagedKV:
+        raise NotImplementedError
+
+    async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
+        payload = await post_prefill(
+            self._client,
+            prefiller,
+            self._path_for[request.kind],
+            self.prefill_body(request),
+            request_id=request_id,
+            limits=self._timeout,
+        )
+        return self.read_answer(payload)

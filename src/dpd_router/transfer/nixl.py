@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import orjson
 
 from dpd_router.errors import PrefillFailed
-from dpd_router.pool.endpoint import Endpoint
 from dpd_router.request import ClientRequest
-from dpd_router.transfer.base import StagedKV, post_prefill, prefill_usage
+from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, prefill_usage
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -25,16 +23,10 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
-
 
 def prefill_body(request: ClientRequest) -> dict[str, Any]:
-    """The client's body turned into a KV-staging call: one token, not streamed."""
-    body = {key: value for key, value in request.body.items() if key not in _DROPPED_FOR_PREFILL}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
+    """The client's body turned into a KV-staging call: one token, not streamed, remote decode asked for."""
+    body = one_token_body(request)
     body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     return body
 
@@ -55,25 +47,15 @@ def staged_from_answer(payload: Any) -> StagedKV:
     return StagedKV(params=params, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
 
 
-class NixlConnector:
+class NixlConnector(SequentialConnector):
     """Sequential prefill-then-decode over vLLM's NIXL KV transfer."""
 
     name = "nixl"
 
-    def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
-        self._client = client
-        self._timeout = timeout
-        self._path_for = path_for
+    def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
+        return prefill_body(request)
 
-    async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
-        payload = await post_prefill(
-            self._client,
-            prefiller,
-            self._path_for[request.kind],
-            prefill_body(request),
-            request_id=request_id,
-            limits=self._timeout,
-        )
+    def read_answer(self, payload: dict[str, Any]) -> StagedKV:
         return staged_from_answer(payload)
 
     def decode_body(self, request: ClientRequest, staged: StagedKV) -> bytes:

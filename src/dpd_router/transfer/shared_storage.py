@@ -10,24 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-
 from dpd_router.errors import PrefillFailed
-from dpd_router.pool.endpoint import Endpoint
 from dpd_router.request import ClientRequest
-from dpd_router.transfer.base import StagedKV, post_prefill, prefill_usage
-
-_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
+from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, prefill_usage
 
 
 def prefill_body(request: ClientRequest) -> dict[str, Any]:
     """The client's body turned into a KV-saving call: one token, not streamed."""
-    body = {key: value for key, value in request.body.items() if key not in _DROPPED_FOR_PREFILL}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
-    return body
+    return one_token_body(request)
 
 
 def staged_from_answer(payload: Any) -> StagedKV:
@@ -38,25 +28,15 @@ def staged_from_answer(payload: Any) -> StagedKV:
     return StagedKV(params={}, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
 
 
-class SharedStorageConnector:
+class SharedStorageConnector(SequentialConnector):
     """Sequential prefill-then-decode through a directory both engines mount."""
 
     name = "shared_storage"
 
-    def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
-        self._client = client
-        self._timeout = timeout
-        self._path_for = path_for
+    def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
+        return prefill_body(request)
 
-    async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
-        payload = await post_prefill(
-            self._client,
-            prefiller,
-            self._path_for[request.kind],
-            prefill_body(request),
-            request_id=request_id,
-            limits=self._timeout,
-        )
+    def read_answer(self, payload: dict[str, Any]) -> StagedKV:
         return staged_from_answer(payload)
 
     def decode_body(self, request: ClientRequest, staged: StagedKV) -> bytes:
