@@ -40,6 +40,9 @@ from dpd_router.transfer.base import Connector, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")
 
+# Seconds before the only decoder is tried again (times the attempt number).
+SAME_DECODER_BACKOFF = 0.25
+
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -238,11 +241,15 @@ class Gateway:
                 if exc.kv_consumed:
                     staged = None
                 replacement = planner.alternative("decode", prompt, exclude=tried)
-                if replacement is None and exc.kv_consumed and plan.decoder.available:
-                    replacement = plan.decoder  # the only decoder answered: try it again, with fresh KV
+                if replacement is None and plan.decoder.available:
+                    # The only decoder left: try it again (with fresh KV if it may have used the staged
+                    # one). An unreachable one never saw the request, so resending it is safe.
+                    replacement = plan.decoder
                 if replacement is None or attempt == self._retries.decode_retries:
                     raise UpstreamError(f"The decoder failed before answering: {exc.detail}") from None
                 self._metrics.retries.labels("decode").inc()
+                if replacement is plan.decoder:
+                    await asyncio.sleep(SAME_DECODER_BACKOFF * (attempt + 1))
                 plan = replace(plan, decoder=replacement)
         raise AssertionError("unreachable")
 

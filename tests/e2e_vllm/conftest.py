@@ -212,6 +212,9 @@ async def router(nixl_pair: VllmPair) -> AsyncIterator[str]:
         threshold_mode="static",
         prefill_strategy="roundrobin",
         log_format="text",
+        # The engines busy both cores of a CI machine: give a starved connect room (the router also
+        # resends a request its only decoder could not be reached for, see test_reliability).
+        connect_timeout=30.0,
     ) as base_url:
         yield base_url
 

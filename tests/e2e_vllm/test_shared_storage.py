@@ -40,6 +40,7 @@ async def shared_router(shared_pair: VllmPair) -> AsyncIterator[str]:
         prefill_strategy="roundrobin",
         kv_connector="shared_storage",
         log_format="text",
+        connect_timeout=30.0,  # as in conftest.router: both cores are the engines'
     ) as base_url:
         yield base_url
 

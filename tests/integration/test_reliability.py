@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from dpd_router.api.auth import hash_key
+from dpd_router.app import build_client
 from dpd_router.sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, engine_stats, metric, requests_seen, running_router
 
@@ -154,6 +155,52 @@ async def test_a_kv_load_failure_on_the_decoder_is_retried_with_fresh_kv(tokeniz
             kinds = [e["kind"] for e in await requests_seen(cluster.prefill_urls[0], request_id)]
             assert kinds == ["remote_prefill", "remote_prefill"], "the KV was staged again for the retry"
         assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 2
+
+
+class RefusesFirstConnects(httpx.AsyncBaseTransport):
+    """The router's transport, except that the first `count` completion calls to `url` cannot connect."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, url: str, count: int) -> None:
+        self.inner, self.url, self.left = inner, url, count
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if str(request.url).startswith(self.url) and request.url.path.endswith("completions") and self.left:
+            self.left -= 1
+            raise httpx.ConnectError("connection refused (injected)", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("path", ["direct", "disaggregated"])
+async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A connect failure means the decoder never saw the request: with no other decoder, resend it there."""
+    async with SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster:
+        decoder = cluster.decode_urls[0]
+
+        def flaky_client(settings: Any) -> httpx.AsyncClient:
+            client = build_client(settings)
+            client._transport = RefusesFirstConnects(client._transport, decoder, count=1)
+            return client
+
+        monkeypatch.setattr("dpd_router.app.build_client", flaky_client)
+        async with (
+            running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+            httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+        ):
+            request_id = f"refused-{uuid.uuid4().hex[:8]}"
+            prompt = LONG if path == "disaggregated" else SHORT
+            answer = await client.post("/v1/chat/completions", json=body(prompt), headers={"X-Request-Id": request_id})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["content"]
+            assert len(await requests_seen(decoder, request_id)) == 1, "only the resent call reached it"
+            staged = [e["kind"] for e in await requests_seen(cluster.prefill_urls[0], request_id)]
+            assert staged == (["remote_prefill"] if path == "disaggregated" else []), "the staged KV was reused"
+            assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 1
+            assert await metric(base_url, "dpd_router_requests_total", {"outcome": "ok", "path": path}) == 1
 
 
 async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(tokenizer_dir: Path) -> None:
