@@ -39,6 +39,7 @@ from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector
+from dpd_router.transport import AiohttpTransport
 
 log = logging.getLogger("dpd_router.app")
 
@@ -228,12 +229,14 @@ async def start_discovery(
 
 def build_client(settings: Settings) -> httpx.AsyncClient:
     """The one HTTP client of the process: keep-alive pools sized for thousands of streams."""
+    limits = httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_keepalive_connections,
+        keepalive_expiry=settings.keepalive_expiry,
+    )
     return httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_keepalive_connections,
-            keepalive_expiry=30.0,
-        ),
+        transport=AiohttpTransport(limits) if settings.upstream_transport == "aiohttp" else None,
+        limits=limits,
         timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
         headers=engine_headers(settings),
         trust_env=False,

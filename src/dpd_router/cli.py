@@ -157,6 +157,7 @@ def _serve(settings: Settings) -> int:
         http="httptools",
         log_level="warning",
         access_log=False,
+        timeout_keep_alive=settings.client_keepalive_timeout,
     )
     return 0
 
@@ -221,6 +222,7 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
                 loop="none",
                 log_level="warning",
                 access_log=False,
+                timeout_keep_alive=settings.client_keepalive_timeout,
             )
         )
         announce = asyncio.create_task(_announce(server, settings, cluster.prefill_urls, cluster.decode_urls))

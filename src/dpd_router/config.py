@@ -95,6 +95,10 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # Seconds a client's idle keep-alive connection stays open. Longer than what clients and load
+    # balancers keep idle connections for (httpx and the openai client: 5 s; cloud load balancers:
+    # 60 s), so the router never closes a connection a client is sending its next request on.
+    client_keepalive_timeout: int = Field(default=75, ge=1)
 
     prefill_urls: UrlList = Field(default_factory=list)
     decode_urls: UrlList = Field(default_factory=list)
@@ -154,9 +158,15 @@ class Settings(BaseSettings):
     idle_timeout: float = Field(default=120.0, gt=0)
     request_timeout: float = Field(default=600.0, gt=0)
 
-    # The shared HTTP client's connection pool.
+    # The shared HTTP client's connection pool. `upstream_transport`: engine calls go through aiohttp's
+    # pool (the default: a third of the CPU per request of httpx's own under load) or httpx's (`httpx`).
+    # Idle connections close after `keepalive_expiry` s, below the engines' own 5 s (vLLM's uvicorn),
+    # so the router never sends on a connection the engine is closing. `max_keepalive_connections`
+    # caps idle connections with the `httpx` transport only.
+    upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
     max_connections: int = Field(default=4096, ge=1)
     max_keepalive_connections: int = Field(default=512, ge=0)
+    keepalive_expiry: float = Field(default=4.0, gt=0)
 
     # Prompts longer than this many characters are tokenized in a worker thread.
     tokenize_inline_max_chars: int = Field(default=2048, ge=0)

@@ -1,0 +1,127 @@
+"""httpx's client API over aiohttp's connection pool, for every call the router makes to an engine.
+
+Why: at 64 concurrent streams, httpx's own pool (httpcore) spent about two thirds of the router's
+CPU walking every pooled connection (and probing each idle socket with a syscall) on each request
+and each response end; the router used 8 ms of CPU per short request. aiohttp keeps its idle
+connections per host in a queue and parses HTTP in C: 2.9 ms per request, same requests
+(`benchmarks/README.md`, router overhead). The rest of the router keeps speaking httpx: requests,
+responses, timeouts and, above all, exceptions. The mapping is the part that matters: the gateway
+resends a request only when the engine can never have seen it, and that is `httpx.ConnectError`
+or `httpx.ConnectTimeout` alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+import aiohttp
+import httpx
+
+# Request headers aiohttp writes itself from the body it is given.
+_BODY_HEADERS = frozenset({"content-length", "transfer-encoding"})
+
+
+@contextmanager
+def _as_httpx_errors(request: httpx.Request) -> Iterator[None]:
+    """Re-raise aiohttp's failures as the httpx exceptions the router handles (most specific first)."""
+    try:
+        yield
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=request) from exc
+    except aiohttp.SocketTimeoutError as exc:
+        raise httpx.ReadTimeout(str(exc) or "read timed out", request=request) from exc
+    except aiohttp.ClientConnectorError as exc:  # refused, unreachable, DNS: nothing was sent
+        raise httpx.ConnectError(str(exc), request=request) from exc
+    except aiohttp.ServerDisconnectedError as exc:
+        raise httpx.RemoteProtocolError(str(exc) or "server disconnected", request=request) from exc
+    except aiohttp.ClientPayloadError as exc:
+        raise httpx.ReadError(str(exc), request=request) from exc
+    except aiohttp.ClientResponseError as exc:  # a malformed answer
+        raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+    except aiohttp.InvalidURL as exc:
+        raise httpx.UnsupportedProtocol(str(exc), request=request) from exc
+    except aiohttp.ClientOSError as exc:  # reset or broken pipe on an established connection
+        raise httpx.ReadError(str(exc), request=request) from exc
+    except aiohttp.ClientError as exc:
+        raise httpx.NetworkError(f"{type(exc).__name__}: {exc}", request=request) from exc
+    except TimeoutError as exc:  # aiohttp's own deadline for taking a pooled connection
+        raise httpx.PoolTimeout("no connection became free in time", request=request) from exc
+
+
+class _Body(httpx.AsyncByteStream):
+    """An engine's response body as it arrives; closing it early drops the connection."""
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _as_httpx_errors(self._request):
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        if self._response.content.at_eof():
+            self._response.release()  # read to the end: the connection goes back to the pool
+        else:
+            self._response.close()  # cut short: the connection cannot be reused
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An httpx transport backed by one aiohttp session (created on first use, inside the loop)."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._limits = limits
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=self._limits.max_connections or 0,
+            limit_per_host=0,
+            keepalive_timeout=self._limits.keepalive_expiry or 0.0,
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),  # one client for every user's request: no shared cookies
+            auto_decompress=False,  # httpx decodes, from the response headers, as with its own pool
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),  # httpx already set what the caller wants
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._session is None:
+            self._session = self._open_session()
+        timeouts = request.extensions.get("timeout", {})
+        headers = [(key, value) for key, value in request.headers.multi_items() if key.lower() not in _BODY_HEADERS]
+        body = await request.aread()
+        with _as_httpx_errors(request):
+            response = await self._session.request(
+                request.method,
+                str(request.url),
+                headers=headers,
+                data=body or None,
+                allow_redirects=False,
+                compress=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=timeouts.get("pool"),  # waiting for a pooled connection, connecting included
+                    sock_connect=timeouts.get("connect"),
+                    sock_read=timeouts.get("read"),
+                ),
+            )
+        return httpx.Response(
+            status_code=response.status,
+            headers=list(response.raw_headers),
+            stream=_Body(response, request),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode()},
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+            await asyncio.sleep(0)  # let the connector's transports finish closing
