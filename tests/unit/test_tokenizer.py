@@ -57,9 +57,9 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tokenizer_dir: Path
     seen: list[str] = []
     original = local._encode_text
 
-    def spy(text: str) -> list[int]:
+    def spy(text: str, threaded: bool = False) -> list[int]:
         seen.append(threading.current_thread().name)
-        return original(text)
+        return original(text, threaded)
 
     local._encode_text = spy  # type: ignore[method-assign]
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "short"})))
@@ -67,6 +67,26 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tokenizer_dir: Path
     assert seen[0] == threading.current_thread().name
     assert seen[1].startswith("tokenize")
     local.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain words, twice: plain words",
+        "<s> a special token in the text </s> and unicode: naïve café 漢字 🙂",
+        "  leading and trailing spaces  \n\n tabs\tand newlines\n",
+        "long " * 400,
+    ],
+)
+async def test_the_fast_path_encodes_exactly_as_transformers_does(local: LocalTokenizer, text: str) -> None:
+    """The Rust core is called directly (inline and in a thread): the ids are transformers' own."""
+    reference = local._tokenizer
+    for special in (True, False):
+        expected = reference.encode(text, add_special_tokens=special)
+        for threaded in (False, True):
+            assert local._encode(text, special=special, threaded=threaded) == expected
+    completion = await local.tokenize(parse_request("completion", orjson.dumps({"prompt": text})))
+    assert list(completion.token_ids) == reference.encode(text, add_special_tokens=True)
 
 
 async def test_template_failure_is_a_400(local: LocalTokenizer) -> None:
