@@ -165,6 +165,14 @@ class Gateway:
             session_key = planner.session_key(headers or {}, request.body)
             kv_hint = await planner.lookup_kv(prompt)
             plan = planner.plan(prompt, batch_size=request.batch_size, session_key=session_key, kv_hint=kv_hint)
+            if plan.last_resort:
+                self._metrics.last_resort_routes.inc()
+                log.warning(
+                    "request %s: no decoder passes its health probes; trying %s, which fails only those (%s)",
+                    request_id,
+                    plan.decoder.url,
+                    plan.decoder.last_error,
+                )
             trace.threshold = planner.threshold
             trace.uncached_tokens = plan.uncached_tokens
             trace.decoder_streams = plan.decoder_streams

@@ -183,6 +183,11 @@ class RouterMetrics:
             ["hop"],
             registry=r,
         )
+        self.last_resort_routes = Counter(
+            f"{PREFIX}_last_resort_routes",
+            "Requests sent to a decoder failing its health probes (and nothing else) because no decoder passed them.",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             f"{PREFIX}_client_disconnects",
             "Clients that went away before their answer ended, by the phase they left in.",

@@ -203,6 +203,38 @@ async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
             assert await metric(base_url, "dpd_router_requests_total", {"outcome": "ok", "path": path}) == 1
 
 
+async def test_decoders_failing_only_their_probes_still_serve_until_their_calls_fail(tokenizer_dir: Path) -> None:
+    """No decoder passes /health, but one still answers: serve there (counted), not 503 for everyone."""
+    async with (
+        SimCluster(prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**router_settings(cluster, tokenizer_dir, health_unhealthy_threshold=1)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        busy, dead = cluster.decode_urls
+        await client.post(f"{busy}/sim/fault", json={"mode": "unhealthy"})
+        await client.post(f"{dead}/sim/fault", json={"mode": "dead"})
+
+        async def both_unhealthy() -> bool:
+            ready = await client.get("/ready")
+            return ready.status_code == 503
+
+        await wait_until(both_unhealthy)
+        answers = [await client.post("/v1/chat/completions", json=body(f"{i} {SHORT}")) for i in range(8)]
+        # A call the dead one fails is retried on the other; after a few, its breaker keeps it out.
+        assert [answer.status_code for answer in answers] == [200] * 8
+        assert (await engine_stats(busy))["requests_total"] == 8
+        assert await metric(base_url, "dpd_router_last_resort_routes_total") == 8
+
+        await client.post(f"{busy}/sim/fault", json={"mode": "dead"})
+        await wait_until(lambda: _all_refused(client))
+
+
+async def _all_refused(client: httpx.AsyncClient) -> bool:
+    """Once both decoders fail their calls too, their breakers open and the router answers 503 at once."""
+    answer = await client.post("/v1/chat/completions", json=body(SHORT))
+    return answer.status_code == 503 and answer.json()["error"]["type"] == "ServiceUnavailableError"
+
+
 async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(tokenizer_dir: Path) -> None:
     slow = ["--decode-step-base", "0.02", "--prefill-per-token", "0.01"]
     async with (

@@ -63,6 +63,21 @@ class Pool:
         """The endpoints of `role` that may take new calls now (probes pass, breaker not open, not draining)."""
         return [endpoint for endpoint in self.members(role) if endpoint.available]
 
+    def last_resort(self, role: Role) -> list[Endpoint]:
+        """When no endpoint of `role` is available: those failing nothing but their health probes.
+
+        An engine too busy to answer `/health` in time still serves its requests; turning every
+        client away with 503 because its probes are slow would be worse than trying it (Envoy's
+        panic routing). Only engines that answered a probe before, whose breaker lets calls through
+        (real calls are not failing) and that are not draining qualify: a dead engine fails its
+        calls, its breaker opens, and it leaves this list too.
+        """
+        return [
+            endpoint
+            for endpoint in self.members(role)
+            if not endpoint.healthy and endpoint.probed_ok and not endpoint.draining and endpoint.breaker.allows()
+        ]
+
     def ready(self) -> bool:
         """At least one decoder has answered a health probe and may take traffic now."""
         return any(endpoint.probed_ok and endpoint.available for endpoint in self.decoders)

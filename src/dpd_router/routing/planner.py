@@ -54,6 +54,8 @@ class Plan:
     uncached_tokens: int = 0
     # Streams running on the decoder when the plan was made (what a direct prefill would stall).
     decoder_streams: float = 0.0
+    # The decoder fails its health probes but nothing else, and no decoder passes them (Pool.last_resort).
+    last_resort: bool = False
 
     def direct(self, reason: str) -> Plan:
         """The same plan served by the decoder alone (for example after the prefill hop failed)."""
@@ -144,6 +146,7 @@ class Planner:
         plan = replace(
             self._decide(request, decoder, uncached, batch_size),
             decoder_streams=running_streams(decoder, time.monotonic()),
+            last_resort=not decoder.healthy,
         )
         if self.cache is not None:
             self.cache.record(request, (decoder,) if plan.prefiller is None else (decoder, plan.prefiller))
@@ -152,15 +155,19 @@ class Planner:
     def alternative(
         self, role: Role, prompt: Prompt, *, exclude: Collection[Endpoint], session_key: str | None = None
     ) -> Endpoint | None:
-        """Another endpoint of `role` for a retry, chosen by the same strategy; None if none is left."""
-        candidates = [endpoint for endpoint in self.pool.healthy(role) if endpoint not in exclude]
+        """Another endpoint of `role` for a retry, chosen by the same strategy; None if none is left.
+        Decoders failing only their probes count when none passes them, as in choose_decoder."""
+        healthy = self.pool.healthy(role)
+        if role == "decode" and not healthy:
+            healthy = self.pool.last_resort(role)
+        candidates = [endpoint for endpoint in healthy if endpoint not in exclude]
         if not candidates:
             return None
         strategy = self.prefill_strategy if role == "prefill" else self.decode_strategy
         return strategy.select(candidates, RoutingRequest(prompt, session_key=session_key))
 
     def choose_decoder(self, request: RoutingRequest) -> Endpoint:
-        decoders = self.pool.healthy("decode")
+        decoders = self.pool.healthy("decode") or self.pool.last_resort("decode")
         if not decoders:
             raise NoHealthyDecoder("No decoder is available to serve this request; try again shortly.")
         return self.decode_strategy.select(decoders, request)

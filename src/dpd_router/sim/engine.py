@@ -49,7 +49,7 @@ def create_app(config: SimConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if core.faults.dead else 200)
+        return Response(status_code=503 if core.faults.failing_probes else 200)
 
     @app.get("/v1/models")
     async def models() -> Response:

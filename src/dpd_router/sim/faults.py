@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-FaultMode = Literal["none", "dead", "error_500", "hang", "no_kv_params", "reject_kv", "ignore_kv"]
+FaultMode = Literal["none", "dead", "unhealthy", "error_500", "hang", "no_kv_params", "reject_kv", "ignore_kv"]
 FAULT_MODES: tuple[FaultMode, ...] = get_args(FaultMode)
 
 
@@ -12,6 +12,7 @@ class FaultInjector:
     """The engine's current fault, for the next `count` requests it applies to (None: no limit).
 
     - dead: /health and completions answer 503;
+    - unhealthy: /health answers 503 while completions are served (an engine too busy for its probes);
     - error_500: completions answer 500 with an OpenAI error body;
     - hang: completions never answer, until the client gives up;
     - no_kv_params: a prefill for a remote decoder answers without kv_transfer_params;
@@ -37,6 +38,10 @@ class FaultInjector:
     @property
     def dead(self) -> bool:
         return self.mode == "dead"
+
+    @property
+    def failing_probes(self) -> bool:
+        return self.mode in ("dead", "unhealthy")
 
     def take(self, *applicable: FaultMode) -> FaultMode | None:
         """Spend one use of the current fault if it applies to this request; return it."""
