@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -366,46 +366,87 @@ class KVEventSubscriber:
 
     Sequence numbers are checked per publisher: a gap (messages lost past the high-water mark) is
     counted; a sequence that goes backwards means the engine restarted, and what that rank had
-    reported is forgotten.
+    reported is forgotten. `publishers` may be a function of the pool: it is read again every
+    `refresh_interval` seconds, so engines that discovery adds are subscribed to, and engines that
+    leave are unsubscribed and forgotten.
     """
 
-    def __init__(self, index: KVEventIndex, publishers: Mapping[str, Sequence[str]], metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        index: KVEventIndex,
+        publishers: Mapping[str, Sequence[str]] | Callable[[], Mapping[str, Sequence[str]]],
+        metrics: RouterMetrics,
+        *,
+        refresh_interval: float = 2.0,
+    ) -> None:
         self.index = index
-        self._publishers = {url: list(addresses) for url, addresses in publishers.items() if addresses}
+        self._publishers = publishers if callable(publishers) else (lambda: publishers)
         self._metrics = metrics
+        self._refresh_interval = refresh_interval
         self._context: zmq.asyncio.Context | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._listeners: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._refresher: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, pool: Pool, metrics: RouterMetrics) -> KVEventSubscriber | None:
         """The subscriber for `kvaware` routing, or None when no engine's publisher is configured."""
-        publishers = publishers_from_settings(settings, pool)
-        if not publishers:
+        if not settings.kv_events_endpoints and settings.kv_events_port is None:
             return None
         if settings.prefill_strategy != "kvaware":
             log.warning("KV event publishers are configured but prefill_strategy is not kvaware: not subscribing")
             return None
-        capacity = max(1, settings.prefix_index_capacity // len(publishers))
+        engines = len(publishers_from_settings(settings, pool))
+        capacity = max(1, settings.prefix_index_capacity // max(1, engines))
         index = KVEventIndex(block_size=settings.block_size, capacity_per_endpoint=capacity)
         metrics.watch_cache_index(index.name, lambda: len(index))
-        return cls(index, publishers, metrics)
+        return cls(index, lambda: publishers_from_settings(settings, pool), metrics)
+
+    @property
+    def subscriptions(self) -> list[tuple[str, str]]:
+        """(engine URL, publisher address) of every open subscription."""
+        return sorted(self._listeners)
 
     def start(self) -> None:
         if self._context is not None:
             return
         self._context = zmq.asyncio.Context()
-        for url, addresses in self._publishers.items():
-            for address in addresses:
-                self._tasks.append(asyncio.create_task(self._listen(url, address), name=f"kv-events {address}"))
-        log.info("subscribed to KV events from %s", {url: addresses for url, addresses in self._publishers.items()})
+        self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="kv-events refresh")
+
+    def refresh(self) -> None:
+        """Subscribe to publishers that appeared; drop (and forget the blocks of) those that left."""
+        wanted = {(url, address) for url, addresses in self._publishers().items() for address in addresses}
+        stopped = {key for key, task in self._listeners.items() if task.done()}  # its socket failed: again
+        for key in stopped:
+            del self._listeners[key]
+        for key in wanted - self._listeners.keys():
+            url, address = key
+            self._listeners[key] = asyncio.create_task(self._listen(url, address), name=f"kv-events {address}")
+            log.info("subscribed to KV events of %s at %s", url, address)
+        for key in self._listeners.keys() - wanted:
+            url, address = key
+            self._listeners.pop(key).cancel()
+            if not any(other == url for other, _ in self._listeners):
+                self.index.forget(url)
+            log.info("unsubscribed from KV events of %s at %s", url, address)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_interval)
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("could not refresh the KV event subscriptions")
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._listeners.values(), *([self._refresher] if self._refresher else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks.clear()
+        self._listeners.clear()
+        self._refresher = None
         if self._context is not None:
             self._context.term()
             self._context = None

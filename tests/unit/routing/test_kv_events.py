@@ -267,6 +267,34 @@ async def test_the_subscriber_indexes_events_from_a_real_zmq_publisher() -> None
         context.term()
 
 
+async def test_subscriptions_follow_the_pool_as_engines_come_and_go() -> None:
+    """With kv_events_port, an engine discovery adds is subscribed to; one that leaves is dropped and forgotten."""
+    settings = Settings(
+        prefill_strategy="kvaware", kv_events_port=5557, block_size=4, decode_urls=["http://127.0.0.1:9000"]
+    )
+    pool = Pool([], settings.decode_urls)
+    subscriber = KVEventSubscriber.from_settings(settings, pool, RouterMetrics())
+    assert subscriber is not None
+    subscriber.start()
+    try:
+        assert subscriber.subscriptions == [("http://127.0.0.1:9000", "tcp://127.0.0.1:5557")]
+        pool.add("http://10.0.0.7:8000", "prefill")
+        subscriber.refresh()
+        assert ("http://10.0.0.7:8000", "tcp://10.0.0.7:5557") in subscriber.subscriptions
+        subscriber.receive("http://10.0.0.7:8000", frames(0, batch_map(stored_map([901], None, [1, 2, 3, 4]))), None)
+        newcomer = pool.get("http://10.0.0.7:8000")
+        assert newcomer is not None
+        assert subscriber.index.matched_tokens(request([1, 2, 3, 4]), [newcomer]) == {newcomer: 4}
+
+        pool.remove(newcomer)
+        subscriber.refresh()
+        assert subscriber.subscriptions == [("http://127.0.0.1:9000", "tcp://127.0.0.1:5557")]
+        assert subscriber.index.blocks_of("http://10.0.0.7:8000") == 0
+    finally:
+        await subscriber.close()
+    assert subscriber.subscriptions == []
+
+
 # the planner on engine reports
 
 
