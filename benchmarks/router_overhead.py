@@ -7,7 +7,9 @@ concurrency) is reached:
 - `dpd-router`: dpd-router on its direct path (threshold above every prompt);
 - `vllm-router`: vllm-router 0.1.17 in plain mode (round robin over the one engine);
 - `dpd-router-pd`: dpd-router with threshold 1 (every request prefiller -> decoder);
-- `vllm-router-pd`: vllm-router in PD mode (every request prefiller -> decoder).
+- `vllm-router-pd`: vllm-router in PD mode (every request prefiller -> decoder);
+- `production-stack`, `production-stack-pd`: production-stack's Python router (round robin, and its
+  `disaggregated_prefill` logic), when `--production-stack-src` names a checkout of its repository.
 Added latency is a setup's percentile minus direct's, from runs adjacent in time; setups are
 interleaved and repeated, and the tables give medians over repeats. Also: short requests while
 32k-token prompts arrive (does tokenization stall the loop?) and streamed chunks/s at 256 streams.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -33,8 +36,9 @@ from dpd_router.sim.gpu import TimingModel
 from dpd_router.sim.tokenizer_kit import ensure_tokenizer
 
 NAME = "router_overhead"
-PLAIN = ("direct", "dpd-router", "vllm-router")
-PD = ("dpd-router-pd", "vllm-router-pd")
+PLAIN = ("direct", "dpd-router", "vllm-router", "production-stack")
+PD = ("dpd-router-pd", "vllm-router-pd", "production-stack-pd")
+PEERS = ("vllm-router", "production-stack")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenize-rate", type=float, default=1.0, help="32k prompts/s during the stall test")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-vllm-router", action="store_true", help="skip vllm-router (no install)")
+    parser.add_argument(
+        "--production-stack-src",
+        type=Path,
+        default=os.environ.get("PRODUCTION_STACK_SRC") or None,
+        help="a checkout of vllm-project/production-stack: also measure its router (needs python3.12)",
+    )
     parser.add_argument("--profile", type=float, default=20.0, help="py-spy the router this long at c=64 (0: off)")
     parser.add_argument("--max-seconds", type=float, default=120.0)
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
@@ -62,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.concurrency, args.short_requests, args.long_requests = [1, 8], [20, 40], [2, 4]
         args.long_tokens, args.stream_tokens, args.streams, args.tokenize_rate = 2000, 16, 16, 5.0
         args.repeats, args.no_vllm_router, args.profile, args.max_seconds = 1, True, 0.0, 30.0
+        args.production_stack_src = None
         args.paced_step = 0.005
     return args
 
@@ -110,6 +121,15 @@ async def bring_up(args: argparse.Namespace, exits: list[Any]) -> dict[str, str]
         services["vllm-router"] = stack.vllm_router(workers=[d])
         services["vllm-router-pd"] = stack.vllm_router(prefill=[p], decode=[d], name="vllm-router-pd")
         services["vllm-router-paced"] = stack.vllm_router(workers=paced.decode_urls, name="vllm-router-paced")
+    if args.production_stack_src is not None:
+        tools.ensure_production_stack(Path(args.production_stack_src))
+        services["production-stack"] = stack.production_stack_router(workers=[d])
+        services["production-stack-pd"] = stack.production_stack_router(
+            prefill=[p], decode=[d], name="production-stack-pd"
+        )
+        services["production-stack-paced"] = stack.production_stack_router(
+            workers=paced.decode_urls, name="production-stack-paced"
+        )
     await asyncio.gather(*(service.start() for service in services.values()))
     exits.extend(services.values())
     urls = {name: service.url for name, service in services.items()}
@@ -345,7 +365,8 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
     ratio_rows = []
     for size in ("short", "long"):
         for concurrency in args.concurrency:
-            for ours, theirs in (("dpd-router", "vllm-router"), ("dpd-router-pd", "vllm-router-pd")):
+            pairs = [(f"dpd-router{mode}", f"{peer}{mode}") for peer in PEERS for mode in ("", "-pd")]
+            for ours, theirs in pairs:
                 for q in ("p50", "p99"):
                     a = added(lat, ours, q, size=size, concurrency=concurrency)
                     b = added(lat, theirs, q, size=size, concurrency=concurrency)
@@ -354,7 +375,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
                         ratio_rows.append([size, concurrency, pair, q, report.ms(a, 2), report.ms(b, 2), ratio(a, b)])
     if ratio_rows:
         md += [
-            "## dpd-router's added latency relative to vllm-router's (same run)",
+            "## dpd-router's added latency relative to its peers' (same run)",
             "",
             report.table(["prompt", "conc", "pair", "pct", "ours ms", "theirs ms", "ratio"], ratio_rows),
             "",

@@ -186,6 +186,30 @@ def vllm_router(
     return Service(name, argv, port, ready_path="/health")
 
 
+def production_stack_router(
+    *,
+    workers: Sequence[str] = (),
+    prefill: Sequence[str] = (),
+    decode: Sequence[str] = (),
+    name: str = "production-stack",
+) -> Service:
+    """production-stack's router (Python, its own venv): round robin over `workers`, or its
+    `disaggregated_prefill` logic (prefiller with max_tokens=1, then the decoder) over labelled backends."""
+    port = free_port()
+    argv = [str(VENVS / "production-stack" / "bin" / "vllm-router"), "--host", HOST, "--port", str(port)]
+    argv += ["--service-discovery", "static", "--log-level", "warning"]
+    if prefill:
+        backends = [*prefill, *decode]
+        labels = ["prefill"] * len(prefill) + ["decode"] * len(decode)
+        argv += ["--static-backends", ",".join(backends), "--static-models", ",".join([MODEL] * len(backends))]
+        argv += ["--static-model-labels", ",".join(labels), "--routing-logic", "disaggregated_prefill"]
+        argv += ["--prefill-model-labels", "prefill", "--decode-model-labels", "decode"]
+    else:
+        argv += ["--static-backends", ",".join(workers), "--static-models", ",".join([MODEL] * len(workers))]
+        argv += ["--routing-logic", "roundrobin"]
+    return Service(name, argv, port, ready_path="/health")
+
+
 @asynccontextmanager
 async def engines(
     *,

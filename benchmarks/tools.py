@@ -2,6 +2,7 @@
 
 - genai-bench (PyPI), the seed's load tool: fixed-length scenarios at a concurrency;
 - vllm-router==0.1.17 (PyPI, Rust), the peer router;
+- production-stack's Python router, from a checkout of its repository (`ensure_production_stack`);
 - py-spy and pyinstrument, for profiling the router when a target is missed.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,6 +43,26 @@ def ensure_venv(name: str) -> Path:
     print(f"installing {' '.join(PACKAGES[name])} into {target} (a minute or two) ...", file=sys.stderr, flush=True)
     subprocess.run([python, "-m", "venv", str(target)], check=True)
     subprocess.run([str(target / "bin" / "pip"), "install", "--quiet", *PACKAGES[name]], check=True)
+    return binary
+
+
+def ensure_production_stack(source: Path) -> Path:
+    """production-stack's Python router, installed from a checkout of its repository (it is not on PyPI
+    under its own name: PyPI's `vllm-router` is the Rust one) into benchmarks/.venvs/production-stack.
+    It needs Python 3.12 or newer."""
+    binary = VENVS / "production-stack" / "bin" / "vllm-router"
+    if binary.exists():
+        return binary
+    if not (source / "src" / "vllm_router").is_dir():
+        raise FileNotFoundError(f"{source} is not a production-stack checkout (no src/vllm_router)")
+    python = shutil.which("python3.12") or shutil.which("python3.13")
+    if python is None:
+        raise FileNotFoundError("production-stack's router needs python3.12 or python3.13 on PATH")
+    target = VENVS / "production-stack"
+    print(f"installing production-stack's router from {source} into {target} ...", file=sys.stderr, flush=True)
+    subprocess.run([python, "-m", "venv", str(target)], check=True)
+    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": "0.0.0+checkout"}  # a source archive has no git tags
+    subprocess.run([str(target / "bin" / "pip"), "install", "--quiet", str(source)], check=True, env=env)
     return binary
 
 
