@@ -42,9 +42,10 @@ class TokenCounter(Protocol):
 
 
 def _text_of_content(content: Any) -> Any:
-    """Chat templates expect strings; flatten OpenAI content-part arrays to their text."""
+    """Chat templates expect strings; flatten OpenAI content-part arrays to their text, one part per
+    line, as vLLM does before it applies the template."""
     if isinstance(content, list):
-        return "".join(
+        return "\n".join(
             part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
         )
     return content

@@ -40,6 +40,11 @@ async def test_content_parts_count_their_text(local: LocalTokenizer) -> None:
     )
     as_text = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": "hello world"}]}))
     assert (await local.tokenize(as_parts)).token_ids == (await local.tokenize(as_text)).token_ids
+    two_parts = [{"type": "text", "text": "hello"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    two_parts.append({"type": "text", "text": "world"})
+    as_lines = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": "hello\nworld"}]}))
+    several = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": two_parts}]}))
+    assert (await local.tokenize(several)).token_ids == (await local.tokenize(as_lines)).token_ids
 
 
 async def test_text_prompts_in_every_form(local: LocalTokenizer) -> None:
