@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import math
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -37,7 +39,9 @@ from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
+from dpd_router.transfer.lmcache import LMCacheConnector, ProxyNotifications, Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
+from dpd_router.transfer.sglang import SGLangConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector
 from dpd_router.transport import AiohttpTransport
 
@@ -63,6 +67,7 @@ class Router:
     live: LiveConfig = field(init=False)
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
+    connector: Connector | None = None
     discovery: Discovery | None = None
     _maintenance: asyncio.Task[None] | None = None
     _scraping: asyncio.Task[None] | None = None
@@ -70,6 +75,24 @@ class Router:
     @classmethod
     async def start(cls, settings: Settings) -> Router:
         client = build_client(settings)
+        # First, before anything else runs: a notification address that cannot be bound stops the
+        # router here, with nothing else to close.
+        connector = build_connector(settings, client)
+        try:
+            await connector.start()
+        except BaseException:
+            await client.aclose()
+            raise
+        try:
+            return await cls._build(settings, client, connector)
+        except BaseException:
+            await connector.close()
+            await client.aclose()
+            raise
+
+    @classmethod
+    async def _build(cls, settings: Settings, client: httpx.AsyncClient, connector: Connector) -> Router:
+        warn_about_connector(settings)
         breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_cooldown, settings.breaker_max_cooldown)
         pool = Pool(settings.prefill_urls, settings.decode_urls, breaker=breaker)
         tenant_pools = {
@@ -88,11 +111,27 @@ class Router:
         lmcache = LMCacheController.from_settings(settings, client, metrics)
         kv_sources = [kv_events.index] if kv_events else []
         adaptive = AdaptiveModel(adaptive_policy(settings), settings.routing_threshold)
-        planner = build_planner(settings, pool, metrics, kv_sources=kv_sources, kv_lookup=lmcache, adaptive=adaptive)
+        planner = build_planner(
+            settings,
+            pool,
+            metrics,
+            kv_sources=kv_sources,
+            kv_lookup=lmcache,
+            adaptive=adaptive,
+            batches=connector.batches,
+            serves_direct=connector.serves_direct,
+        )
         planners: dict[str | None, Planner] = {None: planner}
         for tenant, reserved in tenant_pools.items():
             planners[tenant] = build_planner(
-                settings, reserved, metrics, kv_sources=kv_sources, kv_lookup=lmcache, adaptive=adaptive
+                settings,
+                reserved,
+                metrics,
+                kv_sources=kv_sources,
+                kv_lookup=lmcache,
+                adaptive=adaptive,
+                batches=connector.batches,
+                serves_direct=connector.serves_direct,
             )
         metrics.watch_adaptive(
             lambda: [
@@ -116,7 +155,7 @@ class Router:
             client=client,
             tokenizer=tokenizer,
             planners=planners,
-            connector=build_connector(settings, client),
+            connector=connector,
             observer=Observer(
                 metrics,
                 SpanExporter.create() if settings.otel_tracing else None,
@@ -157,6 +196,7 @@ class Router:
             kv_events=kv_events,
             lmcache=lmcache,
             discovery=discovery,
+            connector=connector,
         )
         router.live = LiveConfig(router)
         router.live.start()
@@ -205,6 +245,8 @@ class Router:
                     await task
         if self.kv_events is not None:
             await self.kv_events.close()
+        if self.connector is not None:
+            await self.connector.close()
         self.tokenizer.close()
         await self.client.aclose()
 
@@ -256,7 +298,71 @@ def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:
         return NixlConnector(client, timeout=timeout, path_for=ENGINE_PATHS)
     if settings.kv_connector == "shared_storage":
         return SharedStorageConnector(client, timeout=timeout, path_for=ENGINE_PATHS)
+    if settings.kv_connector == "lmcache":
+        receivers = {
+            url: Receiver(
+                receiver.host or urlsplit(url).hostname or "127.0.0.1",
+                tuple(receiver.init_ports),
+                tuple(receiver.alloc_ports),
+            )
+            for url, receiver in settings.lmcache_receivers.items()
+        }
+        return LMCacheConnector(
+            client,
+            timeout=timeout,
+            receivers=ReceiverMap(
+                settings.lmcache_receiver_init_ports, settings.lmcache_receiver_alloc_ports, receivers
+            ),
+            notifications=ProxyNotifications(settings.lmcache_notify_address),
+            notify_timeout=settings.lmcache_notify_timeout,
+            notify_count=settings.lmcache_notify_count,
+            local_tokenizer=settings.tokenizer is not None,
+        )
+    if settings.kv_connector == "sglang":
+        return SGLangConnector(
+            client,
+            timeout=timeout,
+            path_for=ENGINE_PATHS,
+            bootstrap_port=settings.sglang_bootstrap_port,
+            bootstrap_ports=settings.sglang_bootstrap_ports,
+        )
     raise ValueError(f"unknown kv_connector {settings.kv_connector!r}")
+
+
+def warn_about_connector(settings: Settings) -> None:
+    """Log what the connector's settings make likely to fail: a notification address on the loopback
+    interface that prefillers on other hosts cannot reach."""
+    if settings.kv_connector != "lmcache":
+        return
+    host = urlsplit(settings.lmcache_notify_address.replace("*", "0.0.0.0", 1)).hostname or ""
+    if not _is_loopback(host):
+        return
+    prefillers = _engine_urls(settings, "prefill")
+    remote = sorted({url for url in prefillers if not _is_loopback(urlsplit(url).hostname or "")})
+    if remote:
+        log.warning(
+            "lmcache_notify_address %s listens on the loopback interface, but prefillers %s are on other "
+            "hosts: their ProxyNotif messages cannot reach it, and every LMCache hand-off will fail. Bind "
+            "an address they can reach (for example tcp://0.0.0.0:8500) and name it in their pd_proxy_host.",
+            settings.lmcache_notify_address,
+            remote,
+        )
+
+
+def _engine_urls(settings: Settings, role: str) -> list[str]:
+    urls = list(settings.prefill_urls if role == "prefill" else settings.decode_urls)
+    for pools in settings.tenants.values():
+        urls.extend(pools.prefill_urls if role == "prefill" else pools.decode_urls)
+    return urls
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def load_tokenizer(settings: Settings, client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> TokenCounter:

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,11 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
         str,
         "how a prefiller is chosen: roundrobin, session, prefixaware (default), kvaware, leastloaded",
     ),
-    "--kv-connector": ("kv_connector", str, "KV transfer protocol: nixl or shared_storage"),
+    "--kv-connector": (
+        "kv_connector",
+        str,
+        "KV transfer protocol: nixl (default), shared_storage, lmcache (LMCache PD) or sglang (SGLang bootstrap)",
+    ),
     "--log-level": ("log_level", str, "debug, info, warning or error (default info)"),
     "--log-format": ("log_format", str, "json or text (default json)"),
 }
@@ -187,7 +193,11 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.logs import configure_logging
     from dpd_router.sim.cluster import SimCluster
 
+    wiring = _SimWiring()
     if args.engines == "vllm":
+        if args.kv_connector not in (None, "nixl"):
+            print("dpd-router: the real-engine demo speaks NIXL only", file=sys.stderr)
+            return 2
         vllm_cpu = _vllm_cpu_module()
         try:
             await asyncio.to_thread(vllm_cpu.ensure_env)
@@ -199,7 +209,15 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
         model = cluster.model_name
         print(f"starting a real vLLM prefill and decode engine (about 70 s; logs in {cluster.log_dir}) ...", flush=True)
     else:
-        cluster = SimCluster(prefill=args.prefillers, decode=args.decoders, tokenizer=tokenizer, model="sim-model")
+        wiring = _sim_wiring(args.kv_connector or "nixl", args.prefillers, args.decoders)
+        cluster = SimCluster(
+            prefill=args.prefillers,
+            decode=args.decoders,
+            tokenizer=tokenizer,
+            model="sim-model",
+            extra_args=wiring.extra_args,
+            engine_args=wiring.engine_args,
+        )
         model = "sim-model"
         print(f"starting {args.prefillers} prefill and {args.decoders} decode simulated engines ...", flush=True)
     await cluster.start()
@@ -212,6 +230,7 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
             model=model,
             routing_threshold=DEMO_THRESHOLD,
             log_format="text",
+            **wiring.settings(cluster),
         )
         configure_logging(settings.log_level, settings.log_format)
         server = uvicorn.Server(
@@ -234,6 +253,47 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
         print("stopping the engines ...", flush=True)
         await cluster.stop()
     return 0
+
+
+@dataclass
+class _SimWiring:
+    """What simulated engines and the router need to speak a KV connector's protocol to each other."""
+
+    extra_args: list[str] = field(default_factory=list)
+    engine_args: dict[str, list[str]] = field(default_factory=dict)
+    settings: Callable[[Any], dict[str, Any]] = lambda _cluster: {}
+
+
+def _sim_wiring(kv_connector: str, prefillers: int, decoders: int) -> _SimWiring:
+    """LMCache: a receiver port per decoder and the router's notification port; SGLang: a bootstrap
+    port per prefiller, and decoders in decode mode. NIXL and shared storage need nothing."""
+    from dpd_router.sim.cluster import HOST, free_ports
+
+    if kv_connector == "lmcache":
+        notify, *ports = free_ports(1 + 2 * decoders)
+        receivers = {f"decode-{i}": (ports[2 * i], ports[2 * i + 1]) for i in range(decoders)}
+        return _SimWiring(
+            extra_args=["--lmcache-notify-url", f"tcp://{HOST}:{notify}"],
+            engine_args={name: ["--lmcache-receiver-port", str(init)] for name, (init, _) in receivers.items()},
+            settings=lambda cluster: {
+                "lmcache_notify_address": f"tcp://{HOST}:{notify}",
+                "lmcache_receivers": {
+                    cluster.engine(name).url: {"init_ports": [init], "alloc_ports": [alloc]}
+                    for name, (init, alloc) in receivers.items()
+                },
+            },
+        )
+    if kv_connector == "sglang":
+        bootstrap = dict(zip((f"prefill-{i}" for i in range(prefillers)), free_ports(prefillers), strict=True))
+        # Decode-mode servers, as SGLang's: a request without a bootstrap room is refused.
+        decode_mode = {f"decode-{i}": ["--bootstrap-required"] for i in range(decoders)}
+        return _SimWiring(
+            engine_args={**decode_mode, **{name: ["--bootstrap-port", str(port)] for name, port in bootstrap.items()}},
+            settings=lambda cluster: {
+                "sglang_bootstrap_ports": {cluster.engine(name).url: port for name, port in bootstrap.items()}
+            },
+        )
+    return _SimWiring()
 
 
 def _vllm_cpu_module() -> Any:

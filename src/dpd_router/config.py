@@ -31,7 +31,7 @@ from pydantic_settings import (
 
 PrefillStrategy = Literal["roundrobin", "session", "prefixaware", "kvaware", "leastloaded"]
 ThresholdMode = Literal["static", "cache_aware", "adaptive"]
-KVConnectorName = Literal["nixl", "shared_storage"]
+KVConnectorName = Literal["nixl", "shared_storage", "lmcache", "sglang"]
 LogFormat = Literal["json", "text"]
 DiscoveryMode = Literal["static", "kubernetes"]
 
@@ -56,6 +56,26 @@ def _normalise_url(url: str) -> str:
     if scheme not in ("http", "https"):
         raise ValueError(f"{url!r} must be an http:// or https:// URL")
     return url
+
+
+PortList = Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode]
+
+
+class LMCacheReceiver(BaseModel):
+    """One decoder's LMCache PD receiver: its host (default: the decoder URL's) and one init and one
+    alloc port per TP rank."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str | None = None
+    init_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(min_length=1)
+    alloc_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_ranks(self) -> LMCacheReceiver:
+        if len(self.init_ports) != len(self.alloc_ports):
+            raise ValueError("init_ports and alloc_ports need one port per TP rank each")
+        return self
 
 
 class TenantPools(BaseModel):
@@ -150,6 +170,20 @@ class Settings(BaseSettings):
     lmcache_instance_ids: dict[str, str] = Field(default_factory=dict)
     kv_lookup_timeout: float = Field(default=0.05, gt=0)
     kv_connector: KVConnectorName = "nixl"
+    # kv_connector lmcache (LMCache PD): every decoder's receiver takes the KV on these ports (one per TP
+    # rank) on its own host, unless lmcache_receivers names it; the prefillers' workers confirm each
+    # hand-off with lmcache_notify_count ProxyNotif messages (default: one per init port) on the
+    # router's ZMQ PULL socket at lmcache_notify_address, within lmcache_notify_timeout seconds of the
+    # prefill answer, or the hop has failed.
+    lmcache_receiver_init_ports: PortList = Field(default_factory=lambda: [8300], min_length=1)
+    lmcache_receiver_alloc_ports: PortList = Field(default_factory=lambda: [8400], min_length=1)
+    lmcache_receivers: dict[str, LMCacheReceiver] = Field(default_factory=dict)
+    lmcache_notify_address: str = "tcp://127.0.0.1:8500"
+    lmcache_notify_count: int | None = Field(default=None, ge=1)
+    lmcache_notify_timeout: float = Field(default=5.0, gt=0)
+    # kv_connector sglang: the prefillers' bootstrap server port, and per-prefiller exceptions.
+    sglang_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
+    sglang_bootstrap_ports: dict[str, Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=dict)
 
     # Timeouts per phase, in seconds.
     connect_timeout: float = Field(default=5.0, gt=0)
@@ -275,6 +309,25 @@ class Settings(BaseSettings):
     def _check_instance_ids(cls, value: dict[str, str]) -> dict[str, str]:
         return {_normalise_url(url): instance for url, instance in value.items()}
 
+    @field_validator("lmcache_receiver_init_ports", "lmcache_receiver_alloc_ports", mode="before")
+    @classmethod
+    def _parse_port_list(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        return _split_urls(value)
+
+    @field_validator("lmcache_receivers", "sglang_bootstrap_ports")
+    @classmethod
+    def _check_engine_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return {_normalise_url(url): entry for url, entry in value.items()}
+
+    @field_validator("lmcache_notify_address")
+    @classmethod
+    def _check_notify_address(cls, value: str) -> str:
+        if not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{value!r} must be a ZMQ tcp:// or ipc:// address to bind")
+        return value
+
     @field_validator("lmcache_controller_url")
     @classmethod
     def _check_controller_url(cls, value: str | None) -> str | None:
@@ -342,7 +395,11 @@ class Settings(BaseSettings):
                     "a tenant's engines must serve that tenant alone"
                 )
             engines |= reserved
-        for name in ("kv_events_endpoints", "lmcache_instance_ids"):
+        if len(self.lmcache_receiver_init_ports) != len(self.lmcache_receiver_alloc_ports):
+            raise ValueError(
+                "lmcache_receiver_init_ports and lmcache_receiver_alloc_ports need one port per decoder TP rank each"
+            )
+        for name in ("kv_events_endpoints", "lmcache_instance_ids", "lmcache_receivers", "sglang_bootstrap_ports"):
             unknown = set(getattr(self, name)) - engines
             if unknown:
                 raise ValueError(f"{name} names {sorted(unknown)}, which are not in prefill_urls or decode_urls")

@@ -2,6 +2,14 @@
 
 prepare (tokenize, limits) -> plan (threshold, engines) -> execute (prefill hop, with retry and
 fallback) -> relay (decoder, replaced if it fails before the first byte) -> observe.
+
+The connector decides the shape of the two hops: a sequential one's decode call starts once the
+prefill hop staged the KV; a concurrent one's starts with it, and a prefill that fails before the
+decoder's first token cancels the decode call and counts as a failed prefill hop. A connector
+whose prefill already produced the first token (LMCache) has it sent to the client at once; one
+that pushes the KV into the chosen decoder (LMCache) has it released when no decode call there
+picks it up. A connector whose decoders serve nothing alone (SGLang) gets every request through a
+prefiller, or refuses it.
 """
 
 from __future__ import annotations
@@ -9,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -32,18 +41,23 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.models import ServedModel
-from dpd_router.relay import DecodeFailedEarly, EventStream, relay_body
+from dpd_router.relay import DecodeFailedEarly, EventStream, error_event, failed_before_output, relay_body
 from dpd_router.request import ClientRequest
 from dpd_router.routing.planner import PREFILL_FAILED, Plan, Planner
 from dpd_router.tokenizer import Prompt, TokenCounter
-from dpd_router.transfer.base import Connector, StagedKV
+from dpd_router.transfer.base import ENGINE_PATHS as ENGINE_PATHS  # the engine API paths, by request kind
+from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")
 
 # Seconds before the only decoder is tried again (times the attempt number).
 SAME_DECODER_BACKOFF = 0.25
+# Seconds a concurrent decode call that failed before its first token waits for its prefill's outcome.
+HANDOFF_GRACE = 2.0
+# The PrefillFailed reason of a hand-off whose decoder failed while its prefill call still ran.
+HANDOFF_FAILED = "handoff_failed"
 
-ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,13 +95,18 @@ class RetryPolicy:
 
 
 class DecodeFailed(Exception):
-    """The decoder failed before the client saw a byte: another decoder may serve the request."""
+    """The decoder failed before the client saw a byte: another decoder may serve the request.
 
-    def __init__(self, detail: str, *, kv_consumed: bool) -> None:
+    Not yet counted against the decoder (`failure` is what its breaker would record): a concurrent
+    prefill's failure may explain it.
+    """
+
+    def __init__(self, detail: str, *, kv_consumed: bool, failure: str) -> None:
         super().__init__(detail)
         self.detail = detail
         # Whether the decoder may have used (and so released) the staged KV: then it must be staged again.
         self.kv_consumed = kv_consumed
+        self.failure = failure
 
 
 class Gateway:
@@ -164,7 +183,13 @@ class Gateway:
             phase = "plan"
             session_key = planner.session_key(headers or {}, request.body)
             kv_hint = await planner.lookup_kv(prompt)
-            plan = planner.plan(prompt, batch_size=request.batch_size, session_key=session_key, kv_hint=kv_hint)
+            plan = planner.plan(
+                prompt,
+                batch_size=request.batch_size,
+                session_key=session_key,
+                kv_hint=kv_hint,
+                unsupported=self._connector.unsupported(request),
+            )
             if plan.last_resort:
                 self._metrics.last_resort_routes.inc()
                 log.warning(
@@ -173,9 +198,11 @@ class Gateway:
                     plan.decoder.url,
                     plan.decoder.last_error,
                 )
+            self._check_servable(plan)
             trace.threshold = planner.threshold
             trace.uncached_tokens = plan.uncached_tokens
             trace.decoder_streams = plan.decoder_streams
+            trace.prefiller_queue = plan.prefiller_queue
             phase = "serve"
             strip_usage = ask_for_usage(request)
             return await self._serve(request, plan, planner, prompt, request_id, trace, done, strip_usage)
@@ -192,6 +219,14 @@ class Gateway:
             trace.fail("error", f"internal error: {type(exc).__name__}: {exc}", status=500)
             done()
             raise
+
+    def _check_servable(self, plan: Plan) -> None:
+        """A direct plan is refused when the connector's decoders serve nothing alone (SGLang)."""
+        if plan.prefiller is None and not self._connector.serves_direct:
+            raise PrefillUnavailable(
+                f"No prefiller can take this request ({plan.reason}), and the {self._connector.name} "
+                "connector's decoders cannot serve it alone."
+            )
 
     def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
         """Refuse, before any engine is called, a prompt the model cannot hold (as vLLM would)."""
@@ -228,38 +263,94 @@ class Gateway:
     ) -> Response:
         """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte."""
         tried: list[Endpoint] = []
+        prefillers_tried: list[Endpoint] = []
         staged: StagedKV | None = None
-        for attempt in range(self._retries.decode_retries + 1):
-            done.hold(plan.decoder)
-            if plan.prefiller is not None and staged is None:
-                staged, plan = await self._stage(request, plan, planner, prompt, request_id, trace)
-                trace.staged_tokens = None if staged is None else staged.prompt_tokens
-                if staged is not None and "remote_prefill_cached_tokens" in staged.params:
-                    trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
-            if attempt == 0:
-                self._record_plan(trace, plan)
-            trace.decoder = plan.decoder.url
-            trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
-            body = request.encoded() if staged is None else self._connector.decode_body(request, staged)
-            try:
-                return await self._decode(request, plan.decoder, body, request_id, trace, staged, done, strip_usage)
-            except DecodeFailed as exc:
-                tried.append(plan.decoder)
-                log.warning("request %s: decoder %s failed before answering: %s", request_id, plan.decoder.url, exc)
-                if exc.kv_consumed:
+        attempt = 0
+        try:
+            while True:
+                done.hold(plan.decoder)
+                if staged is not None and not self._serves(staged, plan.decoder):
+                    # Pushed into another decoder's buffer (LMCache): released there, staged again here.
+                    done.release_kv()
                     staged = None
-                replacement = planner.alternative("decode", prompt, exclude=tried)
-                if replacement is None and plan.decoder.available:
-                    # The only decoder left: try it again (with fresh KV if it may have used the staged
-                    # one). An unreachable one never saw the request, so resending it is safe.
-                    replacement = plan.decoder
-                if replacement is None or attempt == self._retries.decode_retries:
-                    raise UpstreamError(f"The decoder failed before answering: {exc.detail}") from None
-                self._metrics.retries.labels("decode").inc()
-                if replacement is plan.decoder:
-                    await asyncio.sleep(SAME_DECODER_BACKOFF * (attempt + 1))
-                plan = replace(plan, decoder=replacement)
-        raise AssertionError("unreachable")
+                if plan.prefiller is not None and staged is None:
+                    decoder = plan.decoder
+                    decoder.staging += 1  # held here, but not running on it until the hop is done
+                    try:
+                        staged, plan = await self._stage(
+                            request, plan, planner, prompt, request_id, trace, prefillers_tried
+                        )
+                    finally:
+                        decoder.staging -= 1
+                    self._note_staged(trace, staged, done)
+                self._record_plan(trace, plan)
+                trace.decoder = plan.decoder.url
+                trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
+                call = self._decode_call(request, staged)
+                if request.stream and call.head:
+                    return self._stream_after_head(
+                        request, plan, planner, prompt, call, request_id, trace, staged, done, strip_usage
+                    )
+                try:
+                    return await self._decode(request, plan.decoder, call, request_id, trace, staged, done, strip_usage)
+                except PrefillFailed as exc:  # a concurrent prefill failed before the decoder's first token
+                    if staged is not None:
+                        abandon(staged)  # still running when the decoder failed first (a failed hand-off)
+                    staged = None
+                    trace.prefill_overlaps_decode = False  # what follows starts after it
+                    plan = self._after_prefill_failure(exc, plan, planner, prompt, prefillers_tried, request_id, trace)
+                except DecodeFailed as exc:
+                    plan.decoder.record_failure(exc.failure)
+                    tried.append(plan.decoder)
+                    log.warning("request %s: decoder %s failed before answering: %s", request_id, plan.decoder.url, exc)
+                    if exc.kv_consumed:
+                        done.kv_taken_by(plan.decoder)
+                    if staged is not None and (exc.kv_consumed or staged.pending is not None):
+                        # Used (and so released) by the failed decoder, or bound to its call: stage again.
+                        abandon(staged)
+                        staged = None
+                    replacement = await self._next_decoder(exc, plan, planner, prompt, tried, attempt)
+                    plan = replace(plan, decoder=replacement)
+                    attempt += 1
+        finally:
+            if trace.decode_started is not None:
+                self._metrics.route_decisions.labels(trace.path, trace.reason).inc()
+
+    def _decode_call(self, request: ClientRequest, staged: StagedKV | None) -> DecodeCall:
+        if staged is None or staged.handoff is None:
+            return DecodeCall.unchanged(request)
+        return self._connector.decode_call(staged.handoff, staged)
+
+    def _serves(self, staged: StagedKV, decoder: Endpoint) -> bool:
+        """Whether `decoder` can pick up `staged`: any decoder can pull KV, pushed KV is in one decoder."""
+        return not self._connector.pushes_to_decoder or staged.handoff is None or staged.handoff.decoder is decoder
+
+    def _note_staged(self, trace: RequestTrace, staged: StagedKV | None, done: Completion) -> None:
+        trace.staged_tokens = None if staged is None else staged.prompt_tokens
+        if staged is None:
+            return
+        if "remote_prefill_cached_tokens" in staged.params:
+            trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
+        if staged.pending is not None:
+            done.defer(staged.pending.cancel)  # the request is over: a prefill still running is not needed
+        if self._connector.pushes_to_decoder and staged.handoff is not None:
+            done.hold_kv(PushedKV(staged, self._connector))
+
+    async def _next_decoder(
+        self, exc: DecodeFailed, plan: Plan, planner: Planner, prompt: Prompt, tried: list[Endpoint], attempt: int
+    ) -> Endpoint:
+        """The decoder to try after `plan.decoder` failed before answering; UpstreamError when none is left."""
+        replacement = planner.alternative("decode", prompt, exclude=tried)
+        if replacement is None and plan.decoder.available:
+            # The only decoder left: try it again (with fresh KV if it may have used the staged
+            # one). An unreachable one never saw the request, so resending it is safe.
+            replacement = plan.decoder
+        if replacement is None or attempt >= self._retries.decode_retries:
+            raise UpstreamError(f"The decoder failed before answering: {exc.detail}") from None
+        self._metrics.retries.labels("decode").inc()
+        if replacement is plan.decoder:
+            await asyncio.sleep(SAME_DECODER_BACKOFF * (attempt + 1))
+        return replacement
 
     async def _stage(
         self,
@@ -269,34 +360,66 @@ class Gateway:
         prompt: Prompt,
         request_id: str,
         trace: RequestTrace,
+        tried: list[Endpoint],
     ) -> tuple[StagedKV | None, Plan]:
-        """The prefill hop, retried on other prefillers; when it cannot stage KV, apply the policy."""
-        prefiller = plan.prefiller
-        tried: list[Endpoint] = []
-        failure: PrefillFailed | None = None
-        while prefiller is not None:
-            try:
-                staged = await self._prefill(request, prefiller, request_id, trace)
-                return staged, replace(plan, prefiller=prefiller)
-            except PrefillFailed as exc:
-                failure = exc
-                tried.append(prefiller)
-                trace.prefill_error = str(exc)
-                log.warning("request %s: prefill on %s failed: %s", request_id, prefiller.url, exc)
-                if exc.reason == "status_4xx" or len(tried) > self._retries.prefill_retries:
-                    break  # a 4xx is the request's own fault: another prefiller would say the same
-                prefiller = planner.alternative("prefill", prompt, exclude=tried)
-                if prefiller is not None:
-                    self._metrics.retries.labels("prefill").inc()
-        reason = failure.reason if failure is not None else "no_prefiller"
-        if self._retries.prefill_failure_policy == "fail":
-            raise PrefillUnavailable(f"The prefill pool could not serve this request ({reason}).")
-        self._metrics.prefill_fallbacks.labels(reason).inc()
-        return None, plan.direct(PREFILL_FAILED)
+        """The prefill hop, retried on other prefillers; when it cannot stage KV, apply the policy.
 
-    async def _prefill(
-        self, request: ClientRequest, prefiller: Endpoint, request_id: str, trace: RequestTrace
-    ) -> StagedKV:
+        A concurrent connector's hop runs on beside the decode call: it comes back at once, pending.
+        """
+        while plan.prefiller is not None:
+            handoff = self._connector.handoff(request, prompt, plan.prefiller, plan.decoder, request_id)
+            hop = self._prefill(handoff, trace)
+            if self._connector.concurrent:
+                trace.prefill_overlaps_decode = True
+                pending = asyncio.create_task(hop, name=f"prefill {request_id}")
+                pending.add_done_callback(lambda task: self._prefill_settled(task, trace))
+                return StagedKV(params={}, prompt_tokens=None, cached_tokens=0, pending=pending, handoff=handoff), plan
+            try:
+                staged = await hop
+                return replace(staged, handoff=handoff), plan
+            except PrefillFailed as exc:
+                plan = self._after_prefill_failure(exc, plan, planner, prompt, tried, request_id, trace)
+        return None, plan
+
+    def _after_prefill_failure(
+        self,
+        failure: PrefillFailed,
+        plan: Plan,
+        planner: Planner,
+        prompt: Prompt,
+        tried: list[Endpoint],
+        request_id: str,
+        trace: RequestTrace,
+    ) -> Plan:
+        """The plan after `plan.prefiller` failed: another prefiller, or the policy (fallback or 503)."""
+        prefiller = plan.prefiller
+        assert prefiller is not None
+        tried.append(prefiller)
+        trace.prefill_error = str(failure)
+        log.warning("request %s: prefill on %s failed: %s", request_id, prefiller.url, failure)
+        # A 4xx is the request's own fault: another prefiller would say the same.
+        if failure.reason != "status_4xx" and len(tried) <= self._retries.prefill_retries:
+            alternative = planner.alternative("prefill", prompt, exclude=tried)
+            if alternative is not None:
+                self._metrics.retries.labels("prefill").inc()
+                return replace(plan, prefiller=alternative)
+        if self._retries.prefill_failure_policy == "fail" or not self._connector.serves_direct:
+            raise PrefillUnavailable(f"The prefill pool could not serve this request ({failure.reason}).")
+        self._metrics.prefill_fallbacks.labels(failure.reason).inc()
+        return plan.direct(PREFILL_FAILED)
+
+    def _prefill_settled(self, task: asyncio.Task[StagedKV], trace: RequestTrace) -> None:
+        """A concurrent prefill ended: keep its token counts; a failure after the first token is only logged."""
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is None:
+            trace.staged_tokens = task.result().prompt_tokens
+        elif trace.first_token_at is not None:
+            log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)
+
+    async def _prefill(self, handoff: Handoff, trace: RequestTrace) -> StagedKV:
+        prefiller = handoff.prefiller
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
         prefiller.start()
@@ -305,7 +428,7 @@ class Gateway:
         outcome = "ok"
         try:
             async with asyncio.timeout(self._timeouts.prefill):
-                staged = await self._connector.prefill(request, prefiller, request_id)
+                staged = await self._connector.stage(handoff)
             prefiller.record_success()
             return staged
         except TimeoutError:
@@ -317,6 +440,9 @@ class Gateway:
             if exc.reason != "status_4xx":
                 prefiller.record_failure(str(exc))
             raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # the client left, or a concurrent prefill was no longer needed
+            raise
         finally:
             prefiller.finish()
             prefiller.queued_tokens -= tokens
@@ -324,68 +450,262 @@ class Gateway:
             self._metrics.prefill.labels(outcome).observe(trace.prefill_seconds)
 
     def _record_plan(self, trace: RequestTrace, plan: Plan) -> None:
+        """Put the plan being served on the trace; the decision is counted once, when serving ends."""
         trace.path = plan.path
         trace.reason = plan.reason
         trace.uncached_tokens = plan.uncached_tokens
-        self._metrics.route_decisions.labels(plan.path, plan.reason).inc()
 
     async def _decode(
         self,
         request: ClientRequest,
         decoder: Endpoint,
-        body: bytes,
+        call: DecodeCall,
         request_id: str,
         trace: RequestTrace,
         staged: StagedKV | None,
         done: Completion,
         strip_usage: bool,
     ) -> Response:
+        """The decode call, until its first token (or whole answer); while a concurrent prefill still
+        runs, that prefill failing first cancels the call and raises its PrefillFailed, and a decode
+        call failing while the prefill cannot be shown to have done its part is a failed hand-off,
+        counted against the prefiller."""
+        answer = self._decode_answer(request, decoder, call, request_id, trace, staged, done, strip_usage)
+        if staged is None or staged.pending is None:
+            return await answer
+        try:
+            return await unless_prefill_fails(answer, staged.pending)
+        except PrefillFailed as exc:
+            if exc.reason == HANDOFF_FAILED and staged.handoff is not None:
+                staged.handoff.prefiller.record_failure(str(exc))
+            raise
+
+    async def _decode_answer(
+        self,
+        request: ClientRequest,
+        decoder: Endpoint,
+        call: DecodeCall,
+        request_id: str,
+        trace: RequestTrace,
+        staged: StagedKV | None,
+        done: Completion,
+        strip_usage: bool,
+    ) -> Response:
+        headers = {"X-Request-Id": request_id}
+        if call.answered is not None:
+            return await self._answer_from_prefill(request, call, trace, staged, headers, done, strip_usage)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeouts.first_token if request.stream else self._timeouts.total)
-        upstream = await self._open(request, decoder, body, request_id, deadline)
-        headers = {"X-Request-Id": request_id}
-        cached_tokens = None if staged is None else staged.cached_tokens
+        upstream = await self._open(decoder, call, request_id, deadline)
         if upstream.status_code != 200:
             return await self._engine_refusal(upstream, decoder, trace, headers, done)
         if not request.stream:
-            return await self._whole_answer(upstream, decoder, trace, cached_tokens, deadline, headers, done)
+            return await self._whole_answer(upstream, decoder, trace, staged, call, deadline, headers, done)
+        stream = await self._primed_stream(upstream, decoder, trace, staged, call, deadline, done, strip_usage)
+        done.kv_taken_by(decoder)
+        return RelayedStream(stream, media_type=stream.media_type, headers=headers)
+
+    async def _primed_stream(
+        self,
+        upstream: httpx.Response,
+        decoder: Endpoint,
+        trace: RequestTrace,
+        staged: StagedKV | None,
+        call: DecodeCall,
+        deadline: float,
+        done: Completion,
+        strip_usage: bool,
+    ) -> EventStream:
+        """The decoder's stream, read up to its first token (so a failing decoder can still be replaced)."""
         stream = EventStream(
             upstream,
             trace,
-            cached_tokens=cached_tokens,
+            cached_tokens=prefiller_cached_tokens(staged),
             on_close=done,
             idle_timeout=self._timeouts.idle,
             strip_usage=strip_usage,
+            rewrite=None if call.answer is None else call.answer.chunk,
         )
+        if staged is not None and staged.pending is not None:
+            # The prefiller's cache hit is known once its call ends, usually before the decoder's usage.
+            staged.pending.add_done_callback(
+                lambda _: setattr(stream, "cached_tokens", prefiller_cached_tokens(staged))
+            )
         primed = False
         try:
             await stream.prime(deadline)
             primed = True
         except DecodeFailedEarly as exc:
-            decoder.record_failure(exc.detail)
-            raise DecodeFailed(exc.detail, kv_consumed=True) from None
+            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail) from None
         except TimeoutError:
             decoder.record_failure("no first token in time")
             raise UpstreamTimeout(f"The decoder produced no token within {self._timeouts.first_token:g} s.") from None
         except httpx.HTTPError as exc:
-            decoder.record_failure(type(exc).__name__)
             detail = f"the stream broke before the first token: {type(exc).__name__}"
-            raise DecodeFailed(detail, kv_consumed=True) from None
+            raise DecodeFailed(detail, kv_consumed=True, failure=type(exc).__name__) from None
         finally:
             if not primed:
                 await stream.discard()  # not handed to the client: close it here, whatever happened
         decoder.record_success()
-        media_type = upstream.headers.get("content-type", "text/event-stream")
-        return RelayedStream(stream, media_type=media_type, headers=headers)
+        return stream
 
-    async def _open(
-        self, request: ClientRequest, decoder: Endpoint, body: bytes, request_id: str, deadline: float
-    ) -> httpx.Response:
+    async def _answer_from_prefill(
+        self,
+        request: ClientRequest,
+        call: DecodeCall,
+        trace: RequestTrace,
+        staged: StagedKV | None,
+        headers: dict[str, str],
+        done: Completion,
+        strip_usage: bool,
+    ) -> Response:
+        """The prefill produced the whole answer (one token): relay it as a decoder's, without a decoder."""
+        assert call.answered is not None
+        trace.decoder = None
+        if not request.stream:
+            rewrite = None if call.answer is None else call.answer.body
+            content = relay_body(call.answered, trace, prefiller_cached_tokens(staged), rewrite)
+            done()
+            return Response(content, media_type="application/json", headers=headers)
+        stream = self._answered_stream(call, trace, staged, done, strip_usage)
+        return RelayedStream(stream, media_type="text/event-stream", headers=headers)
+
+    def _answered_stream(
+        self, call: DecodeCall, trace: RequestTrace, staged: StagedKV | None, done: Completion, strip_usage: bool
+    ) -> EventStream:
+        assert call.answered is not None
+        upstream = httpx.Response(
+            200, stream=httpx.ByteStream(call.answered), headers={"content-type": "text/event-stream"}
+        )
+        return EventStream(
+            upstream,
+            trace,
+            cached_tokens=prefiller_cached_tokens(staged),
+            on_close=done,
+            idle_timeout=self._timeouts.idle,
+            strip_usage=strip_usage,
+            rewrite=None if call.answer is None else call.answer.chunk,
+        )
+
+    def _stream_after_head(
+        self,
+        request: ClientRequest,
+        plan: Plan,
+        planner: Planner,
+        prompt: Prompt,
+        call: DecodeCall,
+        request_id: str,
+        trace: RequestTrace,
+        staged: StagedKV | None,
+        done: Completion,
+        strip_usage: bool,
+    ) -> Response:
+        """Send the client the head (the prefiller's first token) now, the decoder's continuation after.
+
+        The client has seen bytes from here on: a decoder that fails before its first token is
+        replaced within the stream (the continuation is a plain request any decoder can compute),
+        and what cannot be served ends the stream with an in-band error.
+        """
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            stream: EventStream | None = None
+            try:
+                trace.mark_token_chunk(time.perf_counter())
+                yield call.head
+                try:
+                    stream = await self._continuation(
+                        request, plan, planner, prompt, call, request_id, trace, staged, done, strip_usage
+                    )
+                except RouterError as exc:
+                    trace.fail("upstream_error", exc.message)
+                    yield error_event(exc.message)
+                    return
+                except Exception as exc:  # a bug, not the client: the stream still ends, in-band
+                    log.exception("request %s: the continuation after the first token failed", request_id)
+                    trace.fail("error", f"internal error: {type(exc).__name__}: {exc}")
+                    yield error_event("The router failed to continue this answer.")
+                    return
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                if stream is not None:
+                    await stream.close()
+                else:
+                    release()
+
+        def release() -> None:
+            """The stream ended without a decoder's stream to close (or never began): record it."""
+            if not trace.finished and trace.outcome == "ok":
+                self._metrics.client_disconnects.labels("serve").inc()
+                trace.fail("client_disconnect", "the client left before the decoder answered", status=499)
+            done()
+
+        headers = {"X-Request-Id": request_id}
+        return HeadFirstStream(events(), release, media_type="text/event-stream", headers=headers)
+
+    async def _continuation(
+        self,
+        request: ClientRequest,
+        plan: Plan,
+        planner: Planner,
+        prompt: Prompt,
+        call: DecodeCall,
+        request_id: str,
+        trace: RequestTrace,
+        staged: StagedKV | None,
+        done: Completion,
+        strip_usage: bool,
+    ) -> EventStream:
+        """The decoder's stream after the head, primed; decoders failing before their first token are replaced."""
+        if call.answered is not None:
+            trace.decoder = None
+            return self._answered_stream(call, trace, staged, done, strip_usage)
+        tried: list[Endpoint] = []
+        attempt = 0
+        while True:
+            decoder = plan.decoder
+            done.hold(decoder)
+            trace.decoder = decoder.url
+            deadline = asyncio.get_running_loop().time() + self._timeouts.first_token
+            try:
+                upstream = await self._open(decoder, call, request_id, deadline)
+                if upstream.status_code != 200:
+                    await self._refused_after_head(upstream, decoder)
+                stream = await self._primed_stream(upstream, decoder, trace, staged, call, deadline, done, strip_usage)
+            except DecodeFailed as exc:
+                decoder.record_failure(exc.failure)
+                tried.append(decoder)
+                log.warning("request %s: decoder %s failed before answering: %s", request_id, decoder.url, exc)
+                if exc.kv_consumed:
+                    done.kv_taken_by(decoder)
+                plan = replace(plan, decoder=await self._next_decoder(exc, plan, planner, prompt, tried, attempt))
+                if plan.decoder is not decoder:
+                    done.release_kv()  # the continuation is computed whole elsewhere: nobody takes it here
+                attempt += 1
+            else:
+                done.kv_taken_by(decoder)
+                return stream
+
+    async def _refused_after_head(self, upstream: httpx.Response, decoder: Endpoint) -> None:
+        """A decoder's refusal once the client has the head: a 5xx may be retried elsewhere, a 4xx not."""
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await close_quietly(upstream)
+        status = upstream.status_code
+        detail = f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}"
+        if status >= 500:
+            raise DecodeFailed(detail, kv_consumed=True, failure=f"status {status}")
+        raise UpstreamError(f"The decoder refused the continuation: {detail}")
+
+    async def _open(self, decoder: Endpoint, call: DecodeCall, request_id: str, deadline: float) -> httpx.Response:
         """Send the decode call and wait for its status line (reads are timed by the caller)."""
         outgoing = self._client.build_request(
             "POST",
-            f"{decoder.url}{ENGINE_PATHS[request.kind]}",
-            content=body,
+            f"{decoder.url}{call.path}",
+            content=call.body,
             headers={"X-Request-Id": request_id, "Content-Type": "application/json", "Accept-Encoding": "identity"},
             timeout=httpx.Timeout(None, connect=self._timeouts.connect, pool=self._timeouts.connect),
         )
@@ -396,18 +716,21 @@ class Gateway:
             decoder.record_failure("timeout")
             raise UpstreamTimeout("The decoder did not answer in time.") from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            decoder.record_failure(type(exc).__name__)
-            raise DecodeFailed(f"{decoder.url} could not be reached: {type(exc).__name__}", kv_consumed=False) from None
+            failure = type(exc).__name__
+            detail = f"{decoder.url} could not be reached: {failure}"
+            raise DecodeFailed(detail, kv_consumed=False, failure=failure) from None
         except httpx.HTTPError as exc:
-            decoder.record_failure(type(exc).__name__)
-            raise DecodeFailed(f"{decoder.url} broke the connection: {type(exc).__name__}", kv_consumed=True) from None
+            failure = type(exc).__name__
+            detail = f"{decoder.url} broke the connection: {failure}"
+            raise DecodeFailed(detail, kv_consumed=True, failure=failure) from None
 
     async def _whole_answer(
         self,
         upstream: httpx.Response,
         decoder: Endpoint,
         trace: RequestTrace,
-        cached_tokens: int | None,
+        staged: StagedKV | None,
+        call: DecodeCall,
         deadline: float,
         headers: dict[str, str],
         done: Completion,
@@ -419,15 +742,17 @@ class Gateway:
             decoder.record_failure("timeout")
             raise UpstreamTimeout(f"The decoder did not finish within {self._timeouts.total:g} s.") from None
         except httpx.HTTPError as exc:
-            decoder.record_failure(type(exc).__name__)
-            raise DecodeFailed(f"the answer broke off: {type(exc).__name__}", kv_consumed=True) from None
+            failure = type(exc).__name__
+            raise DecodeFailed(f"the answer broke off: {failure}", kv_consumed=True, failure=failure) from None
         finally:
             await close_quietly(upstream)
-        content = relay_body(content, trace, cached_tokens)
-        if trace.outcome == "upstream_error" and trace.completion_tokens in (None, 0):
-            decoder.record_failure(trace.error or "in-band error")
-            trace.outcome, trace.error = "ok", None
-            raise DecodeFailed("the decoder failed the request in-band", kv_consumed=True)
+        done.kv_taken_by(decoder)
+        # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
+        failure = failed_before_output(content)
+        if failure is not None:
+            raise DecodeFailed(f"the decoder failed the request in-band: {failure}", kv_consumed=True, failure=failure)
+        rewrite = None if call.answer is None else call.answer.body
+        content = relay_body(content, trace, prefiller_cached_tokens(staged), rewrite)
         decoder.record_success()
         done()
         return Response(content, media_type="application/json", headers=headers)
@@ -449,9 +774,10 @@ class Gateway:
             await close_quietly(upstream)
         status = upstream.status_code
         if status >= 500:
-            decoder.record_failure(f"status {status}")
             raise DecodeFailed(
-                f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}", kv_consumed=True
+                f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}",
+                kv_consumed=True,
+                failure=f"status {status}",
             )
         trace.fail("engine_rejected", f"decoder answered {status}", status=status)
         done()
@@ -480,9 +806,98 @@ async def close_quietly(response: httpx.Response) -> None:
         await response.aclose()
 
 
+async def unless_prefill_fails(
+    work: Coroutine[Any, Any, T], pending: asyncio.Task[StagedKV], *, grace: float = HANDOFF_GRACE
+) -> T:
+    """Run `work` (a decode call up to its first token) beside `pending`, its concurrent prefill call.
+
+    A prefill that fails first cancels `work` and raises its PrefillFailed; one that succeeds
+    changes nothing. `work` failing (DecodeFailed) while the prefill still runs may be the
+    prefill's doing (the decoder waits on it for the KV), so the prefill gets `grace` seconds to
+    show it: failed, its PrefillFailed; still running, PrefillFailed("handoff_failed") (the caller
+    cancels it); done, the decoder's own DecodeFailed. A cancellation of the caller propagates.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, pending}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done() or not prefill_failed(pending):
+            return await task
+    except DecodeFailed as exc:
+        raise await _failure_to_blame(exc, pending, grace) from None
+    finally:
+        if not task.done():
+            task.cancel()
+            # Wait for it to end without taking its CancelledError for one aimed at the caller.
+            await asyncio.wait({task})
+    failure = pending.exception()
+    assert failure is not None
+    raise failure
+
+
+async def _failure_to_blame(failure: DecodeFailed, pending: asyncio.Task[StagedKV], grace: float) -> Exception:
+    """The decode call failed before its first token: the prefill's failure if it has one (or has
+    not finished within `grace` seconds: a failed hand-off), else the decoder's."""
+    if not pending.done():
+        await asyncio.wait({pending}, timeout=grace)
+    if prefill_failed(pending):
+        prefill_failure = pending.exception()
+        assert prefill_failure is not None
+        return prefill_failure
+    if not pending.done():
+        return PrefillFailed(
+            HANDOFF_FAILED, f"the decoder failed ({failure.detail}) while the prefill call was still running"
+        )
+    return failure
+
+
+def prefill_failed(pending: asyncio.Task[StagedKV]) -> bool:
+    return pending.done() and not pending.cancelled() and pending.exception() is not None
+
+
+def prefiller_cached_tokens(staged: StagedKV | None) -> int | None:
+    """The prefiller's cache hit, reported to the client (None: not known, the decoder's view stands)."""
+    if staged is None:
+        return None
+    pending = staged.pending
+    if pending is None:
+        return staged.cached_tokens
+    if pending.done() and not prefill_failed(pending) and not pending.cancelled():
+        return pending.result().cached_tokens
+    return None
+
+
+def abandon(staged: StagedKV) -> None:
+    """Give up staged KV: a concurrent prefill still running for it is cancelled."""
+    if staged.pending is not None:
+        staged.pending.cancel()
+
+
+class PushedKV:
+    """KV a prefill pushed into one decoder (LMCache), which keeps it until a decode call there
+    retrieves it. Taken once that decoder answered a decode call for it; else released (the
+    connector drains it), once."""
+
+    def __init__(self, staged: StagedKV, connector: Connector) -> None:
+        assert staged.handoff is not None
+        self.staged = staged
+        self.decoder = staged.handoff.decoder
+        self._connector = connector
+        self._settled = False
+
+    def taken_by(self, decoder: Endpoint) -> None:
+        """`decoder` answered a decode call for this KV (a token, a whole answer or an error)."""
+        if decoder is self.decoder:
+            self._settled = True
+
+    def release(self) -> None:
+        if not self._settled:
+            self._settled = True
+            self._connector.release_unused(self.staged)
+
+
 class Completion:
-    """Releases what a request holds, exactly once: its decoder slot, the in-flight gauge, its trace,
-    and the caller's `on_finish` (the admission slot)."""
+    """Releases what a request holds, exactly once: its decoder slot, KV pushed for it that no
+    decode call took, the in-flight gauge, its trace, and the caller's `on_finish` (the admission slot)."""
 
     def __init__(
         self,
@@ -496,8 +911,14 @@ class Completion:
         self._metrics = metrics
         self._on_finish = on_finish
         self._decoder: Endpoint | None = None
+        self._kv: PushedKV | None = None
+        self._deferred: list[Callable[[], object]] = []
         self._done = False
         metrics.in_flight.inc()
+
+    def defer(self, cleanup: Callable[[], object]) -> None:
+        """Run `cleanup` when the request is over (for example: cancel a prefill still running)."""
+        self._deferred.append(cleanup)
 
     def hold(self, decoder: Endpoint) -> None:
         """Count the request against `decoder` (moving it off a decoder held before)."""
@@ -508,16 +929,63 @@ class Completion:
         decoder.start()
         self._decoder = decoder
 
+    def hold_kv(self, kv: PushedKV) -> None:
+        """Hold KV pushed for this request until a decode call takes it (KV held before is released)."""
+        self.release_kv()
+        self._kv = kv
+
+    def kv_taken_by(self, decoder: Endpoint) -> None:
+        if self._kv is not None:
+            self._kv.taken_by(decoder)
+
+    def release_kv(self) -> None:
+        """Release the pushed KV unless a decode call took it."""
+        kv, self._kv = self._kv, None
+        if kv is not None:
+            kv.release()
+
     def __call__(self) -> None:
         if self._done:
             return
         self._done = True
+        for cleanup in self._deferred:
+            cleanup()
+        self.release_kv()
         if self._decoder is not None:
             self._decoder.finish()
         self._metrics.in_flight.dec()
         self._observer.finish(self._trace)
         if self._on_finish is not None:
             self._on_finish()
+
+
+class HeadFirstStream(StreamingResponse):
+    """A stream the router starts itself (with the prefiller's first token) before the decoder
+    answers; its events close what they opened, and `release` runs even if they never began."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        release: Callable[[], None],
+        *,
+        media_type: str,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(events, media_type=media_type, headers=headers)
+        self._events = events
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.discard()
+
+    async def discard(self) -> None:
+        """Close what the events opened and release the request (also when it was never sent)."""
+        with anyio.CancelScope(shield=True):
+            await self._events.aclose()
+        self._release()
 
 
 class RelayedStream(StreamingResponse):
@@ -531,4 +999,8 @@ class RelayedStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._stream.close()
+            await self.discard()
+
+    async def discard(self) -> None:
+        """Close the upstream and record the request (also when it was never sent)."""
+        await self._stream.close()

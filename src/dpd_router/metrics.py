@@ -353,8 +353,8 @@ class _AdaptiveCollector(Collector):
         yield threshold
         cost = GaugeMetricFamily(
             f"{PREFIX}_adaptive_cost",
-            "Costs the adaptive threshold learned: model (direct_prefill per decoder, prefill_hop per "
-            "prefiller, handoff), term (overhead_seconds, seconds_per_token, observations).",
+            "Costs the adaptive threshold learned: model (direct_prefill and direct_wait per decoder, "
+            "prefill_hop per prefiller, handoff), term (overhead_seconds, seconds_per_token, observations).",
             labels=["model", "endpoint", "term"],
         )
         for model, endpoint, term, value in self._costs():

@@ -34,12 +34,16 @@ class RequestTrace:
     uncached_tokens: int | None = None
     # Streams running on the chosen decoder when the request was planned (what a direct prefill stalls).
     decoder_streams: float = 0.0
+    # Prompt tokens queued on the prefiller when an adaptive plan chose it (None otherwise).
+    prefiller_queue: float | None = None
     tokenize_seconds: float | None = None
     prefiller: str | None = None
     decoder: str | None = None
     prefill_started: float | None = None
     prefill_seconds: float | None = None
     prefill_error: str | None = None
+    # The prefill call ran beside the decode call (a concurrent connector: SGLang), not before it.
+    prefill_overlaps_decode: bool = False
     first_token_at: float | None = None
     last_chunk_at: float | None = None
     token_chunks: int = 0
@@ -144,7 +148,8 @@ class Observer:
         measured = {
             "queue": trace.queue_seconds,
             "tokenize": trace.tokenize_seconds,
-            "prefill": trace.prefill_seconds,
+            # A prefill running beside the decode call is inside `first_token` already.
+            "prefill": None if trace.prefill_overlaps_decode else trace.prefill_seconds,
             "first_token": None if trace.decode_started is None else trace.first_token_at - trace.decode_started,
         }
         phase = self.metrics.phase

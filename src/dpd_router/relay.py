@@ -2,7 +2,9 @@
 
 The stream is passed on event by event as it arrives. Events are parsed only as far as the
 metrics need: until the first token (TTFT), and the usage event at the end, whose
-`cached_tokens` is reconciled to the prefiller's view on the disaggregated path.
+`cached_tokens` is reconciled to the prefiller's view on the disaggregated path. A connector whose
+decoder answers in another shape (LMCache's continuation) passes a `rewrite`: then every event is
+parsed and rewritten before anything else looks at it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import httpx
 import orjson
 
 from dpd_router.observe import RequestTrace
+
+Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
 
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
@@ -87,7 +91,8 @@ class EventStream:
 
     `prime()` reads until the first token, so a decoder that fails before producing one can be
     replaced before the client has seen a byte; the stream then relays what prime() read, and the
-    rest as it arrives. Each read waits at most `idle_timeout` seconds.
+    rest as it arrives. Each read waits at most `idle_timeout` seconds. `cached_tokens` may be set
+    later (a concurrent prefill's count arrives while the stream runs).
     """
 
     def __init__(
@@ -99,29 +104,36 @@ class EventStream:
         on_close: Callable[[], None],
         idle_timeout: float,
         strip_usage: bool = False,
+        rewrite: Rewrite | None = None,
     ) -> None:
         self._upstream = upstream
         self._strip_usage = strip_usage
+        self._rewrite = rewrite
         self._chunks = upstream.aiter_raw()
         self._trace = trace
-        self._cached_tokens = cached_tokens
+        self.cached_tokens = cached_tokens
         self._on_close = on_close
         self._idle_timeout = idle_timeout
         self._pending = b""
         self._head = b""
         self._early_failure: str | None = None
+        # This stream's own first token (the trace's may come earlier: a head the router sent itself).
+        self._saw_token = False
         self._relaying = False
         self._ended = False
         self._saw_done = False
         self._complete = False
         self._closed = False
 
+    @property
+    def media_type(self) -> str:
+        return self._upstream.headers.get("content-type", "text/event-stream")
+
     async def prime(self, deadline: float) -> None:
         """Read until the first token arrives (by loop time `deadline`); raise DecodeFailedEarly if
         the decoder reports an error before it, TimeoutError if it does not come in time."""
-        trace = self._trace
         loop = asyncio.get_running_loop()
-        while trace.first_token_at is None and self._early_failure is None and not self._ended:
+        while not self._saw_token and self._early_failure is None and not self._ended:
             chunk = await self._read(deadline - loop.time())
             if chunk is None:
                 self._ended = True
@@ -206,7 +218,9 @@ class EventStream:
             if event.startswith(_DONE):
                 self._saw_done = True
                 continue
-            first = trace.first_token_at is None
+            if self._rewrite is not None:
+                event = events[index] = self._rewritten(event)
+            first = not self._saw_token
             if not first and b'"usage"' not in event and b'"error"' not in event:
                 trace.mark_token_chunk(now)
                 continue
@@ -223,8 +237,9 @@ class EventStream:
                 else:
                     trace.fail("upstream_error", failure)
             if _has_token(payload):
+                self._saw_token = True
                 trace.mark_token_chunk(now)
-            if reconcile_usage(payload, trace, self._cached_tokens):
+            if reconcile_usage(payload, trace, self.cached_tokens):
                 events[index] = _DATA + orjson.dumps(payload)
             if self._strip_usage and "usage" in payload:
                 if payload.get("choices"):
@@ -235,12 +250,45 @@ class EventStream:
         kept = [event for event in events if event]
         return _EVENT_END.join(kept) + _EVENT_END if kept else b""
 
+    def _rewritten(self, event: bytes) -> bytes:
+        try:
+            payload = orjson.loads(event[len(_DATA) :])
+        except orjson.JSONDecodeError:
+            return event
+        if not isinstance(payload, dict) or self._rewrite is None:
+            return event
+        return _DATA + orjson.dumps(self._rewrite(payload))
+
     def _error_event(self, message: str) -> bytes:
-        error = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
-        return _DATA + orjson.dumps(error) + _EVENT_END + _DONE + _EVENT_END
+        return error_event(message)
 
 
-def relay_body(content: bytes, trace: RequestTrace, cached_tokens: int | None) -> bytes:
+def error_event(message: str) -> bytes:
+    """An in-band error and the end of the stream, for a stream the client has already seen bytes of."""
+    error = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+    return _DATA + orjson.dumps(error) + _EVENT_END + _DONE + _EVENT_END
+
+
+def failed_before_output(content: bytes) -> str | None:
+    """The in-band failure of a whole (non-streamed) answer that has no output token, as the decoder
+    wrote it: another decoder may serve the request. None for anything else."""
+    if b'"error"' not in content:
+        return None
+    try:
+        payload = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    failure = _errored(payload)
+    if failure is None:
+        return None
+    usage = payload.get("usage")
+    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return failure if completion in (None, 0) else None
+
+
+def relay_body(content: bytes, trace: RequestTrace, cached_tokens: int | None, rewrite: Rewrite | None = None) -> bytes:
     """Inspect a whole (non-streamed) answer; reconcile its usage; return the bytes to send."""
     try:
         payload = orjson.loads(content)
@@ -248,6 +296,9 @@ def relay_body(content: bytes, trace: RequestTrace, cached_tokens: int | None) -
         return content
     if not isinstance(payload, dict):
         return content
+    if rewrite is not None:
+        payload = rewrite(payload)
+        content = orjson.dumps(payload)
     failure = _errored(payload)
     if failure is not None:
         trace.fail("upstream_error", failure)

@@ -7,7 +7,6 @@ admission (in-flight cap and queue), body validation; then the gateway serves it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
+from dpd_router.gateway import HeadFirstStream, RelayedStream
 from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
 
 if TYPE_CHECKING:
@@ -90,13 +90,21 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
     if not serving.done():
         # The client left before its answer began: stop both hops now instead of finishing for nobody.
         serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RouterError):
-            await serving
+        await asyncio.wait({serving})  # a cancellation of this handler itself still propagates
+        if not serving.cancelled() and serving.exception() is None:
+            await _discard(serving.result())  # it finished anyway: release what the answer holds
         return Response(status_code=499)
     try:
         return serving.result()
     except RouterError as exc:
         return _error(router, exc, request_id)
+
+
+async def _discard(response: Response) -> None:
+    """Close an answer that will never be sent: a stream's upstream, and the request's record and
+    admission slot (a whole answer released them when it was read)."""
+    if isinstance(response, RelayedStream | HeadFirstStream):
+        await response.discard()
 
 
 async def _client_gone(request: Request) -> None:

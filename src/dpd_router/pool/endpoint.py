@@ -43,6 +43,8 @@ class Endpoint:
     in_flight: int = 0
     # Prompt tokens of the prefill calls open here (prefillers only): the work queued ahead of a new one.
     queued_tokens: int = 0
+    # Requests counted in in_flight here that are still in their prefill hop (decoders only).
+    staging: int = 0
     healthy: bool = True
     probed_ok: bool = False
     probe_failures: int = 0

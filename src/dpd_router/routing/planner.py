@@ -40,6 +40,10 @@ PREFILL_POOL_DOWN = "prefill_pool_down"
 PREFILL_POOL_BUSY = "prefill_pool_busy"
 BATCHED_PROMPT = "batched_prompt"
 PREFILL_FAILED = "prefill_failed"
+# The KV connector cannot disaggregate this request exactly (LMCache: tools, logprobs, n > 1, ...).
+CONNECTOR_UNSUPPORTED = "connector_unsupported"
+# The KV connector's decoders serve nothing alone (SGLang): every request takes the prefill hop.
+CONNECTOR_REQUIRES_PREFILL = "connector_requires_prefill"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Plan:
     uncached_tokens: int = 0
     # Streams running on the decoder when the plan was made (what a direct prefill would stall).
     decoder_streams: float = 0.0
+    # Prompt tokens queued on the prefiller when an adaptive plan chose it (what its prefill waits for).
+    prefiller_queue: float | None = None
     # The decoder fails its health probes but nothing else, and no decoder passes them (Pool.last_resort).
     last_resort: bool = False
 
@@ -87,8 +93,14 @@ class Planner:
         kv_lookup: KVLookup | None = None,
         session_header: str | None = None,
         adaptive: AdaptiveModel | None = None,
+        batches: bool = False,
+        serves_direct: bool = True,
     ) -> None:
         self.pool = pool
+        # Whether the KV connector can disaggregate a batched prompt (SGLang: one bootstrap room each).
+        self.batches = batches
+        # Whether a decoder serves a request without the prefill hop (SGLang's cannot: no threshold then).
+        self.serves_direct = serves_direct
         self.threshold = threshold
         self.prefill_strategy = prefill
         self.decode_strategy = decode
@@ -138,8 +150,11 @@ class Planner:
         batch_size: int = 1,
         session_key: str | None = None,
         kv_hint: KVHint | None = None,
+        unsupported: str | None = None,
     ) -> Plan:
-        request = RoutingRequest(prompt, session_key=session_key, kv_hint=kv_hint)
+        """The plan for `prompt`. `unsupported` says why the KV connector cannot disaggregate this
+        request (None: it can): it is served direct, and recorded as cached on its decoder only."""
+        request = RoutingRequest(prompt, session_key=session_key, kv_hint=kv_hint, unsupported=unsupported)
         decoder = self.choose_decoder(request)
         cached = self.cache.cached_tokens(request, decoder) if self.cache and self._threshold.cache_aware else 0
         uncached = self._threshold.uncached_tokens(prompt.num_tokens, cached)
@@ -173,6 +188,8 @@ class Planner:
         return self.decode_strategy.select(decoders, request)
 
     def _decide(self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int) -> Plan:
+        if not self.serves_direct:
+            return self._prefill_always(request, decoder, uncached)
         if self.adaptive is not None and self._threshold.mode == "adaptive":
             return self._decide_adaptively(request, decoder, uncached, batch_size, self.adaptive)
         if request.prompt.num_tokens < self.threshold:
@@ -184,13 +201,26 @@ class Planner:
             return prefiller
         return Plan("disaggregated", LONG_PROMPT, decoder, prefiller, uncached_tokens=uncached)
 
+    def _prefill_always(self, request: RoutingRequest, decoder: Endpoint, uncached: int) -> Plan:
+        """Every prompt takes the prefill hop, whatever its length or the prefillers' queues: the
+        decoders serve nothing alone. With no prefiller up, the direct plan (which the gateway refuses)."""
+        if request.unsupported is not None:
+            return Plan("direct", CONNECTOR_UNSUPPORTED, decoder, uncached_tokens=uncached)
+        prefillers = self.pool.healthy("prefill")
+        if not prefillers:
+            return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
+        prefiller = self.prefill_strategy.select(prefillers, request)
+        return Plan("disaggregated", CONNECTOR_REQUIRES_PREFILL, decoder, prefiller, uncached_tokens=uncached)
+
     def _available_prefiller(
         self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int
     ) -> Endpoint | Plan:
         """The prefiller for a prompt worth disaggregating, or the direct plan when none can take it."""
-        if batch_size > 1:
+        if batch_size > 1 and not self.batches:
             # An engine answers a batched prompt with one kv_transfer_params: it cannot hand over several.
             return Plan("direct", BATCHED_PROMPT, decoder, uncached_tokens=uncached)
+        if request.unsupported is not None:
+            return Plan("direct", CONNECTOR_UNSUPPORTED, decoder, uncached_tokens=uncached)
         prefillers = self.pool.healthy("prefill")
         if not prefillers:
             return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
@@ -208,11 +238,12 @@ class Planner:
         if isinstance(prefiller, Plan):
             return prefiller
         now = time.monotonic()
-        estimate = model.estimate(
-            decoder.url, prefiller.url, uncached, running_streams(decoder, now), queued_prefills(prefiller, now)
-        )
+        queue = queued_prefills(prefiller, now)
+        estimate = model.estimate(decoder.url, prefiller.url, uncached, running_streams(decoder, now), queue)
         if estimate.disaggregate:
-            return Plan("disaggregated", estimate.reason, decoder, prefiller, uncached_tokens=uncached)
+            return Plan(
+                "disaggregated", estimate.reason, decoder, prefiller, uncached_tokens=uncached, prefiller_queue=queue
+            )
         return Plan("direct", estimate.reason, decoder, uncached_tokens=uncached)
 
     def adaptive_view(self) -> list[dict[str, Any]]:
@@ -239,9 +270,10 @@ class Planner:
 
 
 def running_streams(decoder: Endpoint, now: float) -> float:
-    """Streams a direct prefill would stall: the engine's running requests, or the router's own calls."""
+    """Streams a direct prefill would stall: the engine's running requests, or the router's own calls
+    to it, less those still in their prefill hop (they are not on the decoder yet)."""
     load = decoder.fresh_load(now)
-    return max(float(decoder.in_flight), load.running if load is not None else 0.0)
+    return max(float(decoder.in_flight - decoder.staging), load.running if load is not None else 0.0)
 
 
 def queued_prefills(prefiller: Endpoint, now: float) -> float:
@@ -262,6 +294,8 @@ def build_planner(
     kv_sources: Sequence[CacheSource] = (),
     kv_lookup: KVLookup | None = None,
     adaptive: AdaptiveModel | None = None,
+    batches: bool = False,
+    serves_direct: bool = True,
 ) -> Planner:
     """The planner the settings describe. `kv_sources` and `kv_lookup` feed `kvaware` routing only."""
     index = PrefixIndex(block_size=settings.block_size, capacity=settings.prefix_index_capacity)
@@ -285,6 +319,8 @@ def build_planner(
         kv_lookup=kv_lookup if kvaware else None,
         session_header=settings.session_header,
         adaptive=adaptive,
+        batches=batches,
+        serves_direct=serves_direct,
     )
 
 

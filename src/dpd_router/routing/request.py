@@ -29,6 +29,8 @@ class RoutingRequest:
     prompt: Prompt
     session_key: str | None = None
     kv_hint: KVHint | None = None
+    # Why the KV connector cannot disaggregate this request (None: it can).
+    unsupported: str | None = None
     _blocks: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
     _memo: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
 

@@ -134,7 +134,7 @@ class SimCluster:
         self.tokenizer = await asyncio.to_thread(ensure_tokenizer, self.tokenizer)
         self.log_dir = Path(tempfile.mkdtemp(prefix="dpd-sim-"))
         engines = sum(self.counts.values())
-        ports = _free_ports(engines * 2 if self.kv_events else engines)
+        ports = free_ports(engines * 2 if self.kv_events else engines)
         for role, count in self.counts.items():
             for index in range(count):
                 name = f"{role}-{index}"
@@ -228,7 +228,7 @@ class SimCluster:
             await self.kill(engine)
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """Ports the OS has just handed out; held together while choosing, so they differ."""
     sockets = []
     try:

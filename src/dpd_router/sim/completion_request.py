@@ -12,6 +12,8 @@ import jinja2
 import orjson
 from transformers import PreTrainedTokenizerBase
 
+from dpd_router.sim.bootstrap import Bootstrap, bootstraps_from_body
+
 Api = Literal["text", "chat"]
 DEFAULT_MAX_TOKENS = 16
 
@@ -47,6 +49,11 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    # SGLang's bootstrap fields, one entry per prompt (None: the request has none).
+    bootstraps: list[Bootstrap] | None = None
+    # vLLM's stop_token_ids, and min_tokens: no stop token is drawn before that many tokens.
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,6 +87,11 @@ class RequestParser:
         prompts = self._chat_prompt(body) if api == "chat" else self._text_prompts(body)
         for prompt in prompts:
             self._check_length(len(prompt), max_tokens, api)
+        try:
+            bootstraps = bootstraps_from_body(body, len(prompts))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        stop_token_ids, min_tokens = _stopping(body, max_tokens)
         return GenerationRequest(
             api=api,
             prompts=prompts,
@@ -88,6 +100,9 @@ class RequestParser:
             stream=stream,
             include_usage=include_usage,
             kv_transfer_params=kv_params,
+            bootstraps=bootstraps,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
         )
 
     def tokenize(self, raw: bytes) -> list[int]:
@@ -201,6 +216,23 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     if not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object")
     return bool(options.get("include_usage"))
+
+
+def _stopping(body: dict[str, Any], max_tokens: int) -> tuple[frozenset[int], int]:
+    """`stop_token_ids` and `min_tokens`, checked as vLLM does."""
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not isinstance(stop_ids, list) or not all(_is_token_id(token) for token in stop_ids):
+        raise InvalidRequest("stop_token_ids must be a list of token ids")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_token_id(min_tokens) or min_tokens < 0:
+        raise InvalidRequest(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    return frozenset(stop_ids), int(min_tokens)
 
 
 def _max_tokens(body: dict[str, Any], api: Api) -> int:

@@ -42,6 +42,18 @@ class SimConfig:
     """`map`: events as current vLLM encodes them (tagged maps); `array`: as vLLM 0.23 and earlier (tagged arrays)."""
     kv_events_replay_port: int | None = None
     """A ZMQ ROUTER socket replaying recent batches from a requested sequence number (None: off)."""
+    lmcache_receiver_ports: tuple[int, ...] = ()
+    """LMCache PD receiver: a ZMQ REP socket per decoder TP rank taking pushed KV (empty: off)."""
+    lmcache_notify_url: str | None = None
+    """Where a prefiller's workers push LMCache ProxyNotif messages (the router's PULL socket)."""
+    lmcache_buffer_tokens: int = 1_000_000
+    """Prompt tokens the LMCache receive buffer holds; it never evicts, a push that does not fit is refused."""
+    bootstrap_port: int | None = None
+    """SGLang bootstrap server of a prefill engine (None: off)."""
+    bootstrap_required: bool = False
+    """An SGLang decode-mode server: a request without bootstrap fields is aborted with a 500."""
+    bootstrap_timeout: float = 30.0
+    """How long a decoder waits for its bootstrap room's KV, and a prefiller for its decoder."""
 
     @property
     def advertised_host(self) -> str:

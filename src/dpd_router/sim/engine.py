@@ -136,7 +136,8 @@ def _error(exc: InvalidRequest) -> Response:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dpd_router.sim", description="Run one simulated vLLM engine (NIXL P/D semantics)."
+        prog="python -m dpd_router.sim",
+        description="Run one simulated vLLM engine (NIXL, LMCache and SGLang P/D semantics).",
     )
     parser.add_argument("--role", choices=ROLES, default="both")
     parser.add_argument("--host", default="127.0.0.1")
@@ -167,6 +168,38 @@ def build_arg_parser() -> argparse.ArgumentParser:
         type=_port,
         default=None,
         help="a ZMQ ROUTER socket replaying recent KV event batches",
+    )
+    parser.add_argument(
+        "--lmcache-receiver-port",
+        type=_port,
+        action="append",
+        default=[],
+        help="LMCache PD: take pushed KV on a ZMQ REP socket on this port (repeat: one per decoder TP rank)",
+    )
+    parser.add_argument(
+        "--lmcache-notify-url",
+        default=None,
+        help="LMCache PD: push ProxyNotif messages here (the router's PULL socket, tcp://host:port)",
+    )
+    parser.add_argument(
+        "--lmcache-buffer-tokens",
+        type=int,
+        default=1_000_000,
+        help="LMCache PD: prompt tokens the receive buffer holds (never evicted; a push that does not fit is refused)",
+    )
+    parser.add_argument(
+        "--bootstrap-port", type=_port, default=None, help="SGLang PD: serve bootstrap rooms on this port (prefill)"
+    )
+    parser.add_argument(
+        "--bootstrap-required",
+        action="store_true",
+        help="SGLang PD decode mode: abort a request without bootstrap fields with a 500, as SGLang does",
+    )
+    parser.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a decoder waits for its bootstrap room's KV, and a prefiller for its decoder",
     )
     parser.add_argument("--timing", choices=("default", "realistic"), default="default")
     for name in TimingModel.__dataclass_fields__:
@@ -212,6 +245,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_topic=args.kv_events_topic,
         kv_events_format=cast(EventFormat, args.kv_events_format),
         kv_events_replay_port=args.kv_events_replay_port,
+        lmcache_receiver_ports=tuple(args.lmcache_receiver_port),
+        lmcache_notify_url=args.lmcache_notify_url,
+        lmcache_buffer_tokens=args.lmcache_buffer_tokens,
+        bootstrap_port=args.bootstrap_port,
+        bootstrap_required=args.bootstrap_required,
+        bootstrap_timeout=args.bootstrap_timeout,
     )
     if args.engine_id:
         config = replace(config, engine_id=args.engine_id)

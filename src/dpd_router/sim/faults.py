@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-FaultMode = Literal["none", "dead", "unhealthy", "error_500", "hang", "no_kv_params", "reject_kv", "ignore_kv"]
+FaultMode = Literal[
+    "none",
+    "dead",
+    "unhealthy",
+    "error_500",
+    "hang",
+    "no_kv_params",
+    "reject_kv",
+    "ignore_kv",
+    "no_first_tok",
+    "no_notification",
+    "no_bootstrap",
+]
 FAULT_MODES: tuple[FaultMode, ...] = get_args(FaultMode)
 
 
@@ -18,7 +30,11 @@ class FaultInjector:
     - no_kv_params: a prefill for a remote decoder answers without kv_transfer_params;
     - reject_kv: a decoder treats any kv_transfer_params as invalid (in-band KV load failure);
     - ignore_kv: a decoder ignores kv_transfer_params and recomputes the prompt (a misconfigured
-      connector: vLLM's "Retrieved 0 out of N required tokens").
+      connector: vLLM's "Retrieved 0 out of N required tokens");
+    - no_first_tok: an LMCache prefill answers with kv_transfer_params but no first_tok;
+    - no_notification: an LMCache prefill pushes the KV but no ProxyNotif reaches the router;
+    - no_bootstrap: an SGLang prefill never opens its bootstrap room, so its decoder waits and the
+      prefill call does not end until the bootstrap wait runs out.
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,10 @@
-"""One request's life inside an engine: load remote KV, run on the GPU, hand out tokens, keep books."""
+"""One request's life inside an engine: load remote KV, run on the GPU, hand out tokens, keep books.
+
+Remote KV comes three ways: pulled from a NIXL prefiller named in `kv_transfer_params`, fetched
+from an SGLang prefiller's bootstrap room, or found in this engine's LMCache receive buffer, where
+a prefiller pushed it before the request came. A prefill for a remote decoder leaves KV behind the
+matching way: a NIXL lease, a pushed copy and a ProxyNotif (LMCache), or an open bootstrap room.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,11 @@ import uuid
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from dpd_router.sim.bootstrap import BootstrapError, fetch_kv
 from dpd_router.sim.completion_request import GenerationRequest
 from dpd_router.sim.gpu import ABORTED, Sequence
 from dpd_router.sim.kv import block_hashes, prompt_digest
+from dpd_router.sim.lmcache_pd import DisaggSpec
 from dpd_router.sim.nixl import KvTransferFailed, RemotePrefill, prefill_answer_params
 from dpd_router.sim.openai_format import Usage
 from dpd_router.sim.stats import RequestKind, RequestRecord, RequestStatus
@@ -39,23 +47,37 @@ class Generation:
         reject_kv: bool = False,
         withhold_kv_params: bool = False,
         ignore_kv: bool = False,
+        withhold_first_token: bool = False,
+        withhold_notification: bool = False,
+        withhold_bootstrap: bool = False,
     ) -> None:
         self.core = core
         self.request = request
+        self.protocol = core.protocol(request)
         # A decoder whose connector is misconfigured drops the transfer parameters and recomputes.
         self.kind: RequestKind = "local" if ignore_kv and kind == "kv_decode" else kind
         self.request_id = request_id
         self.reject_kv = reject_kv
+        self.ignore_kv = ignore_kv
         self.withhold_kv_params = withhold_kv_params
+        self.withhold_first_token = withhold_first_token
+        self.withhold_notification = withhold_notification
+        self.withhold_bootstrap = withhold_bootstrap
+        self.settle_error = ""
         self.max_tokens = 1 if kind == "remote_prefill" else request.max_tokens
         self.cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
         self.failed = False
         self.record: RequestRecord | None = None
         self._sink: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        self._keys = [core.sampler.key(prompt, request.seed) for prompt in request.prompts]
+        self._streams = [core.sampler.stream(prompt, request.seed) for prompt in request.prompts]
         self._hashes: list[list[bytes]] = [[] for _ in request.prompts]
+        # Prompt tokens of each choice whose KV came from elsewhere (all of them for NIXL and SGLang).
+        self._loaded = [0] * len(request.prompts)
         self._generated = [0] * len(request.prompts)
+        # The stop token that ended each choice early (vLLM's stop_token_ids), if one did.
+        self._stopped_by: list[int | None] = [None] * len(request.prompts)
+        self._ended = [False] * len(request.prompts)
         self._unfinished = len(request.prompts)
         self._sequences: list[Sequence] = []
         self._arrived = time.perf_counter()
@@ -84,6 +106,8 @@ class Generation:
         for seq in self._sequences:
             core.scheduler.cancel(seq)
         self._sequences.clear()
+        if self.kind == "remote_prefill" and self.protocol == "sglang":
+            core.rooms.discard(self._rooms)  # a decoder still waiting for a room learns it is given up
         if self.record is not None:
             self.record.status = status
             self.record.cached_tokens = self.cached_tokens
@@ -103,44 +127,95 @@ class Generation:
             cached_tokens=self.cached_tokens,
         )
 
+    @property
+    def _rooms(self) -> list[int]:
+        return [bootstrap.room for bootstrap in self.request.bootstraps or ()]
+
     async def load_kv(self) -> bool:
-        """Pull the prompt's KV from the prefiller, if this is a remote decode; False if that failed."""
+        """Get the prompt's KV from where the request says it is; False if that failed."""
+        if self.kind == "local":
+            return self._take_pushed_kv()
         if self.kind != "kv_decode":
             return True
         core = self.core
-        prompt = self.request.prompts[0]
+        prompts = self.request.prompts
         started = time.perf_counter()
         try:
             if self.reject_kv:
                 raise KvTransferFailed("kv_transfer_params rejected by this engine")
-            remote = RemotePrefill.from_params(self.request.kv_transfer_params or {})
-            await core.kv_puller.pull(remote, prompt_digest(prompt))
+            if self.protocol == "sglang":
+                await self._fetch_from_rooms()
+            else:
+                remote = RemotePrefill.from_params(self.request.kv_transfer_params or {})
+                await core.kv_puller.pull(remote, prompt_digest(prompts[0]))
         except KvTransferFailed as exc:
             self._transfer_failed(exc)
             return False
         core.metrics.nixl_xfer_time.observe(time.perf_counter() - started)
-        core.metrics.kv_transfers.inc()
-        core.stats.kv_transfers += 1
-        self._hashes[0] = block_hashes(prompt)
-        core.prefix_cache.insert(self._hashes[0], prompt)
-        self.cached_tokens = len(prompt)
+        self._kv_arrived([len(prompt) for prompt in prompts])
         return True
 
-    def schedule(self) -> None:
-        """Put every prompt on the GPU; only prompt tokens missing from the prefix cache cost prefill time."""
+    async def _fetch_from_rooms(self) -> None:
+        """SGLang: every prompt's KV from its bootstrap room on the prefiller."""
+        wait = self.core.config.bootstrap_timeout
+        bootstraps = self.request.bootstraps or []
+        try:
+            await asyncio.gather(
+                *(
+                    fetch_kv(bootstrap, prompt_digest(prompt), wait)
+                    for bootstrap, prompt in zip(bootstraps, self.request.prompts, strict=True)
+                )
+            )
+        except BootstrapError as exc:
+            raise KvTransferFailed(str(exc)) from None
+
+    def _take_pushed_kv(self) -> bool:
+        """LMCache: a plain request whose prompt, but for its last token, was pushed here by a
+        prefiller takes that KV out of the receive buffer; False if it could not be loaded."""
         core = self.core
-        needs_prefill = self.kind != "kv_decode"
+        if core.lmcache_receiver is None or self.ignore_kv:
+            return True
+        loaded = [core.lmcache_buffer.take(prompt) for prompt in self.request.prompts]
+        if not any(loaded):
+            return True
+        self.kind = "kv_decode"
+        if self.record is not None:
+            self.record.kind = "kv_decode"
+        if self.reject_kv:
+            self._transfer_failed(KvTransferFailed("the pushed KV could not be loaded"))
+            return False
+        self._kv_arrived(loaded)
+        return True
+
+    def _kv_arrived(self, loaded: list[int]) -> None:
+        """Remote KV for the first `loaded[choice]` tokens of each prompt is here: cache its blocks."""
+        core = self.core
+        core.metrics.kv_transfers.inc()
+        core.stats.kv_transfers += 1
+        for choice, (prompt, tokens) in enumerate(zip(self.request.prompts, loaded, strict=True)):
+            self._loaded[choice] = tokens
+            if tokens == len(prompt):
+                self._hashes[choice] = block_hashes(prompt)
+                core.prefix_cache.insert(self._hashes[choice], prompt)
+            elif tokens:
+                core.prefix_cache.insert(block_hashes(prompt[:tokens]), prompt[:tokens])
+
+    def schedule(self) -> None:
+        """Put every prompt on the GPU; only prompt tokens neither cached nor transferred cost prefill time."""
+        core = self.core
         for choice, prompt in enumerate(self.request.prompts):
             hashes = self._hashes[choice] or block_hashes(prompt)
             self._hashes[choice] = hashes
             local_hit = core.prefix_cache.cached_tokens(hashes, len(prompt))
             core.metrics.prefix_cache_queries.inc(len(prompt))
             core.metrics.prefix_cache_hits.inc(local_hit)
-            if needs_prefill:
-                self.cached_tokens += local_hit
+            loaded = self._loaded[choice]
+            needs_prefill = loaded < len(prompt)
+            hit = max(local_hit, loaded)
+            self.cached_tokens += hit
             seq = core.scheduler.submit(
                 prompt_tokens=len(prompt),
-                uncached_tokens=len(prompt) - local_hit,
+                uncached_tokens=len(prompt) - hit,
                 max_tokens=self.max_tokens,
                 needs_prefill=needs_prefill,
                 sink=self._sink,
@@ -156,20 +231,36 @@ class Generation:
         items = [await self._sink.get()]
         while not self._sink.empty():
             items.append(self._sink.get_nowait())
-        sampler = self.core.sampler
         tokens: list[tuple[int, int, bool]] = []
+        stop_ids = self.request.stop_token_ids
         for choice, index in items:
             if index == ABORTED:
                 raise EngineShutdown("the engine stopped")
+            if self._ended[choice]:
+                continue  # a stop token ended it; the scheduler had stepped it once more
             if index == 0:
                 self._prefilled(choice)
             self._generated[choice] = index + 1
-            last = index + 1 == self.max_tokens
+            # As vLLM's min_tokens: no stop token may be drawn before that many tokens.
+            token_id = self._streams[choice].token(index, banned=stop_ids if index < self.request.min_tokens else ())
+            stopped = token_id in stop_ids
+            last = stopped or index + 1 == self.max_tokens
+            if stopped:
+                self._stopped_by[choice] = token_id
+                self.core.scheduler.cancel(self._sequences[choice])
             if last:
-                self._finished(choice)
-            tokens.append((choice, sampler.token(self._keys[choice], index), last))
+                self._ended[choice] = True
+                self._finished(choice, token_id)
+            tokens.append((choice, token_id, last))
         self.core.metrics.generation_tokens.inc(len(tokens))
         return tokens
+
+    def stopped_by(self, choice: int) -> int | None:
+        """The stop token that ended `choice` (its text is not output, as in vLLM), else None."""
+        return self._stopped_by[choice]
+
+    def finish_reason(self, choice: int) -> str:
+        return "length" if self._stopped_by[choice] is None else "stop"
 
     def _prefilled(self, choice: int) -> None:
         """The first token is out: the prompt's KV exists here now."""
@@ -183,13 +274,43 @@ class Generation:
             elif self.kind == "remote_prefill":
                 core.stats.remote_prefills += 1
                 core.metrics.remote_prefills.inc()
-        if self.kind != "kv_decode":
+        if self._loaded[choice] < len(self.request.prompts[choice]):  # else its KV came whole, and is cached
             core.prefix_cache.insert(self._hashes[choice], self.request.prompts[choice])
 
-    def _finished(self, choice: int) -> None:
+    def _finished(self, choice: int, last_token: int) -> None:
         self._unfinished -= 1
-        if self.kind == "remote_prefill" and not self.withhold_kv_params:
-            self._stage_kv(self.request.prompts[choice])
+        if self.kind != "remote_prefill":
+            return
+        prompt = self.request.prompts[choice]
+        if self.protocol == "lmcache":
+            self._push_kv(prompt, last_token)
+        elif self.protocol == "sglang":
+            if not self.withhold_bootstrap:
+                self.core.rooms.computed(self._rooms[choice], prompt_digest(prompt), len(prompt))
+        elif not self.withhold_kv_params:
+            self._stage_kv(prompt)
+
+    def _push_kv(self, prompt: list[int], first_token: int) -> None:
+        """LMCache: push the prompt's KV to the decoder's receiver, answer with the first token."""
+        params = self.request.kv_transfer_params or {}
+        if not self.withhold_kv_params:
+            returned: dict[str, Any] = {}
+            if "ret_first_tok" in params and not self.withhold_first_token:
+                returned["first_tok"] = first_token
+            self.kv_transfer_params = returned
+        spec = DisaggSpec.from_params(params)
+        self.core.lmcache_sender.send(spec, prompt, notify=not self.withhold_notification)
+
+    async def settle(self) -> bool:
+        """SGLang: a prefill's answer waits until its decoder took the KV from every room (bounded)."""
+        if self.kind != "remote_prefill" or self.protocol != "sglang":
+            return True
+        wait = self.core.config.bootstrap_timeout
+        if await self.core.rooms.handed_over(self._rooms, wait):
+            return True
+        self.failed = True
+        self.settle_error = f"no decoder took the KV of bootstrap rooms {self._rooms} within {wait:g} s"
+        return False
 
     def _stage_kv(self, prompt: list[int]) -> None:
         """Hold the prompt's blocks for a decoder, and say where to find them."""

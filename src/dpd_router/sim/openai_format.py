@@ -60,15 +60,20 @@ class ResponseFormat:
         return b"".join((self._token_prefix, str(choice).encode(), self._token_key, token_json, self._token_suffix))
 
     def final_chunk(
-        self, choice: int, text: str, finish_reason: str, kv_transfer_params: dict[str, Any] | None = None
+        self,
+        choice: int,
+        text: str,
+        finish_reason: str,
+        kv_transfer_params: dict[str, Any] | None = None,
+        stop_reason: int | None = None,
     ) -> bytes:
-        """The chunk that ends a choice: its last token (or none) and its finish_reason."""
+        """The chunk that ends a choice: its last token (or none), its finish_reason and what stopped it."""
         entry: dict[str, Any] = {"index": choice}
         if self.api == "chat":
             entry["delta"] = {"content": text}
         else:
             entry["text"] = text
-        entry.update(logprobs=None, finish_reason=finish_reason, stop_reason=None)
+        entry.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
         chunk: dict[str, Any] = {**self._chunk_header, "choices": [entry]}
         if kv_transfer_params is not None:
             chunk["kv_transfer_params"] = kv_transfer_params
@@ -90,11 +95,14 @@ class ResponseFormat:
     def body(
         self,
         texts: Sequence[str],
-        finish_reason: str,
+        finish_reason: str | Sequence[str],
         usage: Usage,
         kv_transfer_params: dict[str, Any] | None,
+        stop_reasons: Sequence[int | None] | None = None,
     ) -> bytes:
-        """The non-streaming answer, one choice per prompt."""
+        """The non-streaming answer, one choice per prompt (a finish_reason for all, or one each)."""
+        reasons = [finish_reason] * len(texts) if isinstance(finish_reason, str) else list(finish_reason)
+        stops = list(stop_reasons) if stop_reasons is not None else [None] * len(texts)
         choices: list[dict[str, Any]]
         if self.api == "chat":
             choices = [
@@ -111,8 +119,8 @@ class ResponseFormat:
                         "reasoning_content": None,
                     },
                     "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": None,
+                    "finish_reason": reasons[index],
+                    "stop_reason": stops[index],
                 }
                 for index, text in enumerate(texts)
             ]
@@ -123,8 +131,8 @@ class ResponseFormat:
                     "index": index,
                     "text": text,
                     "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": None,
+                    "finish_reason": reasons[index],
+                    "stop_reason": stops[index],
                     "prompt_logprobs": None,
                 }
                 for index, text in enumerate(texts)

@@ -19,7 +19,7 @@ from dpd_router.sim.asgi import (
     send_start,
 )
 from dpd_router.sim.completion_request import Api, GenerationRequest, InvalidRequest
-from dpd_router.sim.core import EngineCore
+from dpd_router.sim.core import EngineCore, Protocol
 from dpd_router.sim.faults import FaultMode
 from dpd_router.sim.generation import Generation
 from dpd_router.sim.openai_format import DONE, ResponseFormat, error_body
@@ -50,7 +50,12 @@ class CompletionsEndpoint:
             body = error_body(exc.message, exc.error_type, exc.status_code, exc.param)
             await send_json(send, exc.status_code, body)
             return
-        fault = core.faults.take(*_faults_for(kind))
+        refusal = core.refuses(request)
+        if refusal is not None:
+            core.stats.open(request_id, kind, request.prompt_tokens).status = "error"
+            await send_json(send, 500, error_body(refusal, "InternalServerError", 500))
+            return
+        fault = core.faults.take(*_faults_for(kind, core.protocol(request), core.holds_pushed_kv(request)))
         if fault == "dead":
             await send_json(send, 503, error_body("the engine is dead", "ServiceUnavailableError", 503))
             return
@@ -66,6 +71,9 @@ class CompletionsEndpoint:
             reject_kv=fault == "reject_kv",
             withhold_kv_params=fault == "no_kv_params",
             ignore_kv=fault == "ignore_kv",
+            withhold_first_token=fault == "no_first_tok",
+            withhold_notification=fault == "no_notification",
+            withhold_bootstrap=fault == "no_bootstrap",
         )
         response = ResponseFormat(
             self.api, response_id=self.id_prefix + request_id, model=core.config.model, created=int(time.time())
@@ -84,11 +92,15 @@ class CompletionsEndpoint:
         return self.core.parser.parse(self.api, raw)
 
 
-def _faults_for(kind: RequestKind) -> tuple[FaultMode, ...]:
+def _faults_for(kind: RequestKind, protocol: Protocol, pushed_kv: bool) -> tuple[FaultMode, ...]:
+    if kind == "kv_decode" or pushed_kv:  # an LMCache decode finds its KV pushed here
+        return ("dead", "error_500", "hang", "reject_kv", "ignore_kv")
+    if kind == "remote_prefill" and protocol == "lmcache":
+        return ("dead", "error_500", "hang", "no_kv_params", "no_first_tok", "no_notification")
+    if kind == "remote_prefill" and protocol == "sglang":
+        return ("dead", "error_500", "hang", "no_bootstrap")
     if kind == "remote_prefill":
         return ("dead", "error_500", "hang", "no_kv_params")
-    if kind == "kv_decode":
-        return ("dead", "error_500", "hang", "reject_kv", "ignore_kv")
     return ("dead", "error_500", "hang")
 
 
@@ -120,12 +132,16 @@ async def _stream(generation: Generation, response: ResponseFormat, send: Send) 
                     opened = True
                 for choice, token_id, last in tokens:
                     if last:
-                        text = token_text[token_id]
-                        parts.append(response.final_chunk(choice, text, "length", generation.kv_transfer_params))
+                        stop = generation.stopped_by(choice)
+                        text = "" if stop is not None else token_text[token_id]  # a stop token is not output
+                        finish = generation.finish_reason(choice)
+                        parts.append(response.final_chunk(choice, text, finish, generation.kv_transfer_params, stop))
                     else:
                         parts.append(response.token_chunk(choice, token_json[token_id]))
                 await send_body(send, b"".join(parts), more=True)
                 parts.clear()
+            if not await generation.settle():
+                parts.append(b"data: " + error_body(generation.settle_error, "InternalServerError", 500) + b"\n\n")
         if request.include_usage:
             parts.append(response.usage_chunk(generation.usage))
         parts.append(DONE)
@@ -143,8 +159,19 @@ async def _answer(generation: Generation, response: ResponseFormat, send: Send) 
         generation.schedule()
         outputs: list[list[int]] = [[] for _ in range(generation.choices)]
         while tokens := await generation.next_tokens():
-            for choice, token_id, _last in tokens:
-                outputs[choice].append(token_id)
+            for choice, token_id, last in tokens:
+                if not (last and generation.stopped_by(choice) is not None):  # a stop token is not output
+                    outputs[choice].append(token_id)
+        if not await generation.settle():
+            await send_json(send, 500, error_body(generation.settle_error, "InternalServerError", 500))
+            return
         texts = [sampler.text(token_ids) for token_ids in outputs]
-        body = response.body(texts, "length", generation.usage, generation.kv_transfer_params)
+        choices = range(generation.choices)
+        body = response.body(
+            texts,
+            [generation.finish_reason(choice) for choice in choices],
+            generation.usage,
+            generation.kv_transfer_params,
+            [generation.stopped_by(choice) for choice in choices],
+        )
         await send_json(send, 200, body)

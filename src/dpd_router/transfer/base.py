@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -11,6 +13,9 @@ import orjson
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.request import ClientRequest
+from dpd_router.tokenizer import Prompt
+
+ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 @dataclass(frozen=True)
@@ -25,19 +30,120 @@ class StagedKV:
     params: dict[str, Any]
     prompt_tokens: int | None
     cached_tokens: int
+    # The prefiller's whole answer, for connectors whose decoder continues from its first token.
+    answer: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    # Concurrent connectors: the prefill call, still running beside the decode call. It resolves to
+    # the prefiller's own StagedKV (its token counts), or raises PrefillFailed.
+    pending: asyncio.Task[StagedKV] | None = field(default=None, compare=False, repr=False)
+    # The hand-off this KV belongs to (set by the gateway; the decode call may need its ids).
+    handoff: Handoff | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One attempt to move a prompt's KV from a prefiller to a decoder, and the ids it goes by.
+
+    `transfer` holds what the connector decided for this attempt before any call was made (LMCache's
+    notification id, SGLang's bootstrap rooms); a retried prefill is a new hand-off with new ids.
+    """
+
+    request: ClientRequest
+    prompt: Prompt
+    prefiller: Endpoint
+    decoder: Endpoint
+    request_id: str
+    transfer: dict[str, Any] = field(default_factory=dict)
+
+
+class AnswerRewrite(Protocol):
+    """Turns a decoder's answer into the one the client asked for (LMCache: a continuation in another API)."""
+
+    def head(self) -> bytes:
+        """SSE events the client gets before the decoder's, as soon as the KV is staged (may be empty)."""
+        ...
+
+    def chunk(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """One event of the decoder's stream, rewritten."""
+        ...
+
+    def body(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The decoder's whole (non-streamed) answer, rewritten."""
+        ...
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """What goes to the decoder, and how its answer reaches the client.
+
+    `answer` rewrites the decoder's answer (None: relayed as it is). `answered` is set when the
+    prefill already produced the whole answer (a one-token request): the router relays these bytes,
+    in the decoder's format, instead of calling a decoder at all.
+    """
+
+    path: str
+    body: bytes
+    answer: AnswerRewrite | None = None
+    answered: bytes | None = None
+
+    @classmethod
+    def unchanged(cls, request: ClientRequest) -> DecodeCall:
+        """The client's request as it came, to the engine path of its kind."""
+        return cls(ENGINE_PATHS[request.kind], request.encoded())
+
+    @property
+    def head(self) -> bytes:
+        return self.answer.head() if self.answer is not None else b""
 
 
 class Connector(Protocol):
-    """Runs the prefill hop and shapes the decode call for one KV-transfer protocol."""
+    """Runs the prefill hop and shapes the decode call for one KV-transfer protocol.
+
+    The gateway plans a `handoff()` (no I/O), runs `stage()` as the prefill hop and sends the
+    decoder `decode_call()`. A sequential connector's decode call starts once `stage()` returned
+    (NIXL, shared storage, LMCache). A `concurrent` one's starts with it (SGLang's bootstrap):
+    `stage()` runs beside the decode call and only has to succeed before the decoder's first token.
+    """
 
     name: str
+    concurrent: bool
+    # Whether a batched prompt (a list of prompts in /v1/completions) can be disaggregated.
+    batches: bool
+    # Whether a decoder can serve a request without a prefill hop (SGLang's decode-mode servers cannot:
+    # every request is disaggregated, and one that no prefiller can take is refused).
+    serves_direct: bool
+    # Whether the prefill pushes the KV into the chosen decoder (LMCache): then the staged KV serves
+    # that decoder only, and stays in its buffer until a decode call there picks it up.
+    pushes_to_decoder: bool
 
-    async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
-        """Stage the prompt's KV on `prefiller`; raise PrefillFailed when nothing was staged."""
+    async def start(self) -> None:
+        """Open what the connector listens on (LMCache's notification socket)."""
         ...
 
-    def decode_body(self, request: ClientRequest, staged: StagedKV) -> bytes:
-        """The body the decoder receives to pick up `staged`."""
+    async def close(self) -> None:
+        """Close what start() opened, and stop background work (LMCache's drains)."""
+        ...
+
+    def unsupported(self, request: ClientRequest) -> str | None:
+        """Why this connector cannot disaggregate `request` (None: it can)."""
+        ...
+
+    def handoff(
+        self, request: ClientRequest, prompt: Prompt, prefiller: Endpoint, decoder: Endpoint, request_id: str
+    ) -> Handoff:
+        """Decide the ids of one hand-off."""
+        ...
+
+    async def stage(self, handoff: Handoff) -> StagedKV:
+        """The prefill call; raise PrefillFailed when it did not stage the KV."""
+        ...
+
+    def decode_call(self, handoff: Handoff, staged: StagedKV) -> DecodeCall:
+        """What the decoder receives to pick up `staged`."""
+        ...
+
+    def release_unused(self, staged: StagedKV) -> None:
+        """No decode call will pick up `staged` on `staged.handoff.decoder`: free what it holds there
+        (in the background; LMCache drains the pushed KV). Nothing to do for KV a decoder pulls."""
         ...
 
 
@@ -51,10 +157,30 @@ async def post_prefill(
     limits: httpx.Timeout,
 ) -> dict[str, Any]:
     """Send a prefill call and return its JSON answer; every way it can fail becomes PrefillFailed."""
+    response = await send_prefill(client, prefiller, path, orjson.dumps(body), request_id=request_id, limits=limits)
+    try:
+        payload = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        raise PrefillFailed("bad_answer", f"{prefiller.url} answered with invalid JSON") from None
+    if not isinstance(payload, dict):
+        raise PrefillFailed("bad_answer", "the prefill answer is not a JSON object")
+    return payload
+
+
+async def send_prefill(
+    client: httpx.AsyncClient,
+    prefiller: Endpoint,
+    path: str,
+    content: bytes,
+    *,
+    request_id: str,
+    limits: httpx.Timeout,
+) -> httpx.Response:
+    """Send a prefill call and read its answer; a failed call or a status other than 200 is PrefillFailed."""
     try:
         response = await client.post(
             f"{prefiller.url}{path}",
-            content=orjson.dumps(body),
+            content=content,
             headers={"X-Request-Id": request_id, "Content-Type": "application/json"},
             timeout=limits,
         )
@@ -65,13 +191,7 @@ async def post_prefill(
     if response.status_code != 200:
         reason = "status_5xx" if response.status_code >= 500 else "status_4xx"
         raise PrefillFailed(reason, f"{prefiller.url} answered {response.status_code}: {response.text[:300]}")
-    try:
-        payload = orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        raise PrefillFailed("bad_answer", f"{prefiller.url} answered with invalid JSON") from None
-    if not isinstance(payload, dict):
-        raise PrefillFailed("bad_answer", "the prefill answer is not a JSON object")
-    return payload
+    return response
 
 
 def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
@@ -103,11 +223,42 @@ class SequentialConnector:
     """
 
     name = "sequential"
+    concurrent = False
+    batches = False
+    serves_direct = True
+    pushes_to_decoder = False
 
     def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
         self._client = client
         self._timeout = timeout
         self._path_for = path_for
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def unsupported(self, request: ClientRequest) -> str | None:
+        return None
+
+    def release_unused(self, staged: StagedKV) -> None:
+        pass  # the decoder pulls the KV: nothing of it waits on a decoder
+
+    def handoff(
+        self, request: ClientRequest, prompt: Prompt, prefiller: Endpoint, decoder: Endpoint, request_id: str
+    ) -> Handoff:
+        return Handoff(request, prompt, prefiller, decoder, request_id)
+
+    async def stage(self, handoff: Handoff) -> StagedKV:
+        return await self.prefill(handoff.request, handoff.prefiller, handoff.request_id)
+
+    def decode_call(self, handoff: Handoff, staged: StagedKV) -> DecodeCall:
+        return DecodeCall(self._path_for[handoff.request.kind], self.decode_body(handoff.request, staged))
+
+    def decode_body(self, request: ClientRequest, staged: StagedKV) -> bytes:
+        """The body the decoder receives to pick up `staged`."""
+        raise NotImplementedError
 
     def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
         raise NotImplementedError
@@ -125,3 +276,9 @@ class SequentialConnector:
             limits=self._timeout,
         )
         return self.read_answer(payload)
+
+
+def new_transfer_id() -> str:
+    """A fresh id for one hand-off (never the client's request id: a retry must not match a late
+    message of the attempt before it)."""
+    return uuid.uuid4().hex

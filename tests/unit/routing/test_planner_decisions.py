@@ -15,7 +15,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, EngineLoad
 from dpd_router.pool.pool import Pool
 from dpd_router.routing.planner import Planner, build_planner
-from dpd_router.routing.request import KVHint
+from dpd_router.routing.request import KVHint, RoutingRequest
 from dpd_router.tokenizer import Prompt
 
 SYSTEM_PROMPT = list(range(1000, 1000 + 4096))
@@ -197,3 +197,34 @@ def test_decisions_never_choose_an_unhealthy_endpoint(
         assert plan.prefiller is None or (plan.prefiller.healthy and plan.prefiller.role == "prefill")
         assert (plan.path == "disaggregated") == (plan.prefiller is not None)
         assert 0 <= plan.uncached_tokens <= 64 + length
+
+
+def test_a_request_the_connector_cannot_disaggregate_is_direct_and_never_cached_on_a_prefiller() -> None:
+    p = planner()
+    plan = p.plan(prompt(SYSTEM_PROMPT), unsupported="the 'tools' field")
+    assert (plan.path, plan.reason, plan.prefiller) == ("direct", "connector_unsupported", None)
+    assert p.cache is not None
+    request = RoutingRequest(prompt(SYSTEM_PROMPT))
+    assert p.cache.cached_tokens(request, plan.decoder) == 4096
+    assert all(p.cache.cached_tokens(request, prefiller) == 0 for prefiller in p.pool.prefillers)
+
+
+def test_a_connector_whose_decoders_serve_nothing_alone_disaggregates_every_prompt() -> None:
+    config = Settings(
+        prefill_urls=["http://127.0.0.1:8100"],
+        decode_urls=["http://127.0.0.1:8200"],
+        routing_threshold=1024,
+        prefill_busy_queue_depth=0,
+    )
+    pool = Pool(config.prefill_urls, config.decode_urls)
+    p = build_planner(config, pool, RouterMetrics(), serves_direct=False)
+    queue(pool.prefillers[0], waiting=50)  # a busy prefill pool does not send anything direct either
+    short = p.plan(prompt(list(range(10))))
+    assert (short.path, short.reason, short.prefiller) == (
+        "disaggregated",
+        "connector_requires_prefill",
+        pool.prefillers[0],
+    )
+    pool.prefillers[0].healthy = False
+    down = p.plan(prompt(SYSTEM_PROMPT))
+    assert (down.path, down.reason) == ("direct", "prefill_pool_down"), "which the gateway refuses"
