@@ -55,15 +55,28 @@ def ensure_production_stack(source: Path) -> Path:
         return binary
     if not (source / "src" / "vllm_router").is_dir():
         raise FileNotFoundError(f"{source} is not a production-stack checkout (no src/vllm_router)")
-    python = shutil.which("python3.12") or shutil.which("python3.13")
+    python = next((candidate for candidate in _pythons("3.12", "3.13") if _runs(candidate)), None)
     if python is None:
-        raise FileNotFoundError("production-stack's router needs python3.12 or python3.13 on PATH")
+        raise FileNotFoundError("production-stack's router needs a working python3.12 or python3.13")
     target = VENVS / "production-stack"
     print(f"installing production-stack's router from {source} into {target} ...", file=sys.stderr, flush=True)
     subprocess.run([python, "-m", "venv", str(target)], check=True)
     env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": "0.0.0+checkout"}  # a source archive has no git tags
     subprocess.run([str(target / "bin" / "pip"), "install", "--quiet", str(source)], check=True, env=env)
     return binary
+
+
+def _pythons(*versions: str) -> list[str]:
+    """Interpreters of these versions: on PATH, then pyenv's (whose shims fail for a version not selected)."""
+    found = [path for version in versions if (path := shutil.which(f"python{version}"))]
+    for version in versions:
+        pattern = Path.home() / ".pyenv" / "versions" / f"{version}.*" / "bin" / f"python{version}"
+        found += sorted(glob.glob(str(pattern)))
+    return found
+
+
+def _runs(python: str) -> bool:
+    return subprocess.run([python, "--version"], capture_output=True, check=False).returncode == 0
 
 
 def have(name: str) -> bool:
