@@ -4,17 +4,25 @@ A. Sweep: a mixed streaming workload (mostly short chat, some long prompts) thro
    each static threshold; the best is the one with the lowest short-request ITL p99 among those
    whose short-request TTFT p99 stays within the TTFT budget (`--ttft-budget`; when none does,
    the lowest short-request TTFT p99 wins and the report says so).
-B. Convergence: adaptive started from deliberately bad thresholds (512 and 32768); the first
-   `--warmup` requests are its warm-up, the rest are measured and compared with the best static
-   run (pass: short ITL p99 within 10% of it and short TTFT p99 within the budget).
+B. Convergence: adaptive started from deliberately bad thresholds (512 and 32768), compared with
+   the best static run (pass: short ITL p99 within 10% of it and short TTFT p99 within the budget).
 C. Load change: quiet -> busy -> quiet (concurrency per phase, `--phases`) for the best static
-   threshold and for adaptive (started from that same threshold), the router's
-   `dpd_router_adaptive_threshold_tokens` scraped every `--scrape` seconds.
+   threshold and for adaptive (started from that same threshold; with `--slo-variant`, also with
+   `ttft_slo` = the budget), the router's `dpd_router_adaptive_threshold_tokens` scraped every
+   `--scrape` seconds.
+
+Statistics. Every configuration runs once per repeat (`--repeats`), interleaved, in an order that
+rotates from repeat to repeat, so a slow spell of the shared machine falls on all of them. Within a
+repeat every run sends the same prompt lengths (new prompt text each run, so no prefix cache
+carries over); repeats draw new lengths. The first `--warmup` requests of every A/B run, static
+or adaptive, are not measured (adaptive's warm-up; the static runs' ramp-up). ITL p99 is over every
+inter-token gap of the measured short requests. Tables give the median over repeats with the
+[min-max] range, and comparisons the ratio of medians plus the per-repeat (paired) ratios.
 
 One router process per run on the same simulated engines (1 prefill + 1 decode, `--timing
-realistic`); every run has its own prompt seed, so no prefix cache carries over.
+realistic`).
 
-    python -m benchmarks.adaptive          # about 5 minutes here
+    python -m benchmarks.adaptive          # about 40 minutes here (5 repeats; --repeats 3: about 21)
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ import asyncio
 import contextlib
 import itertools
 import math
+import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +47,7 @@ from dpd_router.sim.tokenizer_kit import ensure_tokenizer
 
 NAME = "adaptive"
 WITHIN = 0.10
+PHASES = ("quiet-1", "busy", "quiet-2")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,15 +55,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", default="short:0.85:U(128,1023)/(64,64),long:0.15:U(4096,16384)/(64,64)")
     parser.add_argument("--thresholds", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     parser.add_argument("--bad-starts", type=int, nargs="+", default=[512, 32768])
-    parser.add_argument("--requests", type=int, default=60, help="measured requests per sweep/convergence run")
-    parser.add_argument("--warmup", type=int, default=30, help="adaptive warm-up requests before measuring")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of every configuration, interleaved")
+    parser.add_argument("--requests", type=int, default=200, help="measured requests per sweep/convergence run")
+    parser.add_argument("--warmup", type=int, default=40, help="unmeasured requests first, in every A/B run")
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--phases", type=int, nargs=3, default=[2, 24, 2], help="concurrency quiet busy quiet")
-    parser.add_argument("--phase-requests", type=int, nargs=3, default=[16, 72, 16])
+    parser.add_argument("--phase-requests", type=int, nargs=3, default=[40, 160, 40])
     parser.add_argument("--ttft-budget", type=float, default=1.0, help="short-request TTFT p99 budget, seconds")
+    parser.add_argument(
+        "--interference-weight", type=float, default=None,
+        help="the adaptive routers' interference_weight (default: the router's own default)",
+    )  # fmt: skip
     parser.add_argument("--scrape", type=float, default=0.5, help="seconds between metric scrapes")
     parser.add_argument("--timing", default="realistic")
-    parser.add_argument("--max-seconds", type=float, default=120.0, help="bound per run (and per phase)")
+    parser.add_argument("--max-seconds", type=float, default=180.0, help="bound per run (and per phase)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["sweep", "converge", "change"])
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
     parser.add_argument(
@@ -66,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.workload = "short:0.75:U(32,200)/(8,8),long:0.25:U(600,1200)/(8,8)"
-        args.thresholds, args.bad_starts = [256, 4096], [256]
+        args.thresholds, args.bad_starts, args.repeats = [256, 4096], [256], 2
         args.requests, args.warmup, args.concurrency = 8, 4, 3
         args.phases, args.phase_requests = [1, 4, 1], [2, 8, 2]
         args.timing, args.max_seconds, args.ttft_budget, args.scrape = "default", 30.0, 5.0, 0.2
@@ -83,12 +98,23 @@ async def started(service: stack.Service, wait: float = 240.0) -> AsyncIterator[
         await service.stop()
 
 
-def adaptive_settings(**extra: object) -> dict[str, object]:
-    return {"threshold_mode": "adaptive", **extra}
+def router_settings(args: argparse.Namespace, mode: str) -> dict[str, object]:
+    settings: dict[str, object] = {"threshold_mode": mode}
+    if mode == "adaptive" and args.interference_weight is not None:
+        settings["interference_weight"] = args.interference_weight
+    return settings
 
 
-def requests_for(args: argparse.Namespace, factory: PromptFactory, count: int, seed: int) -> list[loadgen.Request]:
-    return loadgen.build_requests(Workload.parse(args.workload), count, factory, seed=seed)
+def rotated(items: list[Any], repeat: int) -> list[Any]:
+    """`items` starting at position `repeat`: each configuration takes every slot of the order in turn."""
+    k = repeat % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def requests_for(
+    args: argparse.Namespace, factory: PromptFactory, count: int, draw: int, prompt_seed: int
+) -> list[loadgen.Request]:
+    return loadgen.build_requests(Workload.parse(args.workload), count, factory, seed=draw, prompt_seed=prompt_seed)
 
 
 async def scrape(url: str, samples: list[dict[str, Any]], t0: float, every: float, stop: asyncio.Event) -> None:
@@ -111,12 +137,87 @@ async def scrape(url: str, samples: list[dict[str, Any]], t0: float, every: floa
                 await asyncio.wait_for(stop.wait(), every)
 
 
+async def learned_costs(url: str) -> dict[str, float]:
+    """`dpd_router_adaptive_cost` at the end of a run: "model/term" -> value (one endpoint per model here)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        text = (await client.get(url + "/metrics")).text
+    return {
+        f"{s.labels['model']}/{s.labels['term']}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "dpd_router_adaptive_cost"
+    }
+
+
 def short_stats(summary: dict[str, Any]) -> dict[str, Any]:
     return summary.get("short", summary["all"])
 
 
-def finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+# The numbers compared across runs, read from a run's (or a merged) summary.
+KEYS: dict[str, Any] = {
+    "short_itl_p99": lambda s: short_stats(s)["itl"]["p99"],
+    "short_itl_p50": lambda s: short_stats(s)["itl"]["p50"],
+    "short_ttft_p50": lambda s: short_stats(s)["ttft"]["p50"],
+    "short_ttft_p99": lambda s: short_stats(s)["ttft"]["p99"],
+    "long_ttft_p50": lambda s: s.get("long", {}).get("ttft", {}).get("p50"),
+    "out_tok_per_s": lambda s: s["all"]["out_tok_per_s"],
+}
+
+
+def key_values(summary: dict[str, Any]) -> dict[str, float | None]:
+    return {name: read(summary) for name, read in KEYS.items()}
+
+
+def spread_of(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per key metric: median, min and max over the runs' summaries."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in KEYS:
+        values = [v for r in runs if (v := key_values(r["summary"])[name]) is not None]
+        out[name] = {
+            "median": statistics.median(values) if values else None,
+            "min": min(values) if values else None,
+            "max": max(values) if values else None,
+        }
+    return out
+
+
+def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median over runs of every number in their summaries (counts of errors are summed)."""
+
+    def merge(values: list[Any]) -> Any:
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        if isinstance(present[0], dict):
+            return {k: merge([v.get(k) for v in present]) for k in present[0]}
+        if isinstance(present[0], int | float) and not isinstance(present[0], bool):
+            return statistics.median(present)
+        return present[0]
+
+    classes = sorted({c for s in summaries for c in s})
+    merged = {c: merge([s.get(c) for s in summaries]) for c in classes}
+    for c in classes:
+        merged[c]["errors"] = sum(s.get(c, {}).get("errors", 0) for s in summaries)
+    return merged
+
+
+def sum_decisions(runs: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for run in runs:
+        for key, value in run["decisions"].items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def disaggregated(decisions: dict[str, int]) -> int:
+    return sum(v for k, v in decisions.items() if k.startswith("disaggregated/"))
+
+
+def finite_median(values: list[float]) -> float | None:
+    fin = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(fin) if fin else None
 
 
 async def one_run(
@@ -124,15 +225,18 @@ async def one_run(
     cluster: Any,
     factory: PromptFactory,
     *,
+    mode: str,
     threshold: int,
-    settings: dict[str, object],
-    seed: int,
-    warmup: int,
-    label: str,
+    draw: int,
+    prompt_seed: int,
+    repeat: int,
 ) -> dict[str, Any]:
     (p,), (d,) = cluster.prefill_urls, cluster.decode_urls
+    settings = router_settings(args, mode)
     router = stack.dpd_router(decode=[d], prefill=[p], threshold=threshold, settings=settings, name="adaptive-bench")
-    requests = requests_for(args, factory, warmup + args.requests, seed)
+    warmup = args.warmup
+    requests = requests_for(args, factory, warmup + args.requests, draw, prompt_seed)
+    label = f"r{repeat} {mode} {threshold:>6}"
     async with started(router):
         samples: list[dict[str, Any]] = []
         stop = asyncio.Event()
@@ -147,32 +251,110 @@ async def one_run(
             stop.set()
             await scraper
         decisions = await stack.route_decisions(router.url)
+        learned = await learned_costs(router.url) if mode == "adaptive" else {}
     measured = [r for r in result.records if r.index >= warmup]
     warm = [r for r in result.records if r.index < warmup]
     ends = [r.start + r.e2e for r in measured if r.e2e is not None]
     wall = (max(ends) - min(r.start for r in measured)) if ends else result.wall
-    summary = report.summarize_run(loadgen.RunResult(measured, result.started, wall))
+    warmup_seconds = max((r.start + (r.e2e or 0)) for r in warm) if warm else 0.0
+    fin = [s["tokens"] for s in samples if s["t"] >= warmup_seconds and math.isfinite(s["tokens"])]
     out = {
+        "mode": mode,
         "threshold": threshold,
-        "settings": settings,
-        "seed": seed,
-        "warmup": warmup,
-        "summary": summary,
+        "repeat": repeat,
+        "draw": draw,
+        "prompt_seed": prompt_seed,
+        "summary": report.summarize_run(loadgen.RunResult(measured, result.started, wall)),
         "decisions": {k: int(v) for k, v in decisions.items() if v},
+        "learned": learned,
         "threshold_samples": samples,
+        "threshold_median_measured": report.percentile(fin, 50),
+        "warmup_seconds": warmup_seconds,
     }
-    if warm:
-        out["warmup_summary"] = report.summarize_run(loadgen.RunResult(warm, result.started, result.wall))
-        out["warmup_seconds"] = max((r.start + (r.e2e or 0)) for r in warm)
+    if not args.quiet:
+        s = key_values(out["summary"])
+        print(
+            f"{label}: short ITL p99 {report.ms(s['short_itl_p99'])} ms, TTFT p99 {report.ms(s['short_ttft_p99'])} ms, "
+            f"disaggregated {disaggregated(out['decisions'])}",
+            file=sys.stderr,
+        )
     return out
 
 
-def pick_best(runs: list[dict[str, Any]], budget: float) -> tuple[dict[str, Any], bool]:
-    """Lowest short ITL p99 within the TTFT budget; else lowest short TTFT p99 (second item False)."""
-    ok = [r for r in runs if (short_stats(r["summary"])["ttft"]["p99"] or math.inf) <= budget]
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration over its repeats: median summary, spreads, summed decisions, the runs."""
+    first = runs[0]
+    decisions = sum_decisions(runs)
+    return {
+        "mode": first["mode"],
+        "threshold": first["threshold"],
+        "repeats": len(runs),
+        "summary": merge_summaries([r["summary"] for r in runs]),
+        "spread": spread_of(runs),
+        "decisions": decisions,
+        "disaggregated_per_run": statistics.median(disaggregated(r["decisions"]) for r in runs),
+        "threshold_median_measured": finite_median([r["threshold_median_measured"] for r in runs]),
+        "warmup_seconds": statistics.median(r["warmup_seconds"] for r in runs),
+        "runs": runs,
+    }
+
+
+def pick_best(configs: list[dict[str, Any]], budget: float) -> tuple[dict[str, Any], bool]:
+    """Lowest median short ITL p99 within the TTFT budget; else lowest short TTFT p99 (second item False)."""
+
+    def median(config: dict[str, Any], key: str) -> float:
+        value = config["spread"][key]["median"]
+        return math.inf if value is None else value
+
+    ok = [c for c in configs if median(c, "short_ttft_p99") <= budget]
     if ok:
-        return min(ok, key=lambda r: short_stats(r["summary"])["itl"]["p99"] or math.inf), True
-    return min(runs, key=lambda r: short_stats(r["summary"])["ttft"]["p99"] or math.inf), False
+        return min(ok, key=lambda c: median(c, "short_itl_p99")), True
+    return min(configs, key=lambda c: median(c, "short_ttft_p99")), False
+
+
+def paired_ratios(runs: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> list[float]:
+    """Per repeat, this run's `key` over the base run's (same repeat: same prompt lengths)."""
+    by_repeat = {r["repeat"]: key_values(r["summary"])[key] for r in base}
+    out = []
+    for run in runs:
+        mine, theirs = key_values(run["summary"])[key], by_repeat.get(run["repeat"])
+        if mine is not None and theirs:
+            out.append(mine / theirs)
+    return out
+
+
+def compare(config: dict[str, Any], base: dict[str, Any], key: str = "short_itl_p99") -> dict[str, Any]:
+    """Ratio of medians and paired ratios of `key`, config over base."""
+    mine, theirs = config["spread"][key]["median"], base["spread"][key]["median"]
+    pairs = paired_ratios(config["runs"], base["runs"], key)
+    return {
+        "ratio": (mine / theirs) if mine is not None and theirs else None,
+        "paired": pairs,
+        "paired_min": min(pairs) if pairs else None,
+        "paired_max": max(pairs) if pairs else None,
+    }
+
+
+def verdict(config: dict[str, Any], best: dict[str, Any] | None, budget: float) -> dict[str, Any]:
+    ttft = config["spread"]["short_ttft_p99"]["median"]
+    out: dict[str, Any] = {
+        "ttft_within_budget": ttft is not None and ttft <= budget,
+        "threshold_median_measured": config["threshold_median_measured"],
+        "reached": False,
+    }
+    if best is not None:
+        itl = compare(config, best)
+        out |= {"itl_ratio": itl["ratio"], "itl_paired": itl["paired"]}
+        out["reached"] = itl["ratio"] is not None and itl["ratio"] <= 1 + WITHIN and out["ttft_within_budget"]
+        # Whether the repeats agree: every paired ratio on the same side of the 10% line.
+        pairs = itl["paired"]
+        out["repeats_agree"] = bool(pairs) and (
+            all(r <= 1 + WITHIN for r in pairs) or all(r > 1 + WITHIN for r in pairs)
+        )
+        noise = best["spread"]["short_itl_p99"]
+        if noise["median"]:
+            out["best_static_itl_range"] = (noise["max"] - noise["min"]) / noise["median"]
+    return out
 
 
 async def load_change(
@@ -181,34 +363,38 @@ async def load_change(
     factory: PromptFactory,
     *,
     threshold: int,
-    adaptive: bool,
-    seed: int,
-    slo: float | None = None,
+    mode: str,
+    slo: float | None,
+    draw: int,
+    prompt_seed: int,
+    repeat: int,
 ) -> dict[str, Any]:
     (p,), (d,) = cluster.prefill_urls, cluster.decode_urls
-    settings = adaptive_settings() if adaptive else {"threshold_mode": "static"}
+    settings = router_settings(args, mode)
     if slo is not None:
         settings["ttft_slo"] = slo
     router = stack.dpd_router(decode=[d], prefill=[p], threshold=threshold, settings=settings, name="change")
+    name = mode + (f"+slo{slo:g}s" if slo is not None else "")
     phases = []
     samples: list[dict[str, Any]] = []
+    records: list[loadgen.Record] = []
     async with started(router):
         stop = asyncio.Event()
         t0 = time.perf_counter()
         scraper = asyncio.create_task(scrape(router.url, samples, t0, args.scrape, stop))
         try:
             for pi, (conc, count) in enumerate(zip(args.phases, args.phase_requests, strict=True)):
-                name = ("quiet-1", "busy", "quiet-2")[pi]
-                requests = requests_for(args, factory, count, seed * 10 + pi)
+                requests = requests_for(args, factory, count, draw * 10 + pi, prompt_seed * 10 + pi)
                 begin = time.perf_counter() - t0
-                label = f"{'adaptive' if adaptive else 'static'} {threshold} {name} c={conc}"
+                label = f"r{repeat} {name} {threshold} {PHASES[pi]} c={conc}"
                 result = await loadgen.run(
                     [router.url], requests, concurrency=conc, duration=args.max_seconds, label=label,
                     progress=not args.quiet,
                 )  # fmt: skip
                 end = time.perf_counter() - t0
+                records += result.records
                 phases.append(
-                    {"phase": name, "concurrency": conc, "start": begin, "end": end}
+                    {"phase": PHASES[pi], "concurrency": conc, "start": begin, "end": end}
                     | {"summary": report.summarize_run(result)}
                     | {"itl_timeline": gap_timeline(result, t0)}
                 )
@@ -216,6 +402,7 @@ async def load_change(
             stop.set()
             await scraper
         decisions = await stack.route_decisions(router.url)
+        learned = await learned_costs(router.url) if mode == "adaptive" else {}
     for phase in phases:
         values = [s["tokens"] for s in samples if phase["start"] <= s["t"] <= phase["end"]]
         fin = [v for v in values if math.isfinite(v)]
@@ -223,16 +410,91 @@ async def load_change(
             "samples": len(values),
             "infinite": len(values) - len(fin),
             "median": report.percentile(fin, 50),
-            "min": min(fin) if fin else None,
-            "max": max(fin) if fin else None,
         }
+    whole = report.summarize_run(loadgen.RunResult(records, 0.0, sum(p["end"] - p["start"] for p in phases)))
+    if not args.quiet:
+        line = ", ".join(
+            f"{p['phase']} ITL p99 {report.ms(key_values(p['summary'])['short_itl_p99'])} ms" for p in phases
+        )
+        print(f"r{repeat} {name}: {line}", file=sys.stderr)
     return {
-        "mode": ("adaptive" if adaptive else "static") + (f"+slo{slo:g}s" if slo is not None else ""),
+        "mode": name,
         "threshold": threshold,
+        "repeat": repeat,
         "phases": phases,
+        "summary": whole,
         "decisions": {k: int(v) for k, v in decisions.items() if v},
+        "learned": learned,
         "threshold_samples": samples,
     }
+
+
+def aggregate_change(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One load-change variant over its repeats: per phase (and whole run) medians and spreads."""
+    phases = []
+    for pi, name in enumerate(PHASES):
+        per_run = [{"summary": r["phases"][pi]["summary"], "repeat": r["repeat"]} for r in runs]
+        phases.append(
+            {
+                "phase": name,
+                "concurrency": runs[0]["phases"][pi]["concurrency"],
+                "summary": merge_summaries([r["summary"] for r in per_run]),
+                "spread": spread_of(per_run),
+                "threshold_tokens": {
+                    "median": finite_median([r["phases"][pi]["threshold_tokens"]["median"] for r in runs]),
+                    "infinite": sum(r["phases"][pi]["threshold_tokens"]["infinite"] for r in runs),
+                    "samples": sum(r["phases"][pi]["threshold_tokens"]["samples"] for r in runs),
+                },
+                "runs": per_run,
+            }
+        )
+    whole = [{"summary": r["summary"], "repeat": r["repeat"]} for r in runs]
+    return {
+        "mode": runs[0]["mode"],
+        "threshold": runs[0]["threshold"],
+        "repeats": len(runs),
+        "phases": phases,
+        "whole": {"summary": merge_summaries([r["summary"] for r in whole]), "spread": spread_of(whole), "runs": whole},
+        "decisions": sum_decisions(runs),
+        "threshold_samples": runs[0]["threshold_samples"],
+        "runs": runs,
+    }
+
+
+def change_verdicts(change: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
+    """Every adaptive variant against the static run, per phase and over the whole run."""
+    static = next((c for c in change if c["mode"] == "static"), None)
+    if static is None:
+        return []
+    out = []
+    for variant in change:
+        if variant is static:
+            continue
+        parts = [(p["phase"], p, s) for p, s in zip(variant["phases"], static["phases"], strict=True)]
+        parts.append(("whole run", variant["whole"], static["whole"]))
+        for name, mine, theirs in parts:
+            itl = compare(mine, theirs)
+            ttft, base_ttft = mine["spread"]["short_ttft_p99"]["median"], theirs["spread"]["short_ttft_p99"]["median"]
+            # TTFT is kept when within the budget, or no worse than static's own (+10%) when that misses it.
+            ttft_kept = ttft is not None and (ttft <= budget or (base_ttft is not None and ttft <= base_ttft * 1.1))
+            pairs = itl["paired"]
+            if itl["ratio"] is not None and itl["ratio"] < 1 and ttft_kept:
+                beats = "yes" if pairs and all(r < 1 for r in pairs) else "median only"
+            else:
+                beats = "no"
+            out.append(
+                {
+                    "variant": variant["mode"],
+                    "part": name,
+                    "itl_ratio": itl["ratio"],
+                    "itl_paired": pairs,
+                    "ttft_p99": ttft,
+                    "static_ttft_p99": base_ttft,
+                    "ttft_kept": ttft_kept,
+                    "beats": beats,
+                }
+            )
+    return out
 
 
 def gap_timeline(result: loadgen.RunResult, t0: float, window: float = 2.0) -> list[dict[str, float | None]]:
@@ -258,51 +520,90 @@ def fmt_threshold(value: float | None) -> str:
     return "inf" if not math.isfinite(value) else f"{value:,.0f}"
 
 
-def run_row(name: str, run: dict[str, Any]) -> list[Any]:
-    s, a = short_stats(run["summary"]), run["summary"]["all"]
-    disagg = sum(v for k, v in run["decisions"].items() if k.startswith("disaggregated/"))
-    long_ttft = run["summary"].get("long", {}).get("ttft", {}).get("p50")
+def ranged(spread: dict[str, float | None]) -> str:
+    """`median [min-max]` in ms; just the median for a single repeat."""
+    if spread["median"] is None:
+        return "-"
+    if spread["min"] == spread["max"]:
+        return report.ms(spread["median"])
+    return f"{report.ms(spread['median'])} [{report.ms(spread['min'], 0)}-{report.ms(spread['max'], 0)}]"
+
+
+def ratio_text(ratio: float | None, pairs: list[float]) -> str:
+    if ratio is None:
+        return "-"
+    text = f"{ratio:.2f}x"
+    if len(pairs) > 1:
+        text += " (" + ", ".join(f"{p:.2f}" for p in pairs) + ")"
+    return text
+
+
+def config_row(name: str, config: dict[str, Any]) -> list[Any]:
+    s = config["spread"]
     return [
         name,
-        report.ms(s["itl"]["p99"]),
-        report.ms(s["itl"]["p50"]),
-        report.ms(s["ttft"]["p50"]),
-        report.ms(s["ttft"]["p99"]),
-        report.ms(long_ttft),
-        report.num(a["out_tok_per_s"], 0),
-        disagg,
-        a["errors"],
+        ranged(s["short_itl_p99"]),
+        report.ms(s["short_itl_p50"]["median"]),
+        report.ms(s["short_ttft_p50"]["median"]),
+        ranged(s["short_ttft_p99"]),
+        report.ms(s["long_ttft_p50"]["median"]),
+        report.num(s["out_tok_per_s"]["median"], 0),
+        report.num(config.get("disaggregated_per_run"), 0),
+        sum(r["summary"]["all"]["errors"] for r in config["runs"]),
     ]
 
 
 RUN_HEADERS = [
     "run",
-    "short ITL p99 ms",
+    "short ITL p99 ms, median [min-max]",
     "short ITL p50 ms",
     "short TTFT p50 ms",
-    "short TTFT p99 ms",
+    "short TTFT p99 ms, median [min-max]",
     "long TTFT p50 ms",
     "out tok/s",
-    "disaggregated",
+    "disaggregated per run",
     "errors",
 ]
 
 
+def learned_text(learned: dict[str, float]) -> str:
+    if not learned:
+        return "-"
+    parts = []
+    for model in ("direct_prefill", "direct_wait", "prefill_hop", "handoff"):
+        overhead = learned.get(f"{model}/overhead_seconds")
+        per_token = learned.get(f"{model}/seconds_per_token")
+        n = learned.get(f"{model}/observations")
+        if overhead is None or per_token is None:
+            continue
+        rate = "" if model == "direct_wait" else f" + {per_token * 1e6:.1f} us/token"
+        parts.append(f"{model} {overhead * 1000:.0f} ms{rate} ({n:.0f} obs)")
+    return "; ".join(parts)
+
+
 def write(results: dict[str, Any], args: argparse.Namespace) -> str:
+    weight = getattr(args, "interference_weight", None) is not None
     md = [f"# Scenario 5: the adaptive threshold ({results['env']['when']}, {results['env']['commit']})", ""]
     md += [
         f"1 prefill + 1 decode simulated engine, `--timing {args.timing}`; workload `{args.workload}`, "
         f"streaming. TTFT budget: short-request TTFT p99 <= {args.ttft_budget * 1000:.0f} ms. "
-        f"One run per configuration on a loaded 2-core machine: differences under ~10-20% are noise. "
-        f"Total {results['seconds']:.0f} s.",
+        + (f"Adaptive routers run with interference_weight {args.interference_weight:g}. " if weight else "")
+        + f"{args.repeats} repeats, configurations interleaved (rotating order); every repeat draws its own "
+        f"prompt lengths, shared by all runs of that repeat. Cells are the median over repeats, "
+        f"[min-max] where shown; ratios are ratios of medians, with the per-repeat (paired) ratios in "
+        f"parentheses. ITL p99 is over every inter-token gap of the measured short requests. "
+        f"Total {results['seconds'] / 60:.0f} min.",
         "",
     ]
     sweep = results.get("sweep") or []
+    best = results.get("best")
     if sweep:
-        best = results["best"]
-        md += [f"## A. Static sweep ({args.requests} requests at concurrency {args.concurrency})", ""]
-        rows = [run_row(f"static {r['threshold']}", r) for r in sweep]
-        md += [report.table(RUN_HEADERS, rows), ""]
+        md += [
+            f"## A. Static sweep ({args.warmup} unmeasured + {args.requests} measured requests per run, "
+            f"concurrency {args.concurrency})",
+            "",
+        ]
+        md += [report.table(RUN_HEADERS, [config_row(f"static {c['threshold']}", c) for c in sweep]), ""]
         md += [
             f"Best static: **{best['threshold']}** "
             + ("(within the TTFT budget)" if best["within_budget"] else "(no threshold met the budget: lowest TTFT)"),
@@ -314,30 +615,44 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"## B. Adaptive from a bad start ({args.warmup} warm-up requests, then {args.requests} measured)",
             "",
         ]
-        rows = [run_row(f"adaptive from {r['threshold']}", r) for r in conv]
-        if sweep:
-            rows.insert(0, run_row(f"best static {results['best']['threshold']}", results["best"]["run"]))
+        rows = [config_row(f"adaptive from {c['threshold']}", c) for c in conv]
+        if best is not None:
+            rows.insert(0, config_row(f"best static {best['threshold']}", best["config"]))
         md += [report.table(RUN_HEADERS, rows), ""]
         verdict_rows = [
             [
-                r["threshold"],
-                f"{r['warmup_seconds']:.1f}" if "warmup_seconds" in r else "-",
-                r["verdict"]["itl_vs_best"],
-                "yes" if r["verdict"]["ttft_within_budget"] else "no",
-                "**yes**" if r["verdict"]["reached"] else "**no**",
-                fmt_threshold(r["verdict"]["threshold_median_measured"]),
+                c["threshold"],
+                f"{c['warmup_seconds']:.1f}",
+                ratio_text(c["verdict"].get("itl_ratio"), c["verdict"].get("itl_paired", [])),
+                "yes" if c["verdict"]["ttft_within_budget"] else "no",
+                ("**yes**" if c["verdict"]["reached"] else "**no**")
+                + ("" if c["verdict"].get("repeats_agree", True) else " (repeats disagree)"),
+                fmt_threshold(c["verdict"]["threshold_median_measured"]),
             ]
-            for r in conv
+            for c in conv
         ]
         headers = [
             "start threshold",
             "warm-up s",
-            "short ITL p99 vs best",
-            "TTFT in budget",
+            "short ITL p99 vs best static",
+            "TTFT p99 in budget",
             "within 10%",
             "effective threshold (median, measured part)",
         ]
         md += [report.table(headers, verdict_rows), ""]
+        if best is not None and "best_static_itl_range" in conv[0]["verdict"]:
+            md += [
+                f"Noise: the best static's own short ITL p99 ranged over "
+                f"{conv[0]['verdict']['best_static_itl_range'] * 100:.0f}% of its median across the repeats.",
+                "",
+            ]
+        md += ["Learned costs at the end of each adaptive run (`dpd_router_adaptive_cost`):", ""]
+        md += [
+            f"- from {c['threshold']}, repeat {r['repeat']}: {learned_text(r['learned'])}"
+            for c in conv
+            for r in c["runs"]
+        ]
+        md += [""]
     change = results.get("change") or []
     if change:
         md += [
@@ -346,43 +661,68 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             "",
         ]
         rows = []
-        for run in change:
-            for phase in run["phases"]:
-                s = short_stats(phase["summary"])
-                a = phase["summary"]["all"]
-                th = phase["threshold_tokens"]
+        for variant in change:
+            for phase in [*variant["phases"], {"phase": "whole run", **variant["whole"]}]:
+                s = phase["spread"]
+                th = phase.get("threshold_tokens")
+                adaptive = variant["mode"].startswith("adaptive")
+                if th is None:
+                    where = "-"
+                elif adaptive:
+                    where = fmt_threshold(th["median"])
+                    where += f" ({th['infinite']}/{th['samples']} inf)" if th["infinite"] else ""
+                else:
+                    where = f"static {variant['threshold']}"
                 rows.append(
                     [
-                        f"{run['mode']} {run['threshold']}",
-                        f"{phase['phase']} (c={phase['concurrency']})",
-                        report.ms(s["itl"]["p99"]),
-                        report.ms(s["ttft"]["p50"]),
-                        report.ms(s["ttft"]["p99"]),
-                        report.ms(phase["summary"].get("long", {}).get("ttft", {}).get("p50")),
-                        report.num(a["out_tok_per_s"], 0),
-                        fmt_threshold(th["median"])
-                        + (f" ({th['infinite']}/{th['samples']} inf)" if th["infinite"] else "")
-                        + ("" if run["mode"].startswith("adaptive") else f"; routes at static {run['threshold']}"),
-                        a["errors"],
+                        f"{variant['mode']} {variant['threshold']}",
+                        phase["phase"] + (f" (c={phase['concurrency']})" if "concurrency" in phase else ""),
+                        ranged(s["short_itl_p99"]),
+                        report.ms(s["short_ttft_p50"]["median"]),
+                        ranged(s["short_ttft_p99"]),
+                        report.ms(s["long_ttft_p50"]["median"]),
+                        report.num(s["out_tok_per_s"]["median"], 0),
+                        where,
+                        phase["summary"]["all"]["errors"],
                     ]
                 )
         headers = [
             "run",
             "phase",
-            "short ITL p99 ms",
+            "short ITL p99 ms, median [min-max]",
             "short TTFT p50 ms",
-            "short TTFT p99 ms",
+            "short TTFT p99 ms, median [min-max]",
             "long TTFT p50 ms",
             "out tok/s",
-            "metric adaptive_threshold_tokens, median",
+            "effective threshold (adaptive_threshold_tokens, median)",
             "errors",
         ]
         md += [report.table(headers, rows), ""]
-        md += ["Route decisions per run (path/reason: count):", ""]
-        md += [f"- {r['mode']} {r['threshold']}: {r['decisions']}" for r in change] + [""]
+        verdicts = results.get("change_verdicts") or []
+        if verdicts:
+            md += [
+                "Adaptive against static, short ITL p99 (lower is better; beats = lower with short TTFT p99 within "
+                "the budget or no worse than static's +10%; 'median only' = the repeats disagree):",
+                "",
+            ]
+            vrows = [
+                [
+                    v["variant"],
+                    v["part"],
+                    ratio_text(v["itl_ratio"], v["itl_paired"]),
+                    report.ms(v["ttft_p99"]),
+                    report.ms(v["static_ttft_p99"]),
+                    f"**{v['beats']}**",
+                ]
+                for v in verdicts
+            ]
+            vheaders = ["variant", "part", "ITL p99 vs static", "TTFT p99 ms", "static TTFT p99 ms", "beats static"]
+            md += [report.table(vheaders, vrows), ""]
+        md += ["Route decisions per variant, all repeats (path/reason: count):", ""]
+        md += [f"- {c['mode']} {c['threshold']}: {c['decisions']}" for c in change] + [""]
     if conv:
-        md += ["Route decisions, convergence runs:", ""]
-        md += [f"- adaptive from {r['threshold']}: {r['decisions']}" for r in conv] + [""]
+        md += ["Route decisions, convergence runs, all repeats (warm-up included):", ""]
+        md += [f"- adaptive from {c['threshold']}: {c['decisions']}" for c in conv] + [""]
     md += [f"![{name}]({name})" for name in results.get("plots", [])]
     text = "\n".join(md) + "\n"
     (args.out / "results.md").write_text(text)
@@ -402,45 +742,35 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     change = results.get("change") or []
     if change:
         fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-        for ci, run in enumerate(change):
-            label = f"{run['mode']} {run['threshold']}"
+        for ci, variant in enumerate(change):
+            run = variant["runs"][0]
+            label = f"{variant['mode']} {variant['threshold']}"
             xs = [s["t"] for s in run["threshold_samples"]]
             ys = [plotted_threshold(s["tokens"]) for s in run["threshold_samples"]]
-            if run["mode"].startswith("adaptive"):
+            if variant["mode"].startswith("adaptive"):
                 axes[0].plot(xs, ys, label=label, drawstyle="steps-post", color=f"C{ci}")
             else:
-                axes[0].axhline(run["threshold"], linestyle="--", color=f"C{ci}", label=label)
+                axes[0].axhline(variant["threshold"], linestyle="--", color=f"C{ci}", label=label)
             timeline = [p for ph in run["phases"] for p in ph["itl_timeline"]]
-            axes[1].plot(
-                [p["t"] for p in timeline],
-                [(p["itl_p99"] or math.nan) * 1000 for p in timeline],
-                marker=".",
-                label=label,
-                color=f"C{ci}",
-            )
-            axes[2].plot(
-                [p["t"] for p in timeline],
-                [(p["ttft_p50"] or math.nan) * 1000 for p in timeline],
-                marker=".",
-                label=label,
-                color=f"C{ci}",
-            )
+            for ax, key in ((axes[1], "itl_p99"), (axes[2], "ttft_p50")):
+                ax.plot(
+                    [p["t"] for p in timeline],
+                    [(p[key] or math.nan) * 1000 for p in timeline],
+                    marker=".",
+                    label=label,
+                    color=f"C{ci}",
+                )
             for phase in run["phases"]:
                 if phase["phase"] == "busy":
                     for ax in axes:
-                        ax.axvspan(
-                            phase["start"],
-                            phase["end"],
-                            alpha=0.06,
-                            color="C1" if run["mode"].startswith("adaptive") else "C0",
-                        )
+                        ax.axvspan(phase["start"], phase["end"], alpha=0.05, color=f"C{ci}")
         axes[0].set_yscale("log", base=2)
         axes[0].set_title(
             "effective threshold (tokens; adaptive scraped, static dashed; 2^16 = +Inf, never disaggregate)"
         )
         axes[1].set_title("short requests' ITL p99 per 2 s (ms)")
         axes[2].set_title("short requests' TTFT p50 per 2 s (ms)")
-        axes[2].set_xlabel("seconds since the run started (shaded: busy phase)")
+        axes[2].set_xlabel("seconds since the run started (first repeat; shaded: busy phase)")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -453,15 +783,18 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     conv = results.get("converge") or []
     if sweep:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-        xs = [str(r["threshold"]) for r in sweep]
-        axes[0].plot(xs, [short_stats(r["summary"])["itl"]["p99"] * 1000 for r in sweep], marker="o", label="static")
-        axes[1].plot(xs, [short_stats(r["summary"])["ttft"]["p99"] * 1000 for r in sweep], marker="o", label="static")
+        xs = [str(c["threshold"]) for c in sweep]
+        for ax, key in ((axes[0], "short_itl_p99"), (axes[1], "short_ttft_p99")):
+            med = [c["spread"][key]["median"] * 1000 for c in sweep]
+            low = [m - c["spread"][key]["min"] * 1000 for m, c in zip(med, sweep, strict=True)]
+            high = [c["spread"][key]["max"] * 1000 - m for m, c in zip(med, sweep, strict=True)]
+            ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=4, label="static (median, min-max)")
+            for i, config in enumerate(conv):
+                s = config["spread"][key]
+                kw = {"color": f"C{i + 1}", "label": f"adaptive from {config['threshold']}"}
+                ax.axhline(s["median"] * 1000, linestyle="--", **kw)
+                ax.axhspan(s["min"] * 1000, s["max"] * 1000, alpha=0.1, color=f"C{i + 1}")
         axes[1].axhline(args.ttft_budget * 1000, color="red", linestyle=":", label="TTFT budget")
-        for i, run in enumerate(conv):
-            s = short_stats(run["summary"])
-            kw = {"color": f"C{i + 1}", "linestyle": "--", "label": f"adaptive from {run['threshold']}"}
-            axes[0].axhline(s["itl"]["p99"] * 1000, **kw)
-            axes[1].axhline(s["ttft"]["p99"] * 1000, **kw)
         for ax, title in zip(axes, ("short ITL p99 (ms)", "short TTFT p99 (ms)"), strict=True):
             ax.set_xlabel("static routing threshold (tokens)")
             ax.set_title(title)
@@ -474,14 +807,16 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         written.append(path.name)
     if conv:
         fig, ax = plt.subplots(figsize=(11, 3.5))
-        for run in conv:
-            xs = [s["t"] for s in run["threshold_samples"]]
-            ys = [plotted_threshold(s["tokens"]) for s in run["threshold_samples"]]
-            ax.plot(xs, ys, drawstyle="steps-post", label=f"adaptive from {run['threshold']}")
-        if sweep:
+        for i, config in enumerate(conv):
+            for j, run in enumerate(config["runs"]):
+                xs = [s["t"] for s in run["threshold_samples"]]
+                ys = [plotted_threshold(s["tokens"]) for s in run["threshold_samples"]]
+                label = f"adaptive from {config['threshold']}" if j == 0 else None
+                ax.plot(xs, ys, drawstyle="steps-post", color=f"C{i}", alpha=0.7, linewidth=1, label=label)
+        if results.get("best"):
             ax.axhline(results["best"]["threshold"], color="grey", linestyle="--", label="best static")
         ax.set_yscale("log", base=2)
-        ax.set_title("effective threshold during the convergence runs (tokens; 2^16 = +Inf)")
+        ax.set_title("effective threshold during the convergence runs, every repeat (tokens; 2^16 = +Inf)")
         ax.set_xlabel("seconds since the run started")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -493,75 +828,61 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return written
 
 
-def verdict(run: dict[str, Any], best: dict[str, Any] | None, budget: float) -> dict[str, Any]:
-    s = short_stats(run["summary"])
-    measured_from = run.get("warmup_seconds", 0.0)
-    fin = [x["tokens"] for x in run["threshold_samples"] if x["t"] >= measured_from and math.isfinite(x["tokens"])]
-    out: dict[str, Any] = {
-        "ttft_within_budget": (s["ttft"]["p99"] or math.inf) <= budget,
-        "threshold_median_measured": report.percentile(fin, 50),
-        "itl_vs_best": "-",
-        "reached": False,
-    }
-    if best is not None:
-        base = short_stats(best["summary"])["itl"]["p99"]
-        ratio = (s["itl"]["p99"] or math.inf) / base if base else math.inf
-        out["itl_ratio"] = ratio
-        out["itl_vs_best"] = f"{ratio:.2f}x"
-        out["reached"] = ratio <= 1 + WITHIN and out["ttft_within_budget"]
-    return out
+def prompt_seeds(start: int = 500) -> Iterator[int]:
+    """A new prompt seed for every run: the engines' prefix caches outlive runs."""
+    return itertools.count(start)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    began = time.monotonic()
     factory = PromptFactory(ensure_tokenizer())
     extra = ["--max-model-len", "40000"]
     results: dict[str, Any] = {}
-    seed = 500
+    seeds = prompt_seeds()
     async with stack.engines(prefill=1, decode=1, timing=args.timing, extra_args=extra) as cluster:
-        best_run = None
+        configs: list[tuple[str, int]] = []
         if "sweep" not in args.skip:
-            sweep = []
-            for threshold in args.thresholds:
-                seed += 1
-                run = await one_run(
-                    args, cluster, factory, threshold=threshold, settings={"threshold_mode": "static"}, seed=seed,
-                    warmup=0, label=f"static {threshold:>6}",
-                )  # fmt: skip
-                sweep.append(run)
-                if not args.quiet:
-                    s = short_stats(run["summary"])
-                    print(f"static {threshold}: short ITL p99 {report.ms(s['itl']['p99'])} ms, "
-                          f"TTFT p99 {report.ms(s['ttft']['p99'])} ms", file=sys.stderr)  # fmt: skip
-            results["sweep"] = sweep
-            best_run, within = pick_best(sweep, args.ttft_budget)
-            results["best"] = {"threshold": best_run["threshold"], "within_budget": within, "run": best_run}
+            configs += [("static", t) for t in args.thresholds]
         if "converge" not in args.skip:
-            conv = []
-            for start in args.bad_starts:
-                seed += 1
+            configs += [("adaptive", t) for t in args.bad_starts]
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in configs}
+        for repeat in range(args.repeats):
+            for mode, threshold in rotated(configs, repeat):
                 run = await one_run(
-                    args, cluster, factory, threshold=start, settings=adaptive_settings(), seed=seed,
-                    warmup=args.warmup, label=f"adaptive from {start:>6}",
+                    args, cluster, factory, mode=mode, threshold=threshold, draw=100 + repeat,
+                    prompt_seed=next(seeds), repeat=repeat,
                 )  # fmt: skip
-                run["verdict"] = verdict(run, best_run, args.ttft_budget)
-                conv.append(run)
-                if not args.quiet:
-                    print(f"adaptive from {start}: {run['verdict']}", file=sys.stderr)
+                runs[(mode, threshold)].append(run)
+        best = None
+        if "sweep" not in args.skip:
+            sweep = [aggregate(runs[("static", t)]) for t in args.thresholds]
+            results["sweep"] = sweep
+            best, within = pick_best(sweep, args.ttft_budget)
+            results["best"] = {"threshold": best["threshold"], "within_budget": within, "config": best}
+        if "converge" not in args.skip:
+            conv = [aggregate(runs[("adaptive", t)]) for t in args.bad_starts]
+            for config in conv:
+                config["verdict"] = verdict(config, best, args.ttft_budget)
             results["converge"] = conv
         if "change" not in args.skip:
-            base = best_run["threshold"] if best_run is not None else args.thresholds[0]
-            change = []
-            variants = [(False, None), (True, None)] + ([(True, args.ttft_budget)] if args.slo_variant else [])
-            for adaptive, slo in variants:
-                seed += 1
-                run = await load_change(args, cluster, factory, threshold=base, adaptive=adaptive, seed=seed, slo=slo)
-                change.append(run)
-            results["change"] = change
+            base = best["threshold"] if best is not None else args.thresholds[0]
+            variants: list[tuple[str, float | None]] = [("static", None), ("adaptive", None)]
+            if args.slo_variant:
+                variants.append(("adaptive", args.ttft_budget))
+            change_runs: dict[tuple[str, float | None], list[dict[str, Any]]] = {v: [] for v in variants}
+            for repeat in range(args.repeats):
+                for mode, slo in rotated(variants, repeat):
+                    run = await load_change(
+                        args, cluster, factory, threshold=base, mode=mode, slo=slo, draw=200 + repeat,
+                        prompt_seed=next(seeds), repeat=repeat,
+                    )  # fmt: skip
+                    change_runs[(mode, slo)].append(run)
+            results["change"] = [aggregate_change(change_runs[v]) for v in variants]
+            results["change_verdicts"] = change_verdicts(results["change"], args.ttft_budget)
     results["env"] = report.environment()
     results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results["seconds"] = time.monotonic() - started
+    results["seconds"] = time.monotonic() - began
     results["plots"] = plot(results, args)
     report.write_json(args.out / "results.json", results)
     print(write(results, args))

@@ -1,19 +1,35 @@
 """Adaptive, interference-aware disaggregation: the threshold that tunes itself.
 
 Serving a prompt direct costs *every other stream on that decoder* a stall as long as the prompt's
-prefill; disaggregating it costs *this* request the prefill hop (the prefiller's queue, its
-prefill, the KV hand-off) instead of the direct prefill. So, for each request:
+prefill; disaggregating it costs *this* request the prefill hop (the wait behind the prefiller's
+queue, its prefill, the KV hand-off) instead of the direct prefill. So, for each request:
 
     stall      = direct_prefill(uncached) * streams running on the decoder
-    extra_cost = prefill_hop(uncached) * (1 + prefiller queue) + handoff(uncached) - direct_prefill(uncached)
+    hop_ttft   = prefill_hop(queued + uncached) + handoff(uncached)
+    direct_ttft = direct_wait + direct_prefill(uncached)
+    extra_cost = hop_ttft - direct_ttft
     disaggregate  when  interference_weight * stall > extra_cost
 
 Each cost is a line (fixed overhead + seconds per token) learned online from what the router
-measures: direct-path time to first token per decoder, prefill-call time per prefiller, and the
-disaggregated path's decode-to-first-token time. The fits decay, so old observations fade, and
-start from priors derived from `routing_threshold`, so an unlearned router behaves like the static
-rule. Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens, and a small
-exploration share keeps measuring both paths near the boundary.
+measures, each against the work it measures:
+
+- direct_prefill: a direct request's decode call until its first token, per decoder, only when
+  the decoder had nothing else running or waiting (otherwise that time includes other prompts'
+  prefills and decode steps, and would not be this prompt's prefill time);
+- prefill_hop: a prefill call's whole time, per prefiller, against the prompt tokens queued on
+  that prefiller when the call was planned *plus* its own: a call waits for the queue ahead of
+  it, so the slope is the prefiller's time per token and the queue is costed at that rate;
+- handoff: a disaggregated request's decode call until its first token (the KV transfer);
+- direct_wait: how much longer than direct_prefill the decoder's recent direct requests took to
+  their first token, at whatever load (the wait behind other prefills and decode steps), a
+  fast-fading mean per decoder; so both paths' first-token times count their queues.
+
+The fits fade (per observation and per second) so they follow the engines, and start from priors
+derived from `routing_threshold` that fade faster still: an unlearned router behaves like the
+static rule, a learned one like what it measured, whatever threshold it started from.
+Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens, a TTFT SLO wins when
+only one path's first-token time meets it, and a small exploration share keeps measuring the hop
+near the boundary.
 """
 
 from __future__ import annotations
@@ -24,77 +40,111 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from dpd_router.observe import RequestTrace
 
+_T = TypeVar("_T")
+
 # Endpoints whose fits are kept (a pool larger than this forgets the least recently used).
 MAX_TRACKED_ENDPOINTS = 1024
-# A direct request teaches the decoder's prefill speed only if at most this many streams ran beside it.
-QUIET_DECODER_STREAMS = 2
+# A direct request teaches the decoder's prefill speed only if at most this many streams ran or waited
+# on the decoder when it was planned: with any, its first token also waits for their prefills and
+# decode steps, which is queueing, not this prompt's prefill.
+QUIET_DECODER_STREAMS = 0
 
 
 @dataclass
 class LinearCost:
     """seconds = overhead + per_token * tokens, fitted by exponentially decayed least squares.
 
-    `half_life` is in observations: an observation that old weighs half as much as a new one.
-    Memory is constant. Starts from a prior worth `prior_weight` observations.
+    `half_life` is in observations (an observation that many observations old weighs half as much
+    as a new one) and `half_life_seconds` in time; fading never takes the observations' total
+    weight below `prior_weight`, so after a quiet spell one odd observation cannot replace the line.
+    The prior line is a warm-up default: it counts as `prior_weight` observations at first, halving
+    every `prior_half_life` observations, so it steers an unlearned fit but not a learned one (even
+    where the observations say little, as about the overhead when every call waited behind a queue).
+    Memory is constant.
     """
 
     overhead: float
     per_token: float
     half_life: float = 200.0
     prior_weight: float = 4.0
-    # Observations also fade with time, so a fit follows the engine after the load changes.
+    prior_half_life: float = 8.0
+    # Observations also fade with time, so a fit follows the engine after its speed changes.
     half_life_seconds: float = 60.0
     clock: Callable[[], float] = time.monotonic
     observations: int = 0
     _last: float | None = field(init=False, default=None)
-    _w: float = field(init=False, default=0.0)
-    _x: float = field(init=False, default=0.0)
-    _y: float = field(init=False, default=0.0)
-    _xx: float = field(init=False, default=0.0)
-    _xy: float = field(init=False, default=0.0)
+    # Sums (weight, x, y, xx, xy) of the decayed observations, and of the prior at full weight.
+    _sums: list[float] = field(init=False, default_factory=lambda: [0.0] * 5)
+    _prior: list[float] = field(init=False, default_factory=lambda: [0.0] * 5)
 
     def __post_init__(self) -> None:
         # The prior: points on the prior line at two token counts, so slope and intercept are both set.
         for tokens in (0.0, 4096.0):
-            self._add(tokens, self.overhead + self.per_token * tokens, self.prior_weight / 2)
-
-    def _add(self, x: float, y: float, weight: float) -> None:
-        self._w += weight
-        self._x += weight * x
-        self._y += weight * y
-        self._xx += weight * x * x
-        self._xy += weight * x * y
+            _add(self._prior, tokens, self.overhead + self.per_token * tokens, self.prior_weight / 2)
 
     def observe(self, tokens: float, seconds: float) -> None:
-        if not (math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
+        if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(tokens) and tokens >= 0):
             return
         now = self.clock()
         elapsed = 0.0 if self._last is None else max(now - self._last, 0.0)
         self._last = now
         decay = 0.5 ** (1.0 / self.half_life + elapsed / self.half_life_seconds)
-        self._w *= decay
-        self._x *= decay
-        self._y *= decay
-        self._xx *= decay
-        self._xy *= decay
-        self._add(tokens, seconds, 1.0)
+        weight = self._sums[0]
+        if weight > 0:
+            decay = max(decay, min(1.0, self.prior_weight / weight))
+        self._sums = [value * decay for value in self._sums]
+        _add(self._sums, tokens, seconds, 1.0)
         self.observations += 1
         self._refit()
 
     def _refit(self) -> None:
-        denominator = self._w * self._xx - self._x * self._x
-        if self._w <= 0 or abs(denominator) < 1e-12:
+        prior = 0.5 ** (self.observations / self.prior_half_life)
+        w, x, y, xx, xy = (a + prior * b for a, b in zip(self._sums, self._prior, strict=True))
+        denominator = w * xx - x * x
+        if w <= 0 or abs(denominator) < 1e-12:
             return
-        slope = (self._w * self._xy - self._x * self._y) / denominator
+        slope = (w * xy - x * y) / denominator
         slope = max(slope, 0.0)  # more tokens never cost less time
         self.per_token = slope
-        self.overhead = max((self._y - slope * self._x) / self._w, 0.0)
+        self.overhead = max((y - slope * x) / w, 0.0)
 
     def predict(self, tokens: float) -> float:
         return self.overhead + self.per_token * tokens
+
+
+@dataclass
+class DecayedMean:
+    """The mean of recent observations, fading per observation and with time (no prior: starts at 0)."""
+
+    half_life: float = 16.0
+    half_life_seconds: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    observations: int = 0
+    mean: float = 0.0
+    _weight: float = field(init=False, default=0.0)
+    _last: float | None = field(init=False, default=None)
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        now = self.clock()
+        elapsed = 0.0 if self._last is None else max(now - self._last, 0.0)
+        self._last = now
+        self._weight = self._weight * 0.5 ** (1.0 / self.half_life + elapsed / self.half_life_seconds) + 1.0
+        self.mean += (value - self.mean) / self._weight
+        self.observations += 1
+
+
+def _add(sums: list[float], x: float, y: float, weight: float) -> None:
+    sums[0] += weight
+    sums[1] += weight * x
+    sums[2] += weight * y
+    sums[3] += weight * x * x
+    sums[4] += weight * x * y
 
 
 @dataclass(frozen=True)
@@ -140,6 +190,7 @@ class AdaptiveModel:
         self.routing_threshold = routing_threshold
         self._rng = rng or random.Random(0x5EED).random
         self._direct: OrderedDict[str, LinearCost] = OrderedDict()
+        self._wait: OrderedDict[str, DecayedMean] = OrderedDict()
         self._hop: OrderedDict[str, LinearCost] = OrderedDict()
         self.handoff = self._prior_handoff()
 
@@ -157,7 +208,7 @@ class AdaptiveModel:
     def _prior_handoff(self) -> LinearCost:
         return LinearCost(self.policy.prior_overhead, 0.0)
 
-    def _fit(self, table: OrderedDict[str, LinearCost], key: str, prior: Callable[[], LinearCost]) -> LinearCost:
+    def _fit(self, table: OrderedDict[str, _T], key: str, prior: Callable[[], _T]) -> _T:
         fit = table.get(key)
         if fit is None:
             fit = table[key] = prior()
@@ -170,6 +221,9 @@ class AdaptiveModel:
     def direct_cost(self, decoder: str) -> LinearCost:
         return self._fit(self._direct, decoder, self._prior_direct)
 
+    def direct_wait(self, decoder: str) -> DecayedMean:
+        return self._fit(self._wait, decoder, DecayedMean)
+
     def hop_cost(self, prefiller: str) -> LinearCost:
         return self._fit(self._hop, prefiller, self._prior_hop)
 
@@ -179,12 +233,12 @@ class AdaptiveModel:
 
     # -- learning -----------------------------------------------------------------------------
     def learn_direct(self, decoder: str, uncached_tokens: int, seconds: float) -> None:
-        """A direct request's decode call: from its start to the first token (queue + prefill)."""
+        """A direct request's decode call on a quiet decoder: from its start to the first token."""
         self.direct_cost(decoder).observe(uncached_tokens, seconds)
 
-    def learn_prefill(self, prefiller: str, uncached_tokens: int, seconds: float) -> None:
-        """A prefill hop's whole call time."""
-        self.hop_cost(prefiller).observe(uncached_tokens, seconds)
+    def learn_prefill(self, prefiller: str, uncached_tokens: int, seconds: float, queued_tokens: float = 0.0) -> None:
+        """A prefill hop's whole call time, against the tokens queued ahead of it plus its own."""
+        self.hop_cost(prefiller).observe(max(queued_tokens, 0.0) + uncached_tokens, seconds)
 
     def learn_handoff(self, tokens: int, seconds: float) -> None:
         """A disaggregated request's decode call: from its start to the first token (KV transfer)."""
@@ -195,48 +249,64 @@ class AdaptiveModel:
         if trace.outcome != "ok" or not trace.stream or trace.uncached_tokens is None:
             return
         tokens = trace.uncached_tokens
-        if trace.path == "disaggregated" and trace.prefiller and trace.prefill_seconds is not None:
-            self.learn_prefill(trace.prefiller, tokens, trace.prefill_seconds)
+        if (
+            trace.path == "disaggregated"
+            and trace.prefiller
+            and trace.prefill_seconds is not None
+            and trace.prefill_error is None  # a retried hop's time and queue belong to two prefillers
+            and trace.prefiller_queue is not None
+        ):
+            self.learn_prefill(trace.prefiller, tokens, trace.prefill_seconds, trace.prefiller_queue)
         if trace.decode_started is None or trace.first_token_at is None or not trace.decoder:
             return
         first_token = trace.first_token_at - trace.decode_started
         if trace.path == "disaggregated":
-            self.learn_handoff(tokens, first_token)
-        elif trace.prefill_seconds is None and trace.decoder_streams <= QUIET_DECODER_STREAMS:
-            # Only a quiet decoder's first token measures its prefill speed: on a busy one it also
-            # counts the wait behind other work, which the stall estimate multiplies in already.
-            self.learn_direct(trace.decoder, tokens, first_token)
+            if not trace.prefill_overlaps_decode:  # a concurrent hop's decode call also waited for the prefill
+                self.learn_handoff(tokens, first_token)
+        elif trace.prefill_seconds is None:
+            if trace.decoder_streams <= QUIET_DECODER_STREAMS:
+                # Only a quiet decoder's first token measures its prefill speed: on a busy one it also
+                # counts the wait behind other prompts' prefills and the running streams' decode steps.
+                self.learn_direct(trace.decoder, tokens, first_token)
+            prefill = self.direct_cost(trace.decoder).predict(tokens)
+            self.direct_wait(trace.decoder).observe(max(first_token - prefill, 0.0))
 
     # -- deciding -----------------------------------------------------------------------------
     def estimate(
         self, decoder: str, prefiller: str, uncached_tokens: int, running_streams: float, prefiller_queue: float
     ) -> Estimate:
-        """`prefiller_queue` is the prompt tokens already queued on the prefiller (their prefill comes first)."""
+        """`running_streams`: what a direct prefill would stall; `prefiller_queue`: the prompt tokens
+        already queued on the prefiller (their prefill comes first, at the prefiller's speed per token)."""
         direct = self.direct_cost(decoder).predict(uncached_tokens)
-        hop_fit = self.hop_cost(prefiller)
-        hop = hop_fit.predict(uncached_tokens) + hop_fit.per_token * max(prefiller_queue, 0.0)
+        direct_ttft = direct + self.direct_wait(decoder).mean
+        hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
         hop += self.handoff.predict(uncached_tokens)
         stall = direct * max(running_streams, 0.0)
-        extra = hop - direct
+        extra = hop - direct_ttft
         policy = self.policy
         if uncached_tokens < policy.min_threshold:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, False, "below_min_threshold")
         if uncached_tokens >= policy.max_threshold:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "above_max_threshold")
         if policy.ttft_slo is not None:
-            direct_late, hop_late = direct > policy.ttft_slo, hop > policy.ttft_slo
+            direct_late, hop_late = direct_ttft > policy.ttft_slo, hop > policy.ttft_slo
             if direct_late != hop_late:
                 return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, direct_late, "ttft_slo")
         disaggregate = policy.interference_weight * stall > extra
         reason = "adaptive_interference" if disaggregate else "adaptive_cheaper_direct"
-        if self._explores(stall * policy.interference_weight, extra):
-            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, not disaggregate, "explore")
+        if self._explores(stall * policy.interference_weight, extra, disaggregate):
+            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "explore")
         return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, disaggregate, reason)
 
-    def _explores(self, weighted_stall: float, extra: float) -> bool:
-        """Flip a small share of decisions, only near the boundary (the two costs within a factor of 2)."""
+    def _explores(self, weighted_stall: float, extra: float, disaggregate: bool) -> bool:
+        """Send a small share of the prompts the model keeps direct to the prefill pool instead, only
+        near the boundary (the two costs within a factor of 2), so the hop keeps being measured.
+
+        Never the other way: the direct path is learned on quiet decoders, which keep prompts anyway,
+        and a busy decoder's first tokens teach nothing, so its streams would pay a stall for no lesson.
+        """
         share = self.policy.explore_share
-        if share <= 0:
+        if share <= 0 or disaggregate:
             return False
         low, high = sorted((max(weighted_stall, 1e-9), max(extra, 1e-9)))
         return high <= 2 * low and self._rng() < share
@@ -249,9 +319,9 @@ class AdaptiveModel:
         p = self.hop_cost(prefiller)
         queued = p.per_token * max(prefiller_queue, 0.0)
         w = self.policy.interference_weight * max(running_streams, 0.0)
-        # w * (d0 + d1 x) > p0 + p1 x + queued + h0 + h1 x - (d0 + d1 x)
+        # w * (d0 + d1 x) > p0 + p1 (queue + x) + h0 + h1 x - (wait + d0 + d1 x)
         slope = (w + 1) * d.per_token - p.per_token - self.handoff.per_token
-        intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead
+        intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead - self.direct_wait(decoder).mean
         if slope <= 0:
             return math.inf if intercept >= 0 else float(self.policy.min_threshold)
         crossing = max(intercept / slope, 0.0)
@@ -260,7 +330,12 @@ class AdaptiveModel:
     def cost_rows(self) -> list[tuple[str, str, str, float]]:
         """(model, endpoint, term, value) for every learned cost, for metrics."""
         rows: list[tuple[str, str, str, float]] = []
-        tables = [("handoff", {"": self.handoff}), ("direct_prefill", self._direct), ("prefill_hop", self._hop)]
+        tables: list[tuple[str, dict[str, LinearCost] | dict[str, DecayedMean]]] = [
+            ("handoff", {"": self.handoff}),
+            ("direct_prefill", self._direct),
+            ("direct_wait", self._wait),
+            ("prefill_hop", self._hop),
+        ]
         for model, table in tables:
             for endpoint, fit in list(table.items()):
                 rows += [(model, endpoint, term, value) for term, value in _coefficients(fit).items()]
@@ -270,11 +345,14 @@ class AdaptiveModel:
         return {
             "handoff": _coefficients(self.handoff),
             "direct_prefill": {url: _coefficients(fit) for url, fit in self._direct.items()},
+            "direct_wait": {url: _coefficients(fit) for url, fit in self._wait.items()},
             "prefill_hop": {url: _coefficients(fit) for url, fit in self._hop.items()},
         }
 
 
-def _coefficients(fit: LinearCost) -> dict[str, float]:
+def _coefficients(fit: LinearCost | DecayedMean) -> dict[str, float]:
+    if isinstance(fit, DecayedMean):
+        return {"overhead_seconds": fit.mean, "seconds_per_token": 0.0, "observations": float(fit.observations)}
     return {
         "overhead_seconds": fit.overhead,
         "seconds_per_token": fit.per_token,

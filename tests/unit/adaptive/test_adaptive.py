@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from dpd_router.observe import RequestTrace
 from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy, LinearCost
 
 
@@ -116,8 +117,151 @@ def test_old_observations_also_fade_with_time() -> None:
     now = [0.0]
     fit = LinearCost(overhead=0.0, per_token=0.0001, half_life=10_000, half_life_seconds=10.0, clock=lambda: now[0])
     for tokens in range(0, 8000, 40):
-        fit.observe(tokens, 0.0004 * tokens)  # a busy spell
-    now[0] += 120.0  # two minutes later, the engine is quiet again
-    for tokens in range(0, 8000, 400):
+        fit.observe(tokens, 0.0004 * tokens)  # the engine was slow
+    now[0] += 120.0  # two minutes later it is fast again
+    for tokens in range(0, 8000, 40):
         fit.observe(tokens, 0.0001 * tokens)
     assert fit.per_token == pytest.approx(0.0001, rel=0.1)
+
+
+def test_after_a_quiet_spell_one_odd_observation_does_not_replace_the_line() -> None:
+    now = [0.0]
+    fit = LinearCost(overhead=0.5, per_token=0.001, half_life_seconds=10.0, clock=lambda: now[0])
+    for tokens in range(0, 8000, 40):
+        now[0] += 0.1
+        fit.observe(tokens, 0.004 + 0.0001 * tokens)
+    now[0] += 3600.0  # an hour without a single observation: the line fades, but not below prior_weight
+    fit.observe(1000, 0.3)  # then a hiccup, three times the line's 0.104 s
+    assert fit.predict(1000) < 0.25  # pulled towards it, not through it
+    assert fit.per_token == pytest.approx(0.0001, rel=0.3)
+    assert fit.predict(4000) == pytest.approx(0.404, rel=0.2)
+
+
+def trace(**fields: object) -> RequestTrace:
+    """A finished streamed request: decode started at t=10 s; `first_token` seconds later its first token."""
+    first = fields.pop("first_token", 0.1)
+    t = RequestTrace(request_id="r", kind="chat", stream=True)
+    t.decode_started = 10.0
+    t.first_token_at = 10.0 + float(first)  # type: ignore[arg-type]
+    for name, value in fields.items():
+        setattr(t, name, value)
+    return t
+
+
+def test_the_prefill_hop_is_learned_against_the_queue_ahead_of_it_plus_its_own_tokens() -> None:
+    m = model()
+    rng = random.Random(3)
+    per_token = 1 / 12000  # the prefiller's real speed; the prior says 1/10000
+    for _ in range(400):
+        tokens, queued = rng.randint(200, 16000), rng.choice([0, 0, 5000, 20_000, 60_000])
+        m.learn_from(
+            trace(
+                path="disaggregated", prefiller="p", decoder="d", uncached_tokens=tokens, prefiller_queue=queued,
+                prefill_seconds=0.004 + per_token * (queued + tokens), first_token=0.02,
+            )
+        )  # fmt: skip
+    hop = m.hop_cost("p")
+    # Calls that waited behind a queue do not make the prefiller look slower per token...
+    assert hop.per_token == pytest.approx(per_token, rel=0.05)
+    assert hop.overhead == pytest.approx(0.004, abs=0.01)
+    # ...and a queue is costed at that speed: 24k tokens ahead add 2 s to the hop.
+    idle = m.estimate("d", "p", 1000, running_streams=4, prefiller_queue=0)
+    queued = m.estimate("d", "p", 1000, running_streams=4, prefiller_queue=24_000)
+    assert queued.hop - idle.hop == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_hop_that_was_retried_or_planned_without_a_queue_teaches_nothing() -> None:
+    m = model()
+    base = {"path": "disaggregated", "prefiller": "p", "decoder": "d", "uncached_tokens": 4000, "prefill_seconds": 9.0}
+    m.learn_from(trace(**base, prefiller_queue=0.0, prefill_error="p: timeout"))
+    m.learn_from(trace(**base, prefiller_queue=None))
+    assert m.hop_cost("p").observations == 0
+
+
+def test_a_concurrent_hand_off_teaches_the_hop_but_not_the_hand_off_twice() -> None:
+    """SGLang's decode call runs beside its prefill: its first token already contains the prefill time."""
+    m = model()
+    handoff = (m.handoff.overhead, m.handoff.per_token, m.handoff.observations)
+    base = {"path": "disaggregated", "prefiller": "p", "decoder": "d", "uncached_tokens": 4000}
+    m.learn_from(trace(**base, prefiller_queue=0.0, prefill_seconds=0.5, first_token=0.6, prefill_overlaps_decode=True))
+    assert m.hop_cost("p").observations == 1
+    assert (m.handoff.overhead, m.handoff.per_token, m.handoff.observations) == handoff
+    m.learn_from(trace(**base, prefiller_queue=0.0, prefill_seconds=0.5, first_token=0.02))
+    assert m.handoff.observations == handoff[2] + 1
+
+
+def test_only_a_quiet_decoder_teaches_its_prefill_speed_but_every_direct_request_its_wait() -> None:
+    m = model()
+    d = m.direct_cost("d")
+    before = (d.overhead, d.per_token)
+    # A busy decoder: the first token also waited behind other prefills and decode steps.
+    for _ in range(20):
+        m.learn_from(trace(path="direct", decoder="d", uncached_tokens=1000, decoder_streams=8, first_token=1.5))
+    assert (d.overhead, d.per_token) == before
+    assert m.direct_wait("d").mean == pytest.approx(1.5 - d.predict(1000), rel=0.01)
+    # A quiet one: its first token is the prefill.
+    for tokens in range(250, 8000, 250):
+        m.learn_from(
+            trace(path="direct", decoder="d", uncached_tokens=tokens, decoder_streams=0, first_token=tokens / 12000)
+        )
+    assert d.per_token < before[1]
+    assert m.direct_wait("d").mean < 0.5  # the wait fades fast once direct requests stop waiting
+
+
+def test_a_waiting_decoder_makes_the_hop_relatively_cheaper() -> None:
+    m = model()
+    kept = m.estimate("d", "p", 3000, running_streams=1, prefiller_queue=0)
+    assert not kept.disaggregate
+    for _ in range(30):  # direct requests on this decoder wait ~1 s for their first token
+        m.learn_from(trace(path="direct", decoder="d", uncached_tokens=500, decoder_streams=6, first_token=1.0))
+    moved = m.estimate("d", "p", 3000, running_streams=1, prefiller_queue=0)
+    assert moved.disaggregate and moved.extra_cost < kept.extra_cost
+    assert m.effective_threshold("d", "p", 1, 0) < 3000
+
+
+def test_the_ttft_slo_compares_first_token_times_queues_included() -> None:
+    m = model(ttft_slo=1.0)
+    # The prefiller has 30k tokens queued (about 3 s): only the direct path meets the SLO...
+    slo = m.estimate("d", "p", 6000, running_streams=20, prefiller_queue=30_000)
+    assert (slo.disaggregate, slo.reason) == (False, "ttft_slo")
+    # ...until direct requests on this decoder are seen waiting 2 s for their first token too:
+    # then neither path meets it, and the stall decides.
+    for _ in range(30):
+        m.learn_from(trace(path="direct", decoder="d", uncached_tokens=500, decoder_streams=20, first_token=2.0))
+    both_late = m.estimate("d", "p", 6000, running_streams=20, prefiller_queue=30_000)
+    assert (both_late.disaggregate, both_late.reason) == (True, "adaptive_interference")
+
+
+def test_exploration_only_ever_sends_prompts_to_the_prefill_pool() -> None:
+    m = AdaptiveModel(
+        AdaptivePolicy(explore_share=0.2, min_threshold=16, max_threshold=10**6),
+        routing_threshold=4096,
+        rng=random.Random(9).random,
+    )
+    # Just above the boundary the model disaggregates: exploration never keeps such a prompt direct.
+    above = [m.estimate("d", "p", 4300, running_streams=1, prefiller_queue=0) for _ in range(2000)]
+    assert all(e.disaggregate and e.reason == "adaptive_interference" for e in above)
+    # Just below it, a share goes to the prefill pool, marked as exploration.
+    below = [m.estimate("d", "p", 3900, running_streams=1, prefiller_queue=0) for _ in range(2000)]
+    explored = [e for e in below if e.reason == "explore"]
+    assert explored and all(e.disaggregate for e in explored)
+    assert 0.15 < len(explored) / len(below) < 0.25
+
+
+def test_two_routers_started_from_opposite_thresholds_learn_the_same_decision() -> None:
+    low, high = (AdaptiveModel(AdaptivePolicy(explore_share=0.0), routing_threshold=t) for t in (512, 32768))
+    assert high.effective_threshold("d", "p", 8, 0) > 4 * low.effective_threshold("d", "p", 8, 0)
+    rng = random.Random(5)
+    for _ in range(60):  # a busy prefiller: every call waited behind 10k-100k queued tokens
+        tokens, queued = rng.randint(4000, 16000), rng.randint(10_000, 100_000)
+        seconds = 0.004 + (queued + tokens) / 12000
+        for m in (low, high):
+            m.learn_prefill("p", tokens, seconds, queued_tokens=queued)
+            m.learn_handoff(tokens, 0.01 + tokens * 2.6e-6)
+    # The prior's fixed cost (routing_threshold tokens' worth) is gone, though no call ran on an empty queue.
+    for m in (low, high):
+        assert m.hop_cost("p").overhead < 0.05
+    for load in (2, 8):
+        assert high.effective_threshold("d", "p", load, 0) == pytest.approx(
+            low.effective_threshold("d", "p", load, 0), rel=0.1
+        )

@@ -63,3 +63,25 @@ def test_the_view_reports_a_threshold_that_falls_with_load() -> None:
     decoder.in_flight = 32
     heavy = p.adaptive_view()[0]["threshold_tokens"]
     assert heavy < light
+
+
+def test_requests_still_in_their_prefill_hop_are_not_streams_on_the_decoder() -> None:
+    p = planner()
+    decoder = p.pool.decoders[0]
+    decoder.in_flight, decoder.staging = 12, 12  # all twelve are waiting for a prefiller
+    plan = p.plan(prompt(20_000, seed=4))
+    assert plan.decoder_streams == 0
+    assert (plan.path, plan.reason) == ("direct", "adaptive_cheaper_direct")
+    decoder.staging = 0  # now they all run here
+    busy = p.plan(prompt(20_000, seed=5))
+    assert busy.decoder_streams == 12 and busy.path == "disaggregated"
+
+
+def test_a_disaggregated_adaptive_plan_carries_the_queue_its_prefill_waits_for() -> None:
+    p = planner()
+    p.pool.decoders[0].in_flight = 64
+    for prefiller in p.pool.prefillers:
+        prefiller.in_flight, prefiller.queued_tokens = 1, 3000
+    plan = p.plan(prompt(8000, seed=6))
+    assert plan.path == "disaggregated"
+    assert plan.prefiller_queue == 3000
