@@ -688,16 +688,8 @@ class Gateway:
 
     async def _refused_after_head(self, upstream: httpx.Response, decoder: Endpoint) -> None:
         """A decoder's refusal once the client has the head: a 5xx may be retried elsewhere, a 4xx not."""
-        try:
-            content = await upstream.aread()
-        except httpx.HTTPError:
-            content = b""
-        finally:
-            await close_quietly(upstream)
-        status = upstream.status_code
-        detail = f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}"
-        if status >= 500:
-            raise DecodeFailed(detail, kv_consumed=True, failure=f"status {status}")
+        content = await read_refusal(upstream, decoder)
+        detail = f"{decoder.url} answered {upstream.status_code}: {content[:300].decode(errors='replace')}"
         raise UpstreamError(f"The decoder refused the continuation: {detail}")
 
     async def _open(self, decoder: Endpoint, call: DecodeCall, request_id: str, deadline: float) -> httpx.Response:
@@ -766,23 +758,27 @@ class Gateway:
         done: Completion,
     ) -> Response:
         """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
-        try:
-            content = await upstream.aread()
-        except httpx.HTTPError:
-            content = b""
-        finally:
-            await close_quietly(upstream)
+        content = await read_refusal(upstream, decoder)
         status = upstream.status_code
-        if status >= 500:
-            raise DecodeFailed(
-                f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}",
-                kv_consumed=True,
-                failure=f"status {status}",
-            )
         trace.fail("engine_rejected", f"decoder answered {status}", status=status)
         done()
         media_type = upstream.headers.get("content-type", "application/json")
         return Response(content, status_code=status, media_type=media_type, headers=headers)
+
+
+async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:
+    """The body of a decoder's non-200 answer, the response closed; a 5xx raises DecodeFailed (retryable)."""
+    try:
+        content = await upstream.aread()
+    except httpx.HTTPError:
+        content = b""
+    finally:
+        await close_quietly(upstream)
+    status = upstream.status_code
+    if status >= 500:
+        detail = f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}"
+        raise DecodeFailed(detail, kv_consumed=True, failure=f"status {status}")
+    return content
 
 
 def ask_for_usage(request: ClientRequest) -> bool:
