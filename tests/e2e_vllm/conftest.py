@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,10 +204,16 @@ async def nixl_pair(engines: Engines) -> VllmPair:
 @pytest.fixture(scope="session")
 async def router(nixl_pair: VllmPair) -> AsyncIterator[str]:
     """dpd-router on 127.0.0.1 in front of the NIXL pair, with a static threshold of THRESHOLD tokens."""
-    async with running_router(
-        prefill_urls=[nixl_pair.prefill.url],
-        decode_urls=[nixl_pair.decode.url],
-        tokenizer=str(nixl_pair.tokenizer_dir),
+    async with router_for(nixl_pair) as base_url:
+        yield base_url
+
+
+def router_for(pair: VllmPair, **settings: Any) -> AbstractAsyncContextManager[str]:
+    """dpd-router in front of `pair`: static threshold of THRESHOLD tokens, round robin; `settings` on top."""
+    return running_router(
+        prefill_urls=[pair.prefill.url],
+        decode_urls=[pair.decode.url],
+        tokenizer=str(pair.tokenizer_dir),
         model=MODEL_NAME,
         routing_threshold=THRESHOLD,
         threshold_mode="static",
@@ -215,8 +222,8 @@ async def router(nixl_pair: VllmPair) -> AsyncIterator[str]:
         # The engines busy both cores of a CI machine: give a starved connect room (the router also
         # resends a request its only decoder could not be reached for, see test_reliability).
         connect_timeout=30.0,
-    ) as base_url:
-        yield base_url
+        **settings,
+    )
 
 
 async def ask(base_url: str, kind: str, prompt: str, *, stream: bool, **extra: Any) -> tuple[str, Any]:

@@ -8,7 +8,6 @@ import pytest
 
 from scripts.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (
-    MODEL_NAME,
     THRESHOLD,
     EngineCounters,
     Engines,
@@ -16,8 +15,8 @@ from tests.e2e_vllm.conftest import (
     eventually,
     long_text,
     metric_total,
+    router_for,
 )
-from tests.integration.conftest import running_router
 
 CACHE_HIT = "External Cache Hit!"
 
@@ -30,18 +29,7 @@ async def shared_pair(engines: Engines) -> VllmPair:
 
 @pytest.fixture(scope="module")
 async def shared_router(shared_pair: VllmPair) -> AsyncIterator[str]:
-    async with running_router(
-        prefill_urls=[shared_pair.prefill.url],
-        decode_urls=[shared_pair.decode.url],
-        tokenizer=str(shared_pair.tokenizer_dir),
-        model=MODEL_NAME,
-        routing_threshold=THRESHOLD,
-        threshold_mode="static",
-        prefill_strategy="roundrobin",
-        kv_connector="shared_storage",
-        log_format="text",
-        connect_timeout=30.0,  # as in conftest.router: both cores are the engines'
-    ) as base_url:
+    async with router_for(shared_pair, kv_connector="shared_storage") as base_url:
         yield base_url
 
 
