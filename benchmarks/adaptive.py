@@ -880,12 +880,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     change_runs[(mode, slo)].append(run)
             results["change"] = [aggregate_change(change_runs[v]) for v in variants]
             results["change_verdicts"] = change_verdicts(results["change"], args.ttft_budget)
-    results["env"] = report.environment()
-    results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results["seconds"] = time.monotonic() - began
-    results["plots"] = plot(results, args)
-    report.write_json(args.out / "results.json", results)
-    print(write(results, args))
+    report.finish(results, args, started=began, plot=lambda: plot(results, args), write=lambda: write(results, args))
     return results
 
 

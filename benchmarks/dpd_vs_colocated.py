@@ -428,12 +428,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         kept = [run for run in earlier["runs"] if (run["tool"], run["setup"]) not in measured]
         results["runs"] += kept
         results["merged"] = {"from": str(args.merge), "when": earlier["env"]["when"], "runs": len(kept)}
-    results["env"] = report.environment()
-    results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results["seconds"] = time.monotonic() - started
-    results["plots"] = plot(results["runs"], args.concurrency, args.out)
-    report.write_json(args.out / "results.json", results)
-    print(write(results, args))
+    report.finish(
+        results,
+        args,
+        started=started,
+        plot=lambda: plot(results["runs"], args.concurrency, args.out),
+        write=lambda: write(results, args),
+    )
     return results
 
 

@@ -251,12 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results: dict[str, Any] = {"streams": stack.run_async(streams(args)), "prefix_index": prefix_index(args)}
-    results["env"] = report.environment()
-    results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results["seconds"] = time.monotonic() - started
-    results["plots"] = plot(results, args)
-    report.write_json(args.out / "results.json", results)
-    print(write(results, args))
+    report.finish(results, args, started=started, plot=lambda: plot(results, args), write=lambda: write(results, args))
     return 0
 
 

@@ -8,7 +8,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,24 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n")
     return path
+
+
+def finish(
+    results: dict[str, Any],
+    args: Any,
+    *,
+    started: float,
+    plot: Callable[[], list[str]],
+    write: Callable[[], str],
+) -> None:
+    """A scenario's epilogue: the environment, its arguments and duration (from monotonic `started`) into
+    `results`, then the plots, `args.out/results.json`, and the markdown report printed."""
+    results["env"] = environment()
+    results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    results["seconds"] = time.monotonic() - started
+    results["plots"] = plot()
+    write_json(args.out / "results.json", results)
+    print(write())
 
 
 def _jsonable(value: Any) -> Any:

@@ -528,12 +528,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 await item.stop()
             else:
                 await item.__aexit__(None, None, None)
-    results["env"] = report.environment()
-    results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results["seconds"] = time.monotonic() - started
-    results["plots"] = plot(results, args)
-    report.write_json(args.out / "results.json", results)
-    print(write(results, args))
+    report.finish(results, args, started=started, plot=lambda: plot(results, args), write=lambda: write(results, args))
     return results
 
 
