@@ -525,6 +525,7 @@ class Gateway:
             idle_timeout=self._timeouts.idle,
             strip_usage=strip_usage,
             rewrite=None if call.answer is None else call.answer.chunk,
+            on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
         )
         if staged is not None and staged.pending is not None:
             # The prefiller's cache hit is known once its call ends, usually before the decoder's usage.
@@ -585,6 +586,7 @@ class Gateway:
             idle_timeout=self._timeouts.idle,
             strip_usage=strip_usage,
             rewrite=None if call.answer is None else call.answer.chunk,
+            on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
         )
 
     def _stream_after_head(

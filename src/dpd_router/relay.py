@@ -105,8 +105,10 @@ class EventStream:
         idle_timeout: float,
         strip_usage: bool = False,
         rewrite: Rewrite | None = None,
+        on_disconnect: Callable[[], None] | None = None,
     ) -> None:
         self._upstream = upstream
+        self._on_disconnect = on_disconnect
         self._strip_usage = strip_usage
         self._rewrite = rewrite
         self._chunks = upstream.aiter_raw()
@@ -174,6 +176,8 @@ class EventStream:
         self._closed = True
         if not self._complete and self._trace.outcome == "ok":
             self._trace.fail("client_disconnect", "the client disconnected during the stream", status=499)
+            if self._on_disconnect is not None:
+                self._on_disconnect()
         with anyio.CancelScope(shield=True):
             await self._upstream.aclose()
         self._on_close()

@@ -71,16 +71,18 @@ async def requests_seen(url: str, request_id: str) -> list[dict[str, Any]]:
 
 
 async def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """One sample from a Prometheus endpoint (0 when absent)."""
+    """The sum of a Prometheus endpoint's samples of `name` with these `labels` (0 when absent):
+    a label left out is summed over."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"{base_url}/metrics")).text
+    total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                return float(sample.value)
-    return 0.0
+                total += float(sample.value)
+    return total
 
 
 async def settled(base_url: str, *, within: float = 10.0) -> None:

@@ -268,6 +268,7 @@ async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(token
 
         await wait_until(all_free)
         assert await metric(base_url, "dpd_router_client_disconnects_total", {"phase": "serve"}) == 1
+        assert await metric(base_url, "dpd_router_client_disconnects_total", {"phase": "stream"}) == 1
         assert await metric(base_url, "dpd_router_requests_total", {"outcome": "client_disconnect"}) == 2
         statuses = [e["status"] for e in (await engine_stats(decoder))["recent"]]
         assert "cancelled" in statuses
