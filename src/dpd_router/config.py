@@ -153,9 +153,12 @@ class Settings(BaseSettings):
     balance_rel_threshold: float = Field(default=1.5, ge=1.0)
 
     # When every prefiller's engine queue is deeper than this, prompts with fewer uncached tokens than
-    # prefill_busy_max_tokens go direct (0 disables the gate).
+    # prefill_busy_max_tokens go direct (0 disables the gate). In threshold_mode adaptive the model
+    # prices each prefiller's queue itself, so the gate counts queued prompt tokens instead of waiting
+    # requests: closed when every prefiller has more than prefill_busy_queue_tokens queued (0: never).
     prefill_busy_queue_depth: int = Field(default=8, ge=0)
     prefill_busy_max_tokens: int = Field(default=16384, ge=0)
+    prefill_busy_queue_tokens: int = Field(default=131072, ge=0)
 
     # Seconds between scrapes of every engine's /metrics; a load older than three intervals is ignored.
     load_scrape_interval: float = Field(default=2.0, gt=0)

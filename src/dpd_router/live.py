@@ -38,6 +38,7 @@ LIVE_SETTINGS = frozenset(
         "balance_rel_threshold",
         "prefill_busy_queue_depth",
         "prefill_busy_max_tokens",
+        "prefill_busy_queue_tokens",
         "prefill_retries",
         "prefill_failure_policy",
         "decode_retries",

@@ -28,8 +28,9 @@ The fits fade (per observation and per second) so they follow the engines, and s
 derived from `routing_threshold` that fade faster still: an unlearned router behaves like the
 static rule, a learned one like what it measured, whatever threshold it started from.
 Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens, a TTFT SLO wins when
-only one path's first-token time meets it, and a small exploration share keeps measuring the hop
-near the boundary.
+only one path's first-token time meets it (for the direct path, only while the stall it inflicts
+on the decoder's streams stays within the SLO), and a small exploration share keeps measuring the
+hop near the boundary.
 """
 
 from __future__ import annotations
@@ -288,15 +289,25 @@ class AdaptiveModel:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, False, "below_min_threshold")
         if uncached_tokens >= policy.max_threshold:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "above_max_threshold")
-        if policy.ttft_slo is not None:
-            direct_late, hop_late = direct_ttft > policy.ttft_slo, hop > policy.ttft_slo
-            if direct_late != hop_late:
-                return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, direct_late, "ttft_slo")
+        if policy.ttft_slo is not None and self._slo_decides(direct_ttft, hop, stall):
+            direct_late = direct_ttft > policy.ttft_slo
+            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, direct_late, "ttft_slo")
         disaggregate = policy.interference_weight * stall > extra
         reason = "adaptive_interference" if disaggregate else "adaptive_cheaper_direct"
         if self._explores(stall * policy.interference_weight, extra, disaggregate):
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "explore")
         return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, disaggregate, reason)
+
+    def _slo_decides(self, direct_ttft: float, hop_ttft: float, stall: float) -> bool:
+        """Whether the TTFT SLO picks the path: only one path meets it, and, when that is the direct
+        path, the prefill it puts on the decoder delays the others' tokens by less than the SLO in
+        all (weighted stall): keeping one long prompt on time must not make a decoder full of
+        streams late, and that stall also delays the first token of every request behind it."""
+        slo = self.policy.ttft_slo
+        if slo is None or (direct_ttft > slo) == (hop_ttft > slo):
+            return False
+        direct_on_time = direct_ttft <= slo
+        return not direct_on_time or self.policy.interference_weight * stall <= slo
 
     def _explores(self, weighted_stall: float, extra: float, disaggregate: bool) -> bool:
         """Send a small share of the prompts the model keeps direct to the prefill pool instead, only

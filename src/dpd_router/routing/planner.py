@@ -118,7 +118,7 @@ class Planner:
         """
         self.threshold = settings.routing_threshold
         self._threshold = Threshold(settings.routing_threshold, settings.threshold_mode)
-        self._busy_gate = PrefillBusyGate(settings.prefill_busy_queue_depth, settings.prefill_busy_max_tokens)
+        self._busy_gate = busy_gate(settings)
         self._session_header = settings.session_header
         if self.adaptive is not None:
             self.adaptive.policy = adaptive_policy(settings)
@@ -224,9 +224,17 @@ class Planner:
         prefillers = self.pool.healthy("prefill")
         if not prefillers:
             return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
-        if self._busy_gate is not None and self._busy_gate.diverts(prefillers, uncached):
+        gate = self._busy_gate
+        if gate is not None and self._pool_is_busy(gate, prefillers, uncached):
             return Plan("direct", PREFILL_POOL_BUSY, decoder, uncached_tokens=uncached)
         return self.prefill_strategy.select(prefillers, request)
+
+    def _pool_is_busy(self, gate: PrefillBusyGate, prefillers: Sequence[Endpoint], uncached: int) -> bool:
+        """The prefill-busy gate: by waiting requests, or in adaptive mode by queued prompt tokens."""
+        if self.adaptive is not None and self._threshold.mode == "adaptive":
+            now = time.monotonic()
+            return gate.diverts_by_tokens(prefillers, uncached, lambda prefiller: queued_prefills(prefiller, now))
+        return gate.diverts(prefillers, uncached)
 
     def _decide_adaptively(
         self, request: RoutingRequest, decoder: Endpoint, uncached: int, batch_size: int, model: AdaptiveModel
@@ -315,12 +323,18 @@ def build_planner(
         decode=decode,
         threshold_mode=settings.threshold_mode,
         cache=cache,
-        busy_gate=PrefillBusyGate(settings.prefill_busy_queue_depth, settings.prefill_busy_max_tokens),
+        busy_gate=busy_gate(settings),
         kv_lookup=kv_lookup if kvaware else None,
         session_header=settings.session_header,
         adaptive=adaptive,
         batches=batches,
         serves_direct=serves_direct,
+    )
+
+
+def busy_gate(settings: Settings) -> PrefillBusyGate:
+    return PrefillBusyGate(
+        settings.prefill_busy_queue_depth, settings.prefill_busy_max_tokens, settings.prefill_busy_queue_tokens
     )
 
 

@@ -9,7 +9,7 @@ straight to the decoder when every prefiller's queue is deep, up to a hard ceili
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dpd_router.config import ThresholdMode
@@ -37,18 +37,24 @@ class Threshold:
 
 @dataclass(frozen=True)
 class PrefillBusyGate:
-    """Closed when every prefiller's engine queue is deeper than `queue_depth`.
+    """Closed when every prefiller's engine queue is deeper than `queue_depth` waiting requests.
 
     Then prompts with fewer than `max_tokens` uncached tokens go direct rather than queueing behind
     the prefill pool; longer ones still wait for a prefiller. `max_tokens` 0 disables the gate.
     Only fresh scraped queues count: a pool whose load is unknown is never called busy.
+
+    Adaptive mode measures the queue in prompt tokens instead (`diverts_by_tokens`, closed above
+    `queue_tokens`): its model already prices a queue by its tokens, and a request count would
+    close the gate on a burst of short prompts the model sent to an idle prefiller, sending the
+    next long prompts onto the decoder.
     """
 
     queue_depth: int
     max_tokens: int
+    queue_tokens: int = 0
 
     def diverts(self, prefillers: Sequence[Endpoint], uncached_tokens: int) -> bool:
-        if self.max_tokens <= 0 or uncached_tokens >= self.max_tokens or not prefillers:
+        if not self._applies(prefillers, uncached_tokens):
             return False
         now = time.monotonic()
         for prefiller in prefillers:
@@ -56,3 +62,14 @@ class PrefillBusyGate:
             if load is None or load.waiting <= self.queue_depth:
                 return False
         return True
+
+    def diverts_by_tokens(
+        self, prefillers: Sequence[Endpoint], uncached_tokens: int, queued: Callable[[Endpoint], float]
+    ) -> bool:
+        """Closed when every prefiller has more than `queue_tokens` prompt tokens queued (`queued`)."""
+        if self.queue_tokens <= 0 or not self._applies(prefillers, uncached_tokens):
+            return False
+        return all(queued(prefiller) > self.queue_tokens for prefiller in prefillers)
+
+    def _applies(self, prefillers: Sequence[Endpoint], uncached_tokens: int) -> bool:
+        return self.max_tokens > 0 and uncached_tokens < self.max_tokens and bool(prefillers)

@@ -222,14 +222,30 @@ def test_a_waiting_decoder_makes_the_hop_relatively_cheaper() -> None:
 def test_the_ttft_slo_compares_first_token_times_queues_included() -> None:
     m = model(ttft_slo=1.0)
     # The prefiller has 30k tokens queued (about 3 s): only the direct path meets the SLO...
-    slo = m.estimate("d", "p", 6000, running_streams=20, prefiller_queue=30_000)
+    slo = m.estimate("d", "p", 6000, running_streams=1, prefiller_queue=30_000)
     assert (slo.disaggregate, slo.reason) == (False, "ttft_slo")
     # ...until direct requests on this decoder are seen waiting 2 s for their first token too:
-    # then neither path meets it, and the stall decides.
+    # then neither path meets it, and the model decides.
     for _ in range(30):
         m.learn_from(trace(path="direct", decoder="d", uncached_tokens=500, decoder_streams=20, first_token=2.0))
-    both_late = m.estimate("d", "p", 6000, running_streams=20, prefiller_queue=30_000)
-    assert (both_late.disaggregate, both_late.reason) == (True, "adaptive_interference")
+    both_late = m.estimate("d", "p", 6000, running_streams=1, prefiller_queue=30_000)
+    assert both_late.reason == "adaptive_cheaper_direct"
+
+
+def test_the_ttft_slo_keeps_no_prompt_direct_whose_stall_would_make_a_full_decoder_late() -> None:
+    m = model(ttft_slo=1.0)
+    # Direct: 0.6 s to its own first token, on time; but 20 streams each wait those 0.6 s for their
+    # next token (12 s of stall in all), and every request behind it for its first: the model decides.
+    full = m.estimate("d", "p", 6000, running_streams=20, prefiller_queue=30_000)
+    assert (full.disaggregate, full.reason) == (True, "adaptive_interference")
+    # With a short stall in all the SLO still keeps the prompt direct...
+    assert m.estimate("d", "p", 6000, running_streams=1, prefiller_queue=30_000).reason == "ttft_slo"
+    # ...and the hop, which stalls no stream, is taken for the SLO whatever the decoder's load.
+    m = model(ttft_slo=1.0)
+    for _ in range(30):
+        m.learn_from(trace(path="direct", decoder="d", uncached_tokens=500, decoder_streams=20, first_token=2.0))
+    late_direct = m.estimate("d", "p", 3000, running_streams=0, prefiller_queue=0)
+    assert (late_direct.disaggregate, late_direct.reason) == (True, "ttft_slo")
 
 
 def test_exploration_only_ever_sends_prompts_to_the_prefill_pool() -> None:

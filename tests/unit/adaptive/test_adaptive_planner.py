@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import time
+
 from dpd_router.config import load_settings
 from dpd_router.metrics import RouterMetrics
+from dpd_router.pool.endpoint import EngineLoad
 from dpd_router.pool.pool import Pool
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
@@ -85,3 +88,42 @@ def test_a_disaggregated_adaptive_plan_carries_the_queue_its_prefill_waits_for()
     plan = p.plan(prompt(8000, seed=6))
     assert plan.path == "disaggregated"
     assert plan.prefiller_queue == 3000
+
+
+def busy_prefillers(p: Planner, *, waiting: float, queued_tokens: int) -> None:
+    """Every prefiller: `waiting` requests in its scraped engine queue, one router call holding
+    `queued_tokens` prompt tokens."""
+    for prefiller in p.pool.prefillers:
+        prefiller.record_load(EngineLoad(0, waiting, None, None, scraped_at=time.monotonic()), fresh_for=6.0)
+        prefiller.in_flight, prefiller.queued_tokens = 1, queued_tokens
+
+
+def test_many_short_prompts_waiting_on_the_prefillers_do_not_close_the_adaptive_busy_gate() -> None:
+    # Adaptive mode sent a burst of short prompts to idle prefillers: 12 waiting requests, 6k tokens.
+    # The request-count gate (depth 8) would now send the next long prompt onto a decoder full of
+    # streams; in adaptive mode the gate counts tokens, and the model prices the 6k-token queue.
+    p = planner(prefill_busy_queue_depth=8)
+    p.pool.decoders[0].in_flight = 24
+    busy_prefillers(p, waiting=12, queued_tokens=6000)
+    plan = p.plan(prompt(8000, seed=7))
+    assert (plan.path, plan.reason) == ("disaggregated", "adaptive_interference")
+
+
+def test_prefillers_holding_more_queued_tokens_than_the_cap_close_the_adaptive_busy_gate() -> None:
+    p = planner(prefill_busy_queue_tokens=100_000, prefill_busy_max_tokens=16384)
+    p.pool.decoders[0].in_flight = 24
+    busy_prefillers(p, waiting=0, queued_tokens=120_000)
+    assert p.plan(prompt(8000, seed=8)).reason == "prefill_pool_busy"
+    # The ceiling still holds: prompts of prefill_busy_max_tokens and more wait for a prefiller.
+    ceiling = p.plan(prompt(20_000, seed=9))
+    assert (ceiling.path, ceiling.reason) == ("disaggregated", "adaptive_interference")
+    # One prefiller below the cap keeps the gate open.
+    p.pool.prefillers[1].queued_tokens = 50_000
+    assert p.plan(prompt(8000, seed=11)).reason != "prefill_pool_busy"
+
+
+def test_a_token_cap_of_zero_turns_the_adaptive_busy_gate_off() -> None:
+    p = planner(prefill_busy_queue_tokens=0)
+    p.pool.decoders[0].in_flight = 64
+    busy_prefillers(p, waiting=100, queued_tokens=10**7)
+    assert p.plan(prompt(8000, seed=12)).reason != "prefill_pool_busy"
