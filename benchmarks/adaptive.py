@@ -60,7 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=40, help="unmeasured requests first, in every A/B run")
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--phases", type=int, nargs=3, default=[2, 24, 2], help="concurrency quiet busy quiet")
-    parser.add_argument("--phase-requests", type=int, nargs=3, default=[40, 160, 40])
+    parser.add_argument("--phase-requests", type=int, nargs=3, default=[40, 320, 40])
+    parser.add_argument(
+        "--change-static", type=int, nargs="*", default=[512],
+        help="static thresholds run through the load change besides the best one (no static threshold follows it)",
+    )  # fmt: skip
     parser.add_argument("--ttft-budget", type=float, default=1.0, help="short-request TTFT p99 budget, seconds")
     parser.add_argument(
         "--interference-weight", type=float, default=None,
@@ -69,7 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scrape", type=float, default=0.5, help="seconds between metric scrapes")
     parser.add_argument("--timing", default="realistic")
     parser.add_argument("--max-seconds", type=float, default=180.0, help="bound per run (and per phase)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["sweep", "converge", "change"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["sweep", "converge", "change"],
+        help="parts not to run; a skipped part already in --out's results.json is kept, with its date and arguments",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
     parser.add_argument(
         "--slo-variant", action=argparse.BooleanOptionalAction, default=True,
@@ -83,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.workload = "short:0.75:U(32,200)/(8,8),long:0.25:U(600,1200)/(8,8)"
         args.thresholds, args.bad_starts, args.repeats = [256, 4096], [256], 2
         args.requests, args.warmup, args.concurrency = 8, 4, 3
-        args.phases, args.phase_requests = [1, 4, 1], [2, 8, 2]
+        args.phases, args.phase_requests, args.change_static = [1, 4, 1], [2, 8, 2], [256]
         args.timing, args.max_seconds, args.ttft_budget, args.scrape = "default", 30.0, 5.0, 0.2
     return args
 
@@ -462,38 +469,39 @@ def aggregate_change(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def change_verdicts(change: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
-    """Every adaptive variant against the static run, per phase and over the whole run."""
-    static = next((c for c in change if c["mode"] == "static"), None)
-    if static is None:
-        return []
+    """Every adaptive variant against every static run, per phase and over the whole run."""
+    statics = [c for c in change if c["mode"] == "static"]
     out = []
-    for variant in change:
-        if variant is static:
-            continue
-        parts = [(p["phase"], p, s) for p, s in zip(variant["phases"], static["phases"], strict=True)]
-        parts.append(("whole run", variant["whole"], static["whole"]))
-        for name, mine, theirs in parts:
-            itl = compare(mine, theirs)
-            ttft, base_ttft = mine["spread"]["short_ttft_p99"]["median"], theirs["spread"]["short_ttft_p99"]["median"]
-            # TTFT is kept when within the budget, or no worse than static's own (+10%) when that misses it.
-            ttft_kept = ttft is not None and (ttft <= budget or (base_ttft is not None and ttft <= base_ttft * 1.1))
-            pairs = itl["paired"]
-            if itl["ratio"] is not None and itl["ratio"] < 1 and ttft_kept:
-                beats = "yes" if pairs and all(r < 1 for r in pairs) else "median only"
-            else:
-                beats = "no"
-            out.append(
-                {
-                    "variant": variant["mode"],
-                    "part": name,
-                    "itl_ratio": itl["ratio"],
-                    "itl_paired": pairs,
-                    "ttft_p99": ttft,
-                    "static_ttft_p99": base_ttft,
-                    "ttft_kept": ttft_kept,
-                    "beats": beats,
-                }
-            )
+    for static in statics:
+        for variant in change:
+            if variant["mode"] == "static":
+                continue
+            parts = [(p["phase"], p, s) for p, s in zip(variant["phases"], static["phases"], strict=True)]
+            parts.append(("whole run", variant["whole"], static["whole"]))
+            for name, mine, theirs in parts:
+                itl = compare(mine, theirs)
+                ttft = mine["spread"]["short_ttft_p99"]["median"]
+                base_ttft = theirs["spread"]["short_ttft_p99"]["median"]
+                # TTFT is kept when within the budget, or no worse than static's own (+10%) when that misses it.
+                ttft_kept = ttft is not None and (ttft <= budget or (base_ttft is not None and ttft <= base_ttft * 1.1))
+                pairs = itl["paired"]
+                if itl["ratio"] is not None and itl["ratio"] < 1 and ttft_kept:
+                    beats = "yes" if pairs and all(r < 1 for r in pairs) else "median only"
+                else:
+                    beats = "no"
+                out.append(
+                    {
+                        "variant": variant["mode"],
+                        "static": static["threshold"],
+                        "part": name,
+                        "itl_ratio": itl["ratio"],
+                        "itl_paired": pairs,
+                        "ttft_p99": ttft,
+                        "static_ttft_p99": base_ttft,
+                        "ttft_kept": ttft_kept,
+                        "beats": beats,
+                    }
+                )
     return out
 
 
@@ -598,10 +606,12 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
     sweep = results.get("sweep") or []
     best = results.get("best")
     if sweep:
+        a = part_args(results, args, "sweep")
         md += [
-            f"## A. Static sweep ({args.warmup} unmeasured + {args.requests} measured requests per run, "
-            f"concurrency {args.concurrency})",
+            f"## A. Static sweep ({a.warmup} unmeasured + {a.requests} measured requests per run, "
+            f"concurrency {a.concurrency})",
             "",
+            *carried_note(results, "sweep"),
         ]
         md += [report.table(RUN_HEADERS, [config_row(f"static {c['threshold']}", c) for c in sweep]), ""]
         md += [
@@ -611,9 +621,11 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
         ]
     conv = results.get("converge") or []
     if conv:
+        b = part_args(results, args, "converge")
         md += [
-            f"## B. Adaptive from a bad start ({args.warmup} warm-up requests, then {args.requests} measured)",
+            f"## B. Adaptive from a bad start ({b.warmup} warm-up requests, then {b.requests} measured)",
             "",
+            *carried_note(results, "converge"),
         ]
         rows = [config_row(f"adaptive from {c['threshold']}", c) for c in conv]
         if best is not None:
@@ -655,10 +667,12 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
         md += [""]
     change = results.get("change") or []
     if change:
+        c = part_args(results, args, "change")
         md += [
-            f"## C. Load change (concurrency {' -> '.join(map(str, args.phases))}, "
-            f"{' / '.join(map(str, args.phase_requests))} requests)",
+            f"## C. Load change (concurrency {' -> '.join(map(str, c.phases))}, "
+            f"{' / '.join(map(str, c.phase_requests))} requests)",
             "",
+            *carried_note(results, "change"),
         ]
         rows = []
         for variant in change:
@@ -708,6 +722,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             vrows = [
                 [
                     v["variant"],
+                    f"static {v.get('static', change[0]['threshold'])}",
                     v["part"],
                     ratio_text(v["itl_ratio"], v["itl_paired"]),
                     report.ms(v["ttft_p99"]),
@@ -716,7 +731,9 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
                 ]
                 for v in verdicts
             ]
-            vheaders = ["variant", "part", "ITL p99 vs static", "TTFT p99 ms", "static TTFT p99 ms", "beats static"]
+            vheaders = [
+                "variant", "against", "part", "ITL p99 vs static", "TTFT p99 ms", "static TTFT p99 ms", "beats static"
+            ]  # fmt: skip
             md += [report.table(vheaders, vrows), ""]
         md += ["Route decisions per variant, all repeats (path/reason: count):", ""]
         md += [f"- {c['mode']} {c['threshold']}: {c['decisions']}" for c in change] + [""]
@@ -828,6 +845,45 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return written
 
 
+# The parts of results.json each --skip name stands for.
+PARTS = {"sweep": ("sweep", "best"), "converge": ("converge",), "change": ("change", "change_verdicts")}
+
+
+def carry(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """Keep the skipped parts of an earlier run in `args.out`, with that run's date, commit and arguments."""
+    path = args.out / "results.json"
+    if not args.skip or not path.exists():
+        return
+    import json
+
+    earlier = json.loads(path.read_text())
+    for name in args.skip:
+        kept = {key: earlier[key] for key in PARTS[name] if key in earlier}
+        if not kept:
+            continue
+        results.update(kept)
+        source = earlier.get("carried", {}).get(name) or {"env": earlier.get("env"), "args": earlier.get("args")}
+        results.setdefault("carried", {})[name] = source
+
+
+def part_args(results: dict[str, Any], args: argparse.Namespace, name: str) -> argparse.Namespace:
+    """The arguments a part of the results was measured with (an earlier run's, for a carried part)."""
+    source = results.get("carried", {}).get(name)
+    return argparse.Namespace(**{**vars(args), **source["args"]}) if source else args
+
+
+def carried_note(results: dict[str, Any], name: str) -> list[str]:
+    source = results.get("carried", {}).get(name)
+    if not source:
+        return []
+    env, earlier = source.get("env") or {}, source.get("args") or {}
+    return [
+        f"(Kept from an earlier run: {env.get('when', '?')}, commit {env.get('commit', '?')}, "
+        f"{earlier.get('repeats', '?')} repeats.)",
+        "",
+    ]
+
+
 def prompt_seeds(start: int = 500) -> Iterator[int]:
     """A new prompt seed for every run: the engines' prefix caches outlive runs."""
     return itertools.count(start)
@@ -865,19 +921,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for config in conv:
                 config["verdict"] = verdict(config, best, args.ttft_budget)
             results["converge"] = conv
+        carry(results, args)
+        if best is None and results.get("best"):
+            best = results["best"]
         if "change" not in args.skip:
             base = best["threshold"] if best is not None else args.thresholds[0]
-            variants: list[tuple[str, float | None]] = [("static", None), ("adaptive", None)]
+            variants: list[tuple[str, int, float | None]] = [("static", base, None)]
+            variants += [("static", t, None) for t in args.change_static if t != base]
+            variants.append(("adaptive", base, None))
             if args.slo_variant:
-                variants.append(("adaptive", args.ttft_budget))
-            change_runs: dict[tuple[str, float | None], list[dict[str, Any]]] = {v: [] for v in variants}
+                variants.append(("adaptive", base, args.ttft_budget))
+            change_runs: dict[tuple[str, int, float | None], list[dict[str, Any]]] = {v: [] for v in variants}
             for repeat in range(args.repeats):
-                for mode, slo in rotated(variants, repeat):
+                for mode, threshold, slo in rotated(variants, repeat):
                     run = await load_change(
-                        args, cluster, factory, threshold=base, mode=mode, slo=slo, draw=200 + repeat,
+                        args, cluster, factory, threshold=threshold, mode=mode, slo=slo, draw=200 + repeat,
                         prompt_seed=next(seeds), repeat=repeat,
                     )  # fmt: skip
-                    change_runs[(mode, slo)].append(run)
+                    change_runs[(mode, threshold, slo)].append(run)
             results["change"] = [aggregate_change(change_runs[v]) for v in variants]
             results["change_verdicts"] = change_verdicts(results["change"], args.ttft_budget)
     report.finish(results, args, started=began, plot=lambda: plot(results, args), write=lambda: write(results, args))

@@ -7,41 +7,39 @@ threshold was scraped, and the reports exist.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+from tests.benchmarks.test_scenarios_smoke import HAVE_MATPLOTLIB, run_scenario
 
 
 def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.adaptive", "--smoke", "--quiet", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    results = run_scenario("adaptive", tmp_path, timeout=300)
     assert (tmp_path / "results.md").read_text().startswith("# Scenario 5")
-    results = json.loads((tmp_path / "results.json").read_text())
 
     assert [run["threshold"] for run in results["sweep"]] == [256, 4096]
     assert results["best"]["threshold"] in (256, 4096)
     assert all(run["summary"]["all"]["errors"] == 0 for run in results["sweep"] + results["converge"])
     assert all("reached" in run["verdict"] for run in results["converge"])
-    modes = [run["mode"] for run in results["change"]]
-    assert modes == ["static", "adaptive", "adaptive+slo5s"]
+    # The load change: the best static threshold, the --change-static one (256), then adaptive.
+    runs = [(run["mode"], run["threshold"]) for run in results["change"]]
+    statics = {threshold for mode, threshold in runs if mode == "static"}
+    assert statics == {results["best"]["threshold"], 256}
+    assert [mode for mode, _ in runs] == ["static"] * len(statics) + ["adaptive", "adaptive+slo5s"]
     for run in results["change"]:
         assert [phase["phase"] for phase in run["phases"]] == ["quiet-1", "busy", "quiet-2"]
         assert all(phase["summary"]["all"]["errors"] == 0 for phase in run["phases"])
-    adaptive = results["change"][1]
+    adaptive = next(run for run in results["change"] if run["mode"] == "adaptive")
     assert adaptive["threshold_samples"], "the adaptive router's effective threshold was never scraped"
+    assert {v["static"] for v in results["change_verdicts"]} == statics
     if HAVE_MATPLOTLIB:
         assert results["plots"]
         for name in results["plots"]:
             assert (tmp_path / name).stat().st_size > 1000
+
+    # Skipped parts are kept from the earlier run in the same directory, with where they came from.
+    kept = run_scenario("adaptive", tmp_path, "--skip", "sweep", "converge", "change", timeout=300)
+    for part in ("sweep", "converge", "change"):
+        assert kept[part] == results[part]
+    assert set(kept["carried"]) == {"sweep", "converge", "change"}
+    assert kept["carried"]["sweep"]["env"] == results["env"]
+    assert "Kept from an earlier run" in (tmp_path / "results.md").read_text()

@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run_scenario(module: str, out: Path) -> dict:
+def run_scenario(module: str, out: Path, *extra: str, timeout: float = 120) -> dict:
+    """`python -m benchmarks.<module> --smoke --quiet --out <out> <extra>`; its results.json."""
     done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--quiet", "--out", str(out)],
+        [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--quiet", "--out", str(out), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
