@@ -109,6 +109,25 @@ class DecodeFailed(Exception):
         self.failure = failure
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One client request on its way through the gateway: what every hop of it needs."""
+
+    request: ClientRequest
+    prompt: Prompt
+    planner: Planner
+    request_id: str
+    trace: RequestTrace
+    done: Completion
+    # The router asked the stream for a usage chunk the client did not: drop it before the client.
+    strip_usage: bool
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers of the router's answer."""
+        return {"X-Request-Id": self.request_id}
+
+
 class Gateway:
     """Serves one request end to end; built once at startup with its collaborators."""
 
@@ -204,8 +223,8 @@ class Gateway:
             trace.decoder_streams = plan.decoder_streams
             trace.prefiller_queue = plan.prefiller_queue
             phase = "serve"
-            strip_usage = ask_for_usage(request)
-            return await self._serve(request, plan, planner, prompt, request_id, trace, done, strip_usage)
+            exchange = Exchange(request, prompt, planner, request_id, trace, done, ask_for_usage(request))
+            return await self._serve(exchange, plan)
         except RouterError as exc:
             trace.fail("error", exc.message, status=exc.status_code)
             done()
@@ -250,18 +269,9 @@ class Gateway:
             self._metrics.rate_limited.labels("prompt_tokens").inc()
             raise
 
-    async def _serve(
-        self,
-        request: ClientRequest,
-        plan: Plan,
-        planner: Planner,
-        prompt: Prompt,
-        request_id: str,
-        trace: RequestTrace,
-        done: Completion,
-        strip_usage: bool,
-    ) -> Response:
+    async def _serve(self, exchange: Exchange, plan: Plan) -> Response:
         """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte."""
+        request, trace, done = exchange.request, exchange.trace, exchange.done
         tried: list[Endpoint] = []
         prefillers_tried: list[Endpoint] = []
         staged: StagedKV | None = None
@@ -277,9 +287,7 @@ class Gateway:
                     decoder = plan.decoder
                     decoder.staging += 1  # held here, but not running on it until the hop is done
                     try:
-                        staged, plan = await self._stage(
-                            request, plan, planner, prompt, request_id, trace, prefillers_tried
-                        )
+                        staged, plan = await self._stage(exchange, plan, prefillers_tried)
                     finally:
                         decoder.staging -= 1
                     self._note_staged(trace, staged, done)
@@ -288,28 +296,28 @@ class Gateway:
                 trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
                 call = self._decode_call(request, staged)
                 if request.stream and call.head:
-                    return self._stream_after_head(
-                        request, plan, planner, prompt, call, request_id, trace, staged, done, strip_usage
-                    )
+                    return self._stream_after_head(exchange, plan, call, staged)
                 try:
-                    return await self._decode(request, plan.decoder, call, request_id, trace, staged, done, strip_usage)
+                    return await self._decode(exchange, plan.decoder, call, staged)
                 except PrefillFailed as exc:  # a concurrent prefill failed before the decoder's first token
                     if staged is not None:
                         abandon(staged)  # still running when the decoder failed first (a failed hand-off)
                     staged = None
                     trace.prefill_overlaps_decode = False  # what follows starts after it
-                    plan = self._after_prefill_failure(exc, plan, planner, prompt, prefillers_tried, request_id, trace)
+                    plan = self._after_prefill_failure(exchange, exc, plan, prefillers_tried)
                 except DecodeFailed as exc:
                     plan.decoder.record_failure(exc.failure)
                     tried.append(plan.decoder)
-                    log.warning("request %s: decoder %s failed before answering: %s", request_id, plan.decoder.url, exc)
+                    log.warning(
+                        "request %s: decoder %s failed before answering: %s", exchange.request_id, plan.decoder.url, exc
+                    )
                     if exc.kv_consumed:
                         done.kv_taken_by(plan.decoder)
                     if staged is not None and (exc.kv_consumed or staged.pending is not None):
                         # Used (and so released) by the failed decoder, or bound to its call: stage again.
                         abandon(staged)
                         staged = None
-                    replacement = await self._next_decoder(exc, plan, planner, prompt, tried, attempt)
+                    replacement = await self._next_decoder(exchange, exc, plan, tried, attempt)
                     plan = replace(plan, decoder=replacement)
                     attempt += 1
         finally:
@@ -337,10 +345,10 @@ class Gateway:
             done.hold_kv(PushedKV(staged, self._connector))
 
     async def _next_decoder(
-        self, exc: DecodeFailed, plan: Plan, planner: Planner, prompt: Prompt, tried: list[Endpoint], attempt: int
+        self, exchange: Exchange, exc: DecodeFailed, plan: Plan, tried: list[Endpoint], attempt: int
     ) -> Endpoint:
         """The decoder to try after `plan.decoder` failed before answering; UpstreamError when none is left."""
-        replacement = planner.alternative("decode", prompt, exclude=tried)
+        replacement = exchange.planner.alternative("decode", exchange.prompt, exclude=tried)
         if replacement is None and plan.decoder.available:
             # The only decoder left: try it again (with fresh KV if it may have used the staged
             # one). An unreachable one never saw the request, so resending it is safe.
@@ -352,22 +360,16 @@ class Gateway:
             await asyncio.sleep(SAME_DECODER_BACKOFF * (attempt + 1))
         return replacement
 
-    async def _stage(
-        self,
-        request: ClientRequest,
-        plan: Plan,
-        planner: Planner,
-        prompt: Prompt,
-        request_id: str,
-        trace: RequestTrace,
-        tried: list[Endpoint],
-    ) -> tuple[StagedKV | None, Plan]:
+    async def _stage(self, exchange: Exchange, plan: Plan, tried: list[Endpoint]) -> tuple[StagedKV | None, Plan]:
         """The prefill hop, retried on other prefillers; when it cannot stage KV, apply the policy.
 
         A concurrent connector's hop runs on beside the decode call: it comes back at once, pending.
         """
+        request_id, trace = exchange.request_id, exchange.trace
         while plan.prefiller is not None:
-            handoff = self._connector.handoff(request, prompt, plan.prefiller, plan.decoder, request_id)
+            handoff = self._connector.handoff(
+                exchange.request, exchange.prompt, plan.prefiller, plan.decoder, request_id
+            )
             hop = self._prefill(handoff, trace)
             if self._connector.concurrent:
                 trace.prefill_overlaps_decode = True
@@ -378,28 +380,21 @@ class Gateway:
                 staged = await hop
                 return replace(staged, handoff=handoff), plan
             except PrefillFailed as exc:
-                plan = self._after_prefill_failure(exc, plan, planner, prompt, tried, request_id, trace)
+                plan = self._after_prefill_failure(exchange, exc, plan, tried)
         return None, plan
 
     def _after_prefill_failure(
-        self,
-        failure: PrefillFailed,
-        plan: Plan,
-        planner: Planner,
-        prompt: Prompt,
-        tried: list[Endpoint],
-        request_id: str,
-        trace: RequestTrace,
+        self, exchange: Exchange, failure: PrefillFailed, plan: Plan, tried: list[Endpoint]
     ) -> Plan:
         """The plan after `plan.prefiller` failed: another prefiller, or the policy (fallback or 503)."""
         prefiller = plan.prefiller
         assert prefiller is not None
         tried.append(prefiller)
-        trace.prefill_error = str(failure)
-        log.warning("request %s: prefill on %s failed: %s", request_id, prefiller.url, failure)
+        exchange.trace.prefill_error = str(failure)
+        log.warning("request %s: prefill on %s failed: %s", exchange.request_id, prefiller.url, failure)
         # A 4xx is the request's own fault: another prefiller would say the same.
         if failure.reason != "status_4xx" and len(tried) <= self._retries.prefill_retries:
-            alternative = planner.alternative("prefill", prompt, exclude=tried)
+            alternative = exchange.planner.alternative("prefill", exchange.prompt, exclude=tried)
             if alternative is not None:
                 self._metrics.retries.labels("prefill").inc()
                 return replace(plan, prefiller=alternative)
@@ -456,21 +451,13 @@ class Gateway:
         trace.uncached_tokens = plan.uncached_tokens
 
     async def _decode(
-        self,
-        request: ClientRequest,
-        decoder: Endpoint,
-        call: DecodeCall,
-        request_id: str,
-        trace: RequestTrace,
-        staged: StagedKV | None,
-        done: Completion,
-        strip_usage: bool,
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None
     ) -> Response:
         """The decode call, until its first token (or whole answer); while a concurrent prefill still
         runs, that prefill failing first cancels the call and raises its PrefillFailed, and a decode
         call failing while the prefill cannot be shown to have done its part is a failed hand-off,
         counted against the prefiller."""
-        answer = self._decode_answer(request, decoder, call, request_id, trace, staged, done, strip_usage)
+        answer = self._decode_answer(exchange, decoder, call, staged)
         if staged is None or staged.pending is None:
             return await answer
         try:
@@ -481,52 +468,33 @@ class Gateway:
             raise
 
     async def _decode_answer(
-        self,
-        request: ClientRequest,
-        decoder: Endpoint,
-        call: DecodeCall,
-        request_id: str,
-        trace: RequestTrace,
-        staged: StagedKV | None,
-        done: Completion,
-        strip_usage: bool,
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None
     ) -> Response:
-        headers = {"X-Request-Id": request_id}
+        request = exchange.request
         if call.answered is not None:
-            return await self._answer_from_prefill(request, call, trace, staged, headers, done, strip_usage)
+            return await self._answer_from_prefill(exchange, call, staged)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeouts.first_token if request.stream else self._timeouts.total)
-        upstream = await self._open(decoder, call, request_id, deadline)
+        upstream = await self._open(decoder, call, exchange.request_id, deadline)
         if upstream.status_code != 200:
-            return await self._engine_refusal(upstream, decoder, trace, headers, done)
+            return await self._engine_refusal(exchange, upstream, decoder)
         if not request.stream:
-            return await self._whole_answer(upstream, decoder, trace, staged, call, deadline, headers, done)
-        stream = await self._primed_stream(upstream, decoder, trace, staged, call, deadline, done, strip_usage)
-        done.kv_taken_by(decoder)
-        return RelayedStream(stream, media_type=stream.media_type, headers=headers)
+            return await self._whole_answer(exchange, upstream, decoder, staged, call, deadline)
+        stream = await self._primed_stream(exchange, upstream, decoder, staged, call, deadline)
+        exchange.done.kv_taken_by(decoder)
+        return RelayedStream(stream, media_type=stream.media_type, headers=exchange.headers)
 
     async def _primed_stream(
         self,
+        exchange: Exchange,
         upstream: httpx.Response,
         decoder: Endpoint,
-        trace: RequestTrace,
         staged: StagedKV | None,
         call: DecodeCall,
         deadline: float,
-        done: Completion,
-        strip_usage: bool,
     ) -> EventStream:
         """The decoder's stream, read up to its first token (so a failing decoder can still be replaced)."""
-        stream = EventStream(
-            upstream,
-            trace,
-            cached_tokens=prefiller_cached_tokens(staged),
-            on_close=done,
-            idle_timeout=self._timeouts.idle,
-            strip_usage=strip_usage,
-            rewrite=None if call.answer is None else call.answer.chunk,
-            on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
-        )
+        stream = self._event_stream(exchange, upstream, call, staged)
         if staged is not None and staged.pending is not None:
             # The prefiller's cache hit is known once its call ends, usually before the decoder's usage.
             staged.pending.add_done_callback(
@@ -550,64 +518,48 @@ class Gateway:
         decoder.record_success()
         return stream
 
-    async def _answer_from_prefill(
-        self,
-        request: ClientRequest,
-        call: DecodeCall,
-        trace: RequestTrace,
-        staged: StagedKV | None,
-        headers: dict[str, str],
-        done: Completion,
-        strip_usage: bool,
-    ) -> Response:
+    async def _answer_from_prefill(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> Response:
         """The prefill produced the whole answer (one token): relay it as a decoder's, without a decoder."""
         assert call.answered is not None
-        trace.decoder = None
-        if not request.stream:
+        exchange.trace.decoder = None
+        if not exchange.request.stream:
             rewrite = None if call.answer is None else call.answer.body
-            content = relay_body(call.answered, trace, prefiller_cached_tokens(staged), rewrite)
-            done()
-            return Response(content, media_type="application/json", headers=headers)
-        stream = self._answered_stream(call, trace, staged, done, strip_usage)
-        return RelayedStream(stream, media_type="text/event-stream", headers=headers)
+            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite)
+            exchange.done()
+            return Response(content, media_type="application/json", headers=exchange.headers)
+        stream = self._answered_stream(exchange, call, staged)
+        return RelayedStream(stream, media_type="text/event-stream", headers=exchange.headers)
 
-    def _answered_stream(
-        self, call: DecodeCall, trace: RequestTrace, staged: StagedKV | None, done: Completion, strip_usage: bool
-    ) -> EventStream:
+    def _answered_stream(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> EventStream:
         assert call.answered is not None
         upstream = httpx.Response(
             200, stream=httpx.ByteStream(call.answered), headers={"content-type": "text/event-stream"}
         )
+        return self._event_stream(exchange, upstream, call, staged)
+
+    def _event_stream(
+        self, exchange: Exchange, upstream: httpx.Response, call: DecodeCall, staged: StagedKV | None
+    ) -> EventStream:
+        """The relay of a decoder's stream (or of the prefill's answer) to this client."""
         return EventStream(
             upstream,
-            trace,
+            exchange.trace,
             cached_tokens=prefiller_cached_tokens(staged),
-            on_close=done,
+            on_close=exchange.done,
             idle_timeout=self._timeouts.idle,
-            strip_usage=strip_usage,
+            strip_usage=exchange.strip_usage,
             rewrite=None if call.answer is None else call.answer.chunk,
             on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
         )
 
-    def _stream_after_head(
-        self,
-        request: ClientRequest,
-        plan: Plan,
-        planner: Planner,
-        prompt: Prompt,
-        call: DecodeCall,
-        request_id: str,
-        trace: RequestTrace,
-        staged: StagedKV | None,
-        done: Completion,
-        strip_usage: bool,
-    ) -> Response:
+    def _stream_after_head(self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None) -> Response:
         """Send the client the head (the prefiller's first token) now, the decoder's continuation after.
 
         The client has seen bytes from here on: a decoder that fails before its first token is
         replaced within the stream (the continuation is a plain request any decoder can compute),
         and what cannot be served ends the stream with an in-band error.
         """
+        trace, done = exchange.trace, exchange.done
 
         async def events() -> AsyncGenerator[bytes, None]:
             stream: EventStream | None = None
@@ -615,15 +567,13 @@ class Gateway:
                 trace.mark_token_chunk(time.perf_counter())
                 yield call.head
                 try:
-                    stream = await self._continuation(
-                        request, plan, planner, prompt, call, request_id, trace, staged, done, strip_usage
-                    )
+                    stream = await self._continuation(exchange, plan, call, staged)
                 except RouterError as exc:
                     trace.fail("upstream_error", exc.message)
                     yield error_event(exc.message)
                     return
                 except Exception as exc:  # a bug, not the client: the stream still ends, in-band
-                    log.exception("request %s: the continuation after the first token failed", request_id)
+                    log.exception("request %s: the continuation after the first token failed", exchange.request_id)
                     trace.fail("error", f"internal error: {type(exc).__name__}: {exc}")
                     yield error_event("The router failed to continue this answer.")
                     return
@@ -642,26 +592,16 @@ class Gateway:
                 trace.fail("client_disconnect", "the client left before the decoder answered", status=499)
             done()
 
-        headers = {"X-Request-Id": request_id}
-        return HeadFirstStream(events(), release, media_type="text/event-stream", headers=headers)
+        return HeadFirstStream(events(), release, media_type="text/event-stream", headers=exchange.headers)
 
     async def _continuation(
-        self,
-        request: ClientRequest,
-        plan: Plan,
-        planner: Planner,
-        prompt: Prompt,
-        call: DecodeCall,
-        request_id: str,
-        trace: RequestTrace,
-        staged: StagedKV | None,
-        done: Completion,
-        strip_usage: bool,
+        self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None
     ) -> EventStream:
         """The decoder's stream after the head, primed; decoders failing before their first token are replaced."""
+        trace, done, request_id = exchange.trace, exchange.done, exchange.request_id
         if call.answered is not None:
             trace.decoder = None
-            return self._answered_stream(call, trace, staged, done, strip_usage)
+            return self._answered_stream(exchange, call, staged)
         tried: list[Endpoint] = []
         attempt = 0
         while True:
@@ -673,14 +613,14 @@ class Gateway:
                 upstream = await self._open(decoder, call, request_id, deadline)
                 if upstream.status_code != 200:
                     await self._refused_after_head(upstream, decoder)
-                stream = await self._primed_stream(upstream, decoder, trace, staged, call, deadline, done, strip_usage)
+                stream = await self._primed_stream(exchange, upstream, decoder, staged, call, deadline)
             except DecodeFailed as exc:
                 decoder.record_failure(exc.failure)
                 tried.append(decoder)
                 log.warning("request %s: decoder %s failed before answering: %s", request_id, decoder.url, exc)
                 if exc.kv_consumed:
                     done.kv_taken_by(decoder)
-                plan = replace(plan, decoder=await self._next_decoder(exc, plan, planner, prompt, tried, attempt))
+                plan = replace(plan, decoder=await self._next_decoder(exchange, exc, plan, tried, attempt))
                 if plan.decoder is not decoder:
                     done.release_kv()  # the continuation is computed whole elsewhere: nobody takes it here
                 attempt += 1
@@ -720,14 +660,12 @@ class Gateway:
 
     async def _whole_answer(
         self,
+        exchange: Exchange,
         upstream: httpx.Response,
         decoder: Endpoint,
-        trace: RequestTrace,
         staged: StagedKV | None,
         call: DecodeCall,
         deadline: float,
-        headers: dict[str, str],
-        done: Completion,
     ) -> Response:
         try:
             async with asyncio.timeout_at(deadline):
@@ -740,32 +678,25 @@ class Gateway:
             raise DecodeFailed(f"the answer broke off: {failure}", kv_consumed=True, failure=failure) from None
         finally:
             await close_quietly(upstream)
-        done.kv_taken_by(decoder)
+        exchange.done.kv_taken_by(decoder)
         # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
         failure = failed_before_output(content)
         if failure is not None:
             raise DecodeFailed(f"the decoder failed the request in-band: {failure}", kv_consumed=True, failure=failure)
         rewrite = None if call.answer is None else call.answer.body
-        content = relay_body(content, trace, prefiller_cached_tokens(staged), rewrite)
+        content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite)
         decoder.record_success()
-        done()
-        return Response(content, media_type="application/json", headers=headers)
+        exchange.done()
+        return Response(content, media_type="application/json", headers=exchange.headers)
 
-    async def _engine_refusal(
-        self,
-        upstream: httpx.Response,
-        decoder: Endpoint,
-        trace: RequestTrace,
-        headers: dict[str, str],
-        done: Completion,
-    ) -> Response:
+    async def _engine_refusal(self, exchange: Exchange, upstream: httpx.Response, decoder: Endpoint) -> Response:
         """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
         content = await read_refusal(upstream, decoder)
         status = upstream.status_code
-        trace.fail("engine_rejected", f"decoder answered {status}", status=status)
-        done()
+        exchange.trace.fail("engine_rejected", f"decoder answered {status}", status=status)
+        exchange.done()
         media_type = upstream.headers.get("content-type", "application/json")
-        return Response(content, status_code=status, media_type=media_type, headers=headers)
+        return Response(content, status_code=status, media_type=media_type, headers=exchange.headers)
 
 
 async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:
