@@ -172,6 +172,9 @@ class Observer:
             "prompt_tokens": trace.prompt_tokens,
             "uncached_tokens": trace.uncached_tokens,
             "threshold": trace.threshold,
+            # What a direct prefill would have stalled, and (adaptive) the prefill queue it weighed.
+            "decoder_streams": trace.decoder_streams,
+            "prefiller_queue_tokens": trace.prefiller_queue,
             "prefiller": trace.prefiller,
             "decoder": trace.decoder,
             "cached_tokens": trace.cached_tokens,

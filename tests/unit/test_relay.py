@@ -236,3 +236,17 @@ def test_a_decoder_that_recomputed_the_staged_prompt_is_an_ineffective_transfer(
     metrics = RouterMetrics()
     Observer(metrics).finish(trace(0, 300))
     assert metrics.registry.get_sample_value("dpd_router_kv_transfer_ineffective_total") == 1
+
+
+def test_the_request_log_line_carries_the_evidence_of_the_routing_decision(caplog: pytest.LogCaptureFixture) -> None:
+    trace = RequestTrace(request_id="r", kind="chat", stream=True, path="disaggregated", reason="adaptive_interference")
+    trace.prompt_tokens, trace.uncached_tokens, trace.decoder_streams, trace.prefiller_queue = 900, 900, 12.0, 3000.0
+    with caplog.at_level("INFO", logger="dpd_router.request"):
+        Observer(RouterMetrics()).finish(trace)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("Conditional routing")]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert (fields["reason"], fields["decoder_streams"], fields["prefiller_queue_tokens"]) == (
+        "adaptive_interference",
+        12.0,
+        3000.0,
+    )
