@@ -16,9 +16,13 @@ measures, each against the work it measures:
 - direct_prefill: a direct request's decode call until its first token, per decoder, only when
   the decoder had nothing else running or waiting (otherwise that time includes other prompts'
   prefills and decode steps, and would not be this prompt's prefill time);
-- prefill_hop: a prefill call's whole time, per prefiller, against the prompt tokens queued on
-  that prefiller when the call was planned *plus* its own: a call waits for the queue ahead of
-  it, so the slope is the prefiller's time per token and the queue is costed at that rate;
+- prefill_hop: a prefill call's whole time, per prefiller, against its own prompt tokens, from
+  calls planned while the prefiller had nothing else from this router: that is its service time,
+  and a queue ahead of a new call is costed at the same time per token. A call planned behind a
+  queue also measures the queue's remaining work, which the router cannot tell (the call in
+  service is partly done), so counting the queue whole makes the prefiller look faster per token
+  than it is (58-72 us learned against the simulator's 83); a line fitted to every call, against
+  the queue plus its own tokens, serves until IDLE_HOPS_TO_TRUST calls found the prefiller idle;
 - handoff: a disaggregated request's decode call until its first token (the KV transfer);
 - direct_wait: how much longer than direct_prefill the decoder's recent direct requests took to
   their first token, at whatever load (the wait behind other prefills and decode steps), a
@@ -49,6 +53,8 @@ _T = TypeVar("_T")
 
 # Endpoints whose fits are kept (a pool larger than this forgets the least recently used).
 MAX_TRACKED_ENDPOINTS = 1024
+# Prefill calls that must have found their prefiller idle before its line is learned from those alone.
+IDLE_HOPS_TO_TRUST = 4
 # A direct request teaches the decoder's prefill speed only if at most this many streams ran or waited
 # on the decoder when it was planned: with any, its first token also waits for their prefills and
 # decode steps, which is queueing, not this prompt's prefill.
@@ -115,6 +121,47 @@ class LinearCost:
 
     def predict(self, tokens: float) -> float:
         return self.overhead + self.per_token * tokens
+
+
+class HopCost:
+    """A prefiller's line: from the calls that found it idle once IDLE_HOPS_TO_TRUST did (their time
+    is its service time), until then from every call against the queue ahead of it plus its own
+    tokens. The idle line starts from what the other had learned, not from the prior."""
+
+    def __init__(self, prior: LinearCost) -> None:
+        self.any_call = prior
+        self.idle: LinearCost | None = None
+
+    def observe(self, queued_tokens: float, tokens: float, seconds: float) -> None:
+        self.any_call.observe(max(queued_tokens, 0.0) + tokens, seconds)
+        if queued_tokens <= 0:
+            if self.idle is None:
+                self.idle = LinearCost(self.any_call.overhead, self.any_call.per_token, clock=self.any_call.clock)
+            self.idle.observe(tokens, seconds)
+
+    @property
+    def line(self) -> LinearCost:
+        idle = self.idle
+        return idle if idle is not None and idle.observations >= IDLE_HOPS_TO_TRUST else self.any_call
+
+    @property
+    def overhead(self) -> float:
+        return self.line.overhead
+
+    @property
+    def per_token(self) -> float:
+        return self.line.per_token
+
+    @property
+    def observations(self) -> int:
+        return self.any_call.observations
+
+    @property
+    def idle_observations(self) -> int:
+        return 0 if self.idle is None else self.idle.observations
+
+    def predict(self, tokens: float) -> float:
+        return self.line.predict(tokens)
 
 
 @dataclass
@@ -192,19 +239,19 @@ class AdaptiveModel:
         self._rng = rng or random.Random(0x5EED).random
         self._direct: OrderedDict[str, LinearCost] = OrderedDict()
         self._wait: OrderedDict[str, DecayedMean] = OrderedDict()
-        self._hop: OrderedDict[str, LinearCost] = OrderedDict()
+        self._hop: OrderedDict[str, HopCost] = OrderedDict()
         self.handoff = self._prior_handoff()
 
     # -- priors -------------------------------------------------------------------------------
     def _prior_direct(self) -> LinearCost:
         return LinearCost(self.policy.prior_overhead, self.policy.prior_prefill_per_token)
 
-    def _prior_hop(self) -> LinearCost:
+    def _prior_hop(self) -> HopCost:
         # Prefillers as fast per token as decoders, plus a fixed cost of routing_threshold tokens' worth:
         # then, with one running stream, the decision flips exactly at routing_threshold, and with n
         # streams at about routing_threshold / n; an idle decoder keeps everything.
         per_token = self.policy.prior_prefill_per_token
-        return LinearCost(self.policy.prior_overhead + self.routing_threshold * per_token, per_token)
+        return HopCost(LinearCost(self.policy.prior_overhead + self.routing_threshold * per_token, per_token))
 
     def _prior_handoff(self) -> LinearCost:
         return LinearCost(self.policy.prior_overhead, 0.0)
@@ -225,7 +272,7 @@ class AdaptiveModel:
     def direct_wait(self, decoder: str) -> DecayedMean:
         return self._fit(self._wait, decoder, DecayedMean)
 
-    def hop_cost(self, prefiller: str) -> LinearCost:
+    def hop_cost(self, prefiller: str) -> HopCost:
         return self._fit(self._hop, prefiller, self._prior_hop)
 
     def reprior(self, routing_threshold: int) -> None:
@@ -238,8 +285,8 @@ class AdaptiveModel:
         self.direct_cost(decoder).observe(uncached_tokens, seconds)
 
     def learn_prefill(self, prefiller: str, uncached_tokens: int, seconds: float, queued_tokens: float = 0.0) -> None:
-        """A prefill hop's whole call time, against the tokens queued ahead of it plus its own."""
-        self.hop_cost(prefiller).observe(max(queued_tokens, 0.0) + uncached_tokens, seconds)
+        """A prefill hop's whole call time, with the prompt tokens queued ahead of it when it was planned."""
+        self.hop_cost(prefiller).observe(queued_tokens, uncached_tokens, seconds)
 
     def learn_handoff(self, tokens: int, seconds: float) -> None:
         """A disaggregated request's decode call: from its start to the first token (KV transfer)."""
@@ -341,7 +388,7 @@ class AdaptiveModel:
     def cost_rows(self) -> list[tuple[str, str, str, float]]:
         """(model, endpoint, term, value) for every learned cost, for metrics."""
         rows: list[tuple[str, str, str, float]] = []
-        tables: list[tuple[str, dict[str, LinearCost] | dict[str, DecayedMean]]] = [
+        tables: list[tuple[str, dict[str, LinearCost] | dict[str, HopCost] | dict[str, DecayedMean]]] = [
             ("handoff", {"": self.handoff}),
             ("direct_prefill", self._direct),
             ("direct_wait", self._wait),
@@ -361,7 +408,7 @@ class AdaptiveModel:
         }
 
 
-def _coefficients(fit: LinearCost | DecayedMean) -> dict[str, float]:
+def _coefficients(fit: LinearCost | HopCost | DecayedMean) -> dict[str, float]:
     if isinstance(fit, DecayedMean):
         return {"overhead_seconds": fit.mean, "seconds_per_token": 0.0, "observations": float(fit.observations)}
     return {

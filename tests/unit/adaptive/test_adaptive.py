@@ -148,26 +148,53 @@ def trace(**fields: object) -> RequestTrace:
     return t
 
 
-def test_the_prefill_hop_is_learned_against_the_queue_ahead_of_it_plus_its_own_tokens() -> None:
+def hop_trace(tokens: int, queued: float, seconds: float) -> RequestTrace:
+    return trace(
+        path="disaggregated", prefiller="p", decoder="d", uncached_tokens=tokens, prefiller_queue=queued,
+        prefill_seconds=seconds, first_token=0.02,
+    )  # fmt: skip
+
+
+def test_the_prefill_hop_is_learned_from_calls_that_found_the_prefiller_idle() -> None:
     m = model()
     rng = random.Random(3)
     per_token = 1 / 12000  # the prefiller's real speed; the prior says 1/10000
     for _ in range(400):
         tokens, queued = rng.randint(200, 16000), rng.choice([0, 0, 5000, 20_000, 60_000])
-        m.learn_from(
-            trace(
-                path="disaggregated", prefiller="p", decoder="d", uncached_tokens=tokens, prefiller_queue=queued,
-                prefill_seconds=0.004 + per_token * (queued + tokens), first_token=0.02,
-            )
-        )  # fmt: skip
+        # Behind a queue, the call in service has done part of its work already (the router cannot see how much).
+        done = rng.uniform(0, min(queued, 8192))
+        m.learn_from(hop_trace(tokens, queued, 0.004 + per_token * (queued - done + tokens)))
     hop = m.hop_cost("p")
-    # Calls that waited behind a queue do not make the prefiller look slower per token...
+    # Calls that waited behind a queue make the prefiller look neither slower nor faster per token...
     assert hop.per_token == pytest.approx(per_token, rel=0.05)
     assert hop.overhead == pytest.approx(0.004, abs=0.01)
     # ...and a queue is costed at that speed: 24k tokens ahead add 2 s to the hop.
     idle = m.estimate("d", "p", 1000, running_streams=4, prefiller_queue=0)
     queued = m.estimate("d", "p", 1000, running_streams=4, prefiller_queue=24_000)
     assert queued.hop - idle.hop == pytest.approx(2.0, rel=0.05)
+
+
+def test_calls_behind_a_queue_teach_the_hop_until_enough_calls_found_the_prefiller_idle() -> None:
+    m = model()  # its prior: 0.41 s (4096 tokens' worth) + 100 us per token
+    per_token = 1 / 12000
+    for tokens in range(1000, 9000, 500):  # a prefiller never idle: the queued calls still fade the prior
+        m.learn_from(hop_trace(tokens, 20_000, per_token * (20_000 + tokens)))
+    hop = m.hop_cost("p")
+    assert hop.observations == 16 and hop.idle_observations == 0
+    assert hop.predict(25_000) == pytest.approx(per_token * 25_000, rel=0.1)
+    # Calls that found it idle take over once there are enough of them; their line starts from the
+    # one learned so far, not from the prior.
+    slower = 1 / 8000
+    for tokens in (1000, 3000):
+        m.learn_from(hop_trace(tokens, 0, slower * tokens))
+    assert hop.predict(25_000) == pytest.approx(per_token * 25_000, rel=0.1)
+    for tokens in range(500, 8000, 500):
+        m.learn_from(hop_trace(tokens, 0, slower * tokens))
+    assert hop.idle_observations == 17
+    assert hop.per_token == pytest.approx(slower, rel=0.1)
+    # A queued call no longer moves the line.
+    m.learn_from(hop_trace(4000, 50_000, 30.0))
+    assert hop.per_token == pytest.approx(slower, rel=0.1)
 
 
 def test_a_hop_that_was_retried_or_planned_without_a_queue_teaches_nothing() -> None:
