@@ -31,15 +31,23 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     adaptive = next(run for run in results["change"] if run["mode"] == "adaptive")
     assert adaptive["threshold_samples"], "the adaptive router's effective threshold was never scraped"
     assert {v["static"] for v in results["change_verdicts"]} == statics
+    # The other workloads (the smoke run's one): swept, then adaptive from the bad start, with a verdict.
+    (workload,) = results["workloads"]
+    assert [run["threshold"] for run in workload["sweep"]] == [256, 4096]
+    assert workload["best"]["threshold"] in (256, 4096)
+    assert [run["threshold"] for run in workload["converge"]] == [256]
+    assert all(run["summary"]["all"]["errors"] == 0 for run in workload["sweep"] + workload["converge"])
+    assert "reached" in workload["converge"][0]["verdict"]
+    assert "## D. The other workloads" in (tmp_path / "results.md").read_text()
     if HAVE_MATPLOTLIB:
         assert results["plots"]
         for name in results["plots"]:
             assert (tmp_path / name).stat().st_size > 1000
 
     # Skipped parts are kept from the earlier run in the same directory, with where they came from.
-    kept = run_scenario("adaptive", tmp_path, "--skip", "sweep", "converge", "change", timeout=300)
-    for part in ("sweep", "converge", "change"):
+    kept = run_scenario("adaptive", tmp_path, "--skip", "sweep", "converge", "change", "workloads", timeout=300)
+    for part in ("sweep", "converge", "change", "workloads"):
         assert kept[part] == results[part]
-    assert set(kept["carried"]) == {"sweep", "converge", "change"}
+    assert set(kept["carried"]) == {"sweep", "converge", "change", "workloads"}
     assert kept["carried"]["sweep"]["env"] == results["env"]
     assert "Kept from an earlier run" in (tmp_path / "results.md").read_text()
