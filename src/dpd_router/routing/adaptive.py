@@ -54,7 +54,7 @@ _T = TypeVar("_T")
 # Endpoints whose fits are kept (a pool larger than this forgets the least recently used).
 MAX_TRACKED_ENDPOINTS = 1024
 # Prefill calls that must have found their prefiller idle before its line is learned from those alone.
-IDLE_HOPS_TO_TRUST = 4
+IDLE_HOPS_TO_TRUST = 8
 # A direct request teaches the decoder's prefill speed only if at most this many streams ran or waited
 # on the decoder when it was planned: with any, its first token also waits for their prefills and
 # decode steps, which is queueing, not this prompt's prefill.
@@ -126,7 +126,10 @@ class LinearCost:
 class HopCost:
     """A prefiller's line: from the calls that found it idle once IDLE_HOPS_TO_TRUST did (their time
     is its service time), until then from every call against the queue ahead of it plus its own
-    tokens. The idle line starts from what the other had learned, not from the prior."""
+    tokens. The idle line starts from what the other had learned, as a prior halving with each idle
+    call: at the first idle call that line may still be mostly the threshold's prior (a router
+    started at 32768 believes in a 3.3 s hop), which a slowly fading prior would keep alive across
+    the few idle calls of a busy prefiller."""
 
     def __init__(self, prior: LinearCost) -> None:
         self.any_call = prior
@@ -136,7 +139,8 @@ class HopCost:
         self.any_call.observe(max(queued_tokens, 0.0) + tokens, seconds)
         if queued_tokens <= 0:
             if self.idle is None:
-                self.idle = LinearCost(self.any_call.overhead, self.any_call.per_token, clock=self.any_call.clock)
+                line = self.any_call
+                self.idle = LinearCost(line.overhead, line.per_token, prior_half_life=1.0, clock=line.clock)
             self.idle.observe(tokens, seconds)
 
     @property

@@ -308,3 +308,20 @@ def test_two_routers_started_from_opposite_thresholds_learn_the_same_decision() 
         assert high.effective_threshold("d", "p", load, 0) == pytest.approx(
             low.effective_threshold("d", "p", load, 0), rel=0.1
         )
+
+
+def test_a_router_started_at_a_huge_threshold_learns_the_hop_from_a_prefiller_seldom_idle() -> None:
+    m = AdaptiveModel(AdaptivePolicy(explore_share=0.0), routing_threshold=32768)  # prior: a 3.3 s hop
+    rng = random.Random(5)
+    per_token = 1 / 12000
+    for i in range(40):
+        tokens = rng.randint(4096, 16384)
+        if i % 5 == 4:  # one call in five finds the prefiller idle
+            m.learn_from(hop_trace(tokens, 0, 0.01 + per_token * tokens))
+        else:
+            queued = rng.randint(5000, 60_000)
+            m.learn_from(hop_trace(tokens, queued, 0.01 + per_token * (queued - rng.uniform(0, 8192) + tokens)))
+    hop = m.hop_cost("p")
+    assert hop.idle_observations == 8
+    assert hop.overhead < 0.1
+    assert hop.per_token == pytest.approx(per_token, rel=0.1)
