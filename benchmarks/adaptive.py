@@ -1074,14 +1074,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["sweep"] = sweep
             best, within = pick_best(sweep, args.ttft_budget)
             results["best"] = {"threshold": best["threshold"], "within_budget": within, "config": best}
+        carry(results, args)
+        if best is None and results.get("best"):
+            best = results["best"]["config"]  # a carried sweep's
         if "converge" not in args.skip:
             conv = [aggregate(runs[("adaptive", t)]) for t in args.bad_starts]
             for config in conv:
                 config["verdict"] = verdict(config, best, args.ttft_budget)
             results["converge"] = conv
-        carry(results, args)
-        if best is None and results.get("best"):
-            best = results["best"]
         if "change" not in args.skip:
             base = best["threshold"] if best is not None else args.thresholds[0]
             variants: list[tuple[str, int, float | None]] = [("static", base, None)]
@@ -1114,6 +1114,9 @@ def render(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if results.get("change"):
         results["change_verdicts"] = change_verdicts(results["change"], args.ttft_budget)
+    if results.get("best"):
+        for config in results.get("converge") or []:
+            config["verdict"] = verdict(config, results["best"]["config"], args.ttft_budget)
     results["plots"] = plot(results, args)
     report.write_json(args.out / "results.json", results)
     print(write(results, args))

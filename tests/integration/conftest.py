@@ -57,6 +57,28 @@ def openai_client(base_url: str, **kwargs: Any) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, **kwargs)
 
 
+def chat_body(content: str, *, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
+    """A one-message chat completion request for the simulated model."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+def cluster_settings(cluster: SimCluster, tokenizer_dir: Path, *, threshold: int, **extra: Any) -> dict[str, Any]:
+    """Router settings in front of a simulated cluster: its engines, the local tokenizer, a static threshold."""
+    return {
+        "prefill_urls": cluster.prefill_urls,
+        "decode_urls": cluster.decode_urls,
+        "tokenizer": str(tokenizer_dir),
+        "routing_threshold": threshold,
+        "threshold_mode": "static",
+        **extra,
+    }
+
+
 async def engine_stats(url: str) -> dict[str, Any]:
     async with httpx.AsyncClient() as client:
         response = await client.get(f"{url}/sim/stats")

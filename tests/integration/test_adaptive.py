@@ -10,20 +10,11 @@ import httpx
 
 from dpd_router.api.auth import hash_key
 from dpd_router.sim.cluster import SimCluster
-from tests.integration.conftest import MODEL, metric, running_router, settled
+from tests.integration.conftest import MODEL, chat_body, metric, running_router, settled
 
 MEDIUM = "Each quarter the regional teams reported their numbers in the same format. " * 40
 OTHER = "A river runs through the valley past the old mill and the village school every spring. " * 40
 BUSY_DECODE = ["--decode-step-base", "0.01"]
-
-
-def chat(content: str, *, max_tokens: int = 4, stream: bool = True) -> dict[str, object]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
 
 
 async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenizer_dir: Path) -> None:
@@ -45,11 +36,13 @@ async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenize
         decoder = {"decoder": cluster.decode_urls[0]}
         idle = await metric(base_url, "dpd_router_adaptive_threshold_tokens", decoder)
         assert math.isinf(idle), "an idle decoder keeps every prompt"
-        quiet = await client.post("/v1/chat/completions", json=chat(MEDIUM))
+        quiet = await client.post("/v1/chat/completions", json=chat_body(MEDIUM, stream=True))
         assert quiet.status_code == 200
 
         async def long_stream(i: int) -> None:
-            async with client.stream("POST", "/v1/chat/completions", json=chat(f"{i} hello", max_tokens=300)) as r:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=chat_body(f"{i} hello", max_tokens=300, stream=True)
+            ) as r:
                 await r.aread()
 
         background = [asyncio.create_task(long_stream(i)) for i in range(24)]
@@ -57,7 +50,7 @@ async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenize
             while (busy := await metric(base_url, "dpd_router_adaptive_threshold_tokens", decoder)) > 400:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         assert busy < 400
-        loaded = await client.post("/v1/chat/completions", json=chat(OTHER))
+        loaded = await client.post("/v1/chat/completions", json=chat_body(OTHER, stream=True))
         assert loaded.status_code == 200
         routing = (await client.get("/admin/routing", headers={"Authorization": "Bearer ops"})).json()
         assert routing["threshold_mode"] == "adaptive"

@@ -8,7 +8,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.sim.cluster import SimCluster
-from tests.integration.conftest import MODEL, metric, requests_seen, running_router
+from tests.integration.conftest import MODEL, chat_body, metric, requests_seen, running_router
 from tests.unit.discovery.kube_api import FakeKubernetes
 
 THRESHOLD = 64
@@ -60,19 +59,10 @@ def port(url: str) -> int:
     return port
 
 
-def body(content: str, *, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
-
-
 async def served_by(client: httpx.AsyncClient, cluster: SimCluster, content: str) -> list[str]:
     """Send one request; the engines that saw it, prefillers first."""
     request_id = f"disc-{uuid.uuid4().hex[:8]}"
-    answer = await client.post("/v1/chat/completions", json=body(content), headers={"X-Request-Id": request_id})
+    answer = await client.post("/v1/chat/completions", json=chat_body(content), headers={"X-Request-Id": request_id})
     assert answer.status_code == 200, answer.text
     return [url for url in [*cluster.prefill_urls, *cluster.decode_urls] if await requests_seen(url, request_id)]
 
@@ -144,7 +134,7 @@ async def test_a_decoder_deleted_mid_stream_finishes_the_stream_then_leaves(
     async with (
         discovered_router(kube, tokenizer_dir, tmp_path) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
-        client.stream("POST", "/v1/chat/completions", json=body(LONG, max_tokens=200, stream=True)) as stream,
+        client.stream("POST", "/v1/chat/completions", json=chat_body(LONG, max_tokens=200, stream=True)) as stream,
     ):
         assert stream.status_code == 200
         lines = stream.aiter_lines()

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.api.auth import hash_key
 from dpd_router.sim.cluster import SimCluster
-from tests.integration.conftest import MODEL, metric, running_router, settled
+from tests.integration.conftest import MODEL, chat_body, cluster_settings, metric, running_router, settled
 
 THRESHOLD = 64
 LONG = "Every region reported steady growth while costs stayed flat across the whole year. " * 10
@@ -24,24 +24,13 @@ ADMIN = {"Authorization": "Bearer ops-secret"}
 
 
 def chat(content: str, *, stream: bool = False, max_tokens: int = 6) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return chat_body(content, stream=stream, max_tokens=max_tokens)
 
 
 def settings_for(cluster: SimCluster, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "prefill_urls": cluster.prefill_urls,
-        "decode_urls": cluster.decode_urls,
-        "tokenizer": str(tokenizer_dir),
-        "routing_threshold": THRESHOLD,
-        "threshold_mode": "static",
-        "admin_key_hashes": [hash_key("ops-secret")],
-        **extra,
-    }
+    return cluster_settings(
+        cluster, tokenizer_dir, threshold=THRESHOLD, admin_key_hashes=[hash_key("ops-secret")], **extra
+    )
 
 
 async def scrape(base_url: str) -> dict[str, list[Any]]:

@@ -15,32 +15,20 @@ import pytest
 from dpd_router.api.auth import hash_key
 from dpd_router.app import build_client
 from dpd_router.sim.cluster import SimCluster
-from tests.integration.conftest import MODEL, engine_stats, metric, requests_seen, running_router
+from tests.integration.conftest import (
+    MODEL,
+    chat_body,
+    cluster_settings,
+    engine_stats,
+    metric,
+    requests_seen,
+    running_router,
+)
 
 THRESHOLD = 64
 LONG = "Every region reported steady growth while costs stayed flat across the whole year. " * 10
 SHORT = "Hi there."
 SLOW_DECODE = ["--decode-step-base", "0.01"]
-
-
-def body(content: str, *, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
-
-
-def router_settings(cluster: SimCluster, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "prefill_urls": cluster.prefill_urls,
-        "decode_urls": cluster.decode_urls,
-        "tokenizer": str(tokenizer_dir),
-        "routing_threshold": THRESHOLD,
-        "threshold_mode": "static",
-        **extra,
-    }
 
 
 async def wait_until(check: Any, *, within: float = 10.0) -> None:
@@ -57,13 +45,15 @@ def sse_events(raw: bytes) -> list[bytes]:
 async def test_killing_a_prefiller_mid_run_loses_no_request(tokenizer_dir: Path) -> None:
     async with (
         SimCluster(prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir, prefill_strategy="roundrobin")) as base_url,
+        running_router(
+            **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_strategy="roundrobin")
+        ) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
 
         async def one(i: int) -> httpx.Response:
             await asyncio.sleep(0.02 * i)
-            return await client.post("/v1/chat/completions", json=body(f"{i} {LONG if i % 2 else SHORT}"))
+            return await client.post("/v1/chat/completions", json=chat_body(f"{i} {LONG if i % 2 else SHORT}"))
 
         requests = [asyncio.create_task(one(i)) for i in range(40)]
         await asyncio.sleep(0.2)
@@ -77,7 +67,7 @@ async def test_killing_a_prefiller_mid_run_loses_no_request(tokenizer_dir: Path)
 async def test_killing_a_decoder_ends_its_streams_in_band_and_new_requests_use_the_other(tokenizer_dir: Path) -> None:
     async with (
         SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=SLOW_DECODE) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
         received: list[bytes] = [b""] * 4
@@ -85,7 +75,7 @@ async def test_killing_a_decoder_ends_its_streams_in_band_and_new_requests_use_t
 
         async def stream(i: int) -> None:
             async with client.stream(
-                "POST", "/v1/chat/completions", json=body(f"{i} {SHORT}", max_tokens=400, stream=True)
+                "POST", "/v1/chat/completions", json=chat_body(f"{i} {SHORT}", max_tokens=400, stream=True)
             ) as response:
                 async for chunk in response.aiter_bytes():
                     received[i] += chunk
@@ -105,18 +95,20 @@ async def test_killing_a_decoder_ends_its_streams_in_band_and_new_requests_use_t
         assert all(end[1] == b"data: [DONE]" for end in endings), "every stream ends with [DONE], none hangs"
 
         for i in range(6):
-            answer = await client.post("/v1/chat/completions", json=body(f"after {i}"))
+            answer = await client.post("/v1/chat/completions", json=chat_body(f"after {i}"))
             assert answer.status_code == 200
 
 
 async def test_a_hanging_prefiller_times_out_and_the_decoder_serves(tokenizer_dir: Path) -> None:
     async with (
         SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir, prefill_timeout=0.5)) as base_url,
+        running_router(
+            **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_timeout=0.5)
+        ) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
         await client.post(f"{cluster.prefill_urls[0]}/sim/fault", json={"mode": "hang"})
-        answer = await client.post("/v1/chat/completions", json=body(LONG))
+        answer = await client.post("/v1/chat/completions", json=chat_body(LONG))
         assert answer.status_code == 200
         assert await metric(base_url, "dpd_router_prefill_fallbacks_total", {"reason": "timeout"}) == 1
         assert (await engine_stats(cluster.decode_urls[0]))["local_prefills"] == 1
@@ -125,11 +117,13 @@ async def test_a_hanging_prefiller_times_out_and_the_decoder_serves(tokenizer_di
 async def test_prefill_failure_policy_fail_answers_503(tokenizer_dir: Path) -> None:
     async with (
         SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir, prefill_failure_policy="fail")) as base_url,
+        running_router(
+            **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_failure_policy="fail")
+        ) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
         await client.post(f"{cluster.prefill_urls[0]}/sim/fault", json={"mode": "error_500"})
-        answer = await client.post("/v1/chat/completions", json=body(LONG))
+        answer = await client.post("/v1/chat/completions", json=chat_body(LONG))
         assert answer.status_code == 503
         assert answer.json()["error"]["type"] == "ServiceUnavailableError"
         assert answer.headers["retry-after"]
@@ -139,7 +133,7 @@ async def test_prefill_failure_policy_fail_answers_503(tokenizer_dir: Path) -> N
 async def test_a_kv_load_failure_on_the_decoder_is_retried_with_fresh_kv(tokenizer_dir: Path) -> None:
     async with (
         SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
         for stream in (True, False):
@@ -147,7 +141,7 @@ async def test_a_kv_load_failure_on_the_decoder_is_retried_with_fresh_kv(tokeniz
             await client.post(f"{cluster.decode_urls[0]}/sim/fault", json={"mode": "reject_kv", "count": 1})
             answer = await client.post(
                 "/v1/chat/completions",
-                json=body(LONG, stream=stream),
+                json=chat_body(LONG, stream=stream),
                 headers={"X-Request-Id": request_id},
             )
             assert answer.status_code == 200
@@ -188,12 +182,14 @@ async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
 
         monkeypatch.setattr("dpd_router.app.build_client", flaky_client)
         async with (
-            running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+            running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
             httpx.AsyncClient(base_url=base_url, timeout=30) as client,
         ):
             request_id = f"refused-{uuid.uuid4().hex[:8]}"
             prompt = LONG if path == "disaggregated" else SHORT
-            answer = await client.post("/v1/chat/completions", json=body(prompt), headers={"X-Request-Id": request_id})
+            answer = await client.post(
+                "/v1/chat/completions", json=chat_body(prompt), headers={"X-Request-Id": request_id}
+            )
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["message"]["content"]
             assert len(await requests_seen(decoder, request_id)) == 1, "only the resent call reached it"
@@ -207,7 +203,9 @@ async def test_decoders_failing_only_their_probes_still_serve_until_their_calls_
     """No decoder passes /health, but one still answers: serve there (counted), not 503 for everyone."""
     async with (
         SimCluster(prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir, health_unhealthy_threshold=1)) as base_url,
+        running_router(
+            **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, health_unhealthy_threshold=1)
+        ) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
         busy, dead = cluster.decode_urls
@@ -219,7 +217,7 @@ async def test_decoders_failing_only_their_probes_still_serve_until_their_calls_
             return ready.status_code == 503
 
         await wait_until(both_unhealthy)
-        answers = [await client.post("/v1/chat/completions", json=body(f"{i} {SHORT}")) for i in range(8)]
+        answers = [await client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}")) for i in range(8)]
         # A call the dead one fails is retried on the other; after a few, its breaker keeps it out.
         assert [answer.status_code for answer in answers] == [200] * 8
         assert (await engine_stats(busy))["requests_total"] == 8
@@ -231,7 +229,7 @@ async def test_decoders_failing_only_their_probes_still_serve_until_their_calls_
 
 async def _all_refused(client: httpx.AsyncClient) -> bool:
     """Once both decoders fail their calls too, their breakers open and the router answers 503 at once."""
-    answer = await client.post("/v1/chat/completions", json=body(SHORT))
+    answer = await client.post("/v1/chat/completions", json=chat_body(SHORT))
     return answer.status_code == 503 and answer.json()["error"]["type"] == "ServiceUnavailableError"
 
 
@@ -239,13 +237,13 @@ async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(token
     slow = ["--decode-step-base", "0.02", "--prefill-per-token", "0.01"]
     async with (
         SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow) as cluster,
-        running_router(**router_settings(cluster, tokenizer_dir)) as base_url,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
     ):
         prefiller, decoder = cluster.prefill_urls[0], cluster.decode_urls[0]
 
         # 1. Gone during the prefill hop (it takes about 2 s here).
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-            request = asyncio.create_task(client.post("/v1/chat/completions", json=body(LONG, stream=True)))
+            request = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(LONG, stream=True)))
             await wait_until(lambda: _running(prefiller))
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -254,7 +252,9 @@ async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(token
         # 2. Gone in the middle of the decoder's stream.
         async with (
             httpx.AsyncClient(base_url=base_url, timeout=30) as client,
-            client.stream("POST", "/v1/chat/completions", json=body(SHORT, max_tokens=1000, stream=True)) as response,
+            client.stream(
+                "POST", "/v1/chat/completions", json=chat_body(SHORT, max_tokens=1000, stream=True)
+            ) as response,
         ):
             async for _ in response.aiter_bytes():
                 break
@@ -280,19 +280,19 @@ async def _running(url: str) -> bool:
 
 
 async def test_admission_refuses_beyond_capacity_with_retry_after(cluster: SimCluster, tokenizer_dir: Path) -> None:
-    settings = router_settings(cluster, tokenizer_dir, max_in_flight=1, max_queued=0)
+    settings = cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, max_in_flight=1, max_queued=0)
     async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         async with client.stream(
-            "POST", "/v1/chat/completions", json=body(SHORT, max_tokens=300, stream=True)
+            "POST", "/v1/chat/completions", json=chat_body(SHORT, max_tokens=300, stream=True)
         ) as first:
             async for _ in first.aiter_bytes():
                 break
-            refused = await client.post("/v1/chat/completions", json=body(SHORT))
+            refused = await client.post("/v1/chat/completions", json=chat_body(SHORT))
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "ServiceUnavailableError"
         assert await metric(base_url, "dpd_router_admission_rejected_total", {"reason": "queue_full"}) == 1
-        later = await client.post("/v1/chat/completions", json=body(SHORT))
+        later = await client.post("/v1/chat/completions", json=chat_body(SHORT))
         assert later.status_code == 200, "the slot is free again once the stream ended"
 
 
@@ -315,8 +315,10 @@ async def test_api_keys_and_tenant_isolation(cluster: SimCluster, tokenizer_dir:
         "routing_threshold": THRESHOLD,
     }
     async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-        assert (await client.post("/v1/chat/completions", json=body(SHORT))).status_code == 401
-        wrong = await client.post("/v1/chat/completions", json=body(SHORT), headers={"Authorization": "Bearer nope"})
+        assert (await client.post("/v1/chat/completions", json=chat_body(SHORT))).status_code == 401
+        wrong = await client.post(
+            "/v1/chat/completions", json=chat_body(SHORT), headers={"Authorization": "Bearer nope"}
+        )
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
         assert (await client.get("/v1/models")).status_code == 401
 
@@ -326,7 +328,7 @@ async def test_api_keys_and_tenant_isolation(cluster: SimCluster, tokenizer_dir:
                 request_id = f"{key}-{uuid.uuid4().hex[:8]}"
                 answer = await client.post(
                     "/v1/chat/completions",
-                    json=body(content),
+                    json=chat_body(content),
                     headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id},
                 )
                 assert answer.status_code == 200
@@ -337,15 +339,15 @@ async def test_api_keys_and_tenant_isolation(cluster: SimCluster, tokenizer_dir:
         assert seen["public-key"] == {shared_p, shared_d}
 
         tiny = {"Authorization": "Bearer tiny-key"}
-        assert (await client.post("/v1/chat/completions", json=body(SHORT), headers=tiny)).status_code == 200
-        limited = await client.post("/v1/chat/completions", json=body(SHORT), headers=tiny)
+        assert (await client.post("/v1/chat/completions", json=chat_body(SHORT), headers=tiny)).status_code == 200
+        limited = await client.post("/v1/chat/completions", json=chat_body(SHORT), headers=tiny)
         assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
 
 
 async def test_oversized_bodies_and_prompts_are_refused_before_any_engine(
     cluster: SimCluster, tokenizer_dir: Path
 ) -> None:
-    settings = router_settings(cluster, tokenizer_dir, max_body_bytes=256 * 1024)
+    settings = cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, max_body_bytes=256 * 1024)
     async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         before = [(await engine_stats(url))["requests_total"] for url in cluster.decode_urls + cluster.prefill_urls]
         too_big = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 300_000})
@@ -361,14 +363,16 @@ async def test_a_thousand_concurrent_streams_complete_without_errors(cluster: Si
     async with (
         # A burst of 1000 new connections to two engine processes on a small, busy machine can take
         # seconds to be accepted: this test is about the router, not about connect latency.
-        running_router(**router_settings(cluster, tokenizer_dir, log_level="warning", connect_timeout=60)) as base_url,
+        running_router(
+            **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, log_level="warning", connect_timeout=60)
+        ) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=None)) as client,
     ):
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
         async def stream(i: int) -> tuple[int, bytes]:
             content = f"{i} {LONG}" if i % 4 == 0 else f"{i} {SHORT}"
-            async with client.stream("POST", "/v1/chat/completions", json=body(content, stream=True)) as response:
+            async with client.stream("POST", "/v1/chat/completions", json=chat_body(content, stream=True)) as response:
                 return response.status_code, await response.aread()
 
         results = await asyncio.gather(*(stream(i) for i in range(1000)))
@@ -436,5 +440,5 @@ async def test_malformed_requests_never_get_a_500(router_for_fuzz: str) -> None:
 
 @pytest.fixture
 async def router_for_fuzz(cluster: SimCluster, tokenizer_dir: Path):
-    async with running_router(**router_settings(cluster, tokenizer_dir)) as base_url:
+    async with running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url:
         yield base_url
