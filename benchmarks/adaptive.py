@@ -25,7 +25,7 @@ inter-token gap of the measured short requests. Tables give the median over repe
 One router process per run on the same simulated engines (1 prefill + 1 decode, `--timing
 realistic`).
 
-    python -m benchmarks.adaptive          # about 40 minutes here (5 repeats; --repeats 3: about 21)
+    python -m benchmarks.adaptive --repeats 3   # about 75 minutes here (the default 5 repeats: about 2 hours)
 """
 
 from __future__ import annotations
