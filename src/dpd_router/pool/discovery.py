@@ -15,7 +15,6 @@ pods are gone or unready: no new calls, and out of the pool once the last open c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import re
@@ -30,6 +29,7 @@ from dpd_router.config import Settings, SettingsError
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
+from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.discovery")
 
@@ -431,11 +431,7 @@ class Discovery:
 
     async def close(self) -> None:
         tasks = [*self._tasks, *self._retiring.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         self._tasks, self._retiring = [], {}
         if self._client is not None:
             await self._client.close()

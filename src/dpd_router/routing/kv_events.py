@@ -21,7 +21,6 @@ block size, LoRA blocks and blocks whose parent the index never saw are skipped 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -40,6 +39,7 @@ from dpd_router.pool.pool import Pool
 from dpd_router.routing.blocks import ROOT_SEED, block_hashes
 from dpd_router.routing.prefix_index import EndpointBits, matched_depths
 from dpd_router.routing.request import RoutingRequest
+from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.kv_events")
 
@@ -440,11 +440,7 @@ class KVEventSubscriber:
 
     async def close(self) -> None:
         tasks = [*self._listeners.values(), *([self._refresher] if self._refresher else [])]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         self._listeners.clear()
         self._refresher = None
         if self._context is not None:

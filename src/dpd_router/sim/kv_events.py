@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from dpd_router.sim.kv import BLOCK_SIZE
+from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.sim.kv_events")
 
@@ -191,11 +192,7 @@ class KvEventPublisher:
     async def close(self) -> None:
         """Send what is still queued, then close the sockets."""
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         if self._pub is not None and self._pending:
             with contextlib.suppress(zmq.ZMQError):
                 await self._flush()

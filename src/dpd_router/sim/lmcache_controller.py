@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -35,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from dpd_router.sim.kv import BLOCK_SIZE, block_hashes
+from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.sim.lmcache_controller")
 
@@ -143,11 +143,7 @@ class Controller:
 
     async def close(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         if self._context is not None:
             self._context.term()
             self._context = None

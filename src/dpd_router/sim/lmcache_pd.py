@@ -16,7 +16,6 @@ waits for room instead, which the router sees the same way: no notification in t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import zmq.asyncio
 from dpd_router.sim.gpu import TimingModel
 from dpd_router.sim.kv import prompt_digest
 from dpd_router.sim.kv_events import zmq_address
+from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,7 @@ class PdReceiver:
 
     async def close(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         for socket in self._sockets:
             socket.close(linger=0)
         self._sockets.clear()
@@ -207,11 +203,7 @@ class PdSender:
 
     async def close(self) -> None:
         tasks, self._tasks = set(self._tasks), set()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
         if self._notify is not None:
             self._notify.close(linger=0)
             self._notify = None
