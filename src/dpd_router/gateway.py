@@ -888,7 +888,21 @@ class Completion:
             self._on_finish()
 
 
-class HeadFirstStream(StreamingResponse):
+class ClosingStream(StreamingResponse):
+    """A streaming response that releases what it holds (`discard()`) once sent, also when the client
+    left before its body began; the caller discards it when it is never sent at all."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.discard()
+
+    async def discard(self) -> None:
+        raise NotImplementedError
+
+
+class HeadFirstStream(ClosingStream):
     """A stream the router starts itself (with the prefiller's first token) before the decoder
     answers; its events close what they opened, and `release` runs even if they never began."""
 
@@ -904,12 +918,6 @@ class HeadFirstStream(StreamingResponse):
         self._events = events
         self._release = release
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.discard()
-
     async def discard(self) -> None:
         """Close what the events opened and release the request (also when it was never sent)."""
         with anyio.CancelScope(shield=True):
@@ -917,18 +925,12 @@ class HeadFirstStream(StreamingResponse):
         self._release()
 
 
-class RelayedStream(StreamingResponse):
+class RelayedStream(ClosingStream):
     """A streaming response that closes its upstream even if the client left before the body began."""
 
     def __init__(self, stream: EventStream, *, media_type: str, headers: dict[str, str]) -> None:
         super().__init__(stream, media_type=media_type, headers=headers)
         self._stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.discard()
 
     async def discard(self) -> None:
         """Close the upstream and record the request (also when it was never sent)."""

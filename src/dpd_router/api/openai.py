@@ -24,7 +24,7 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
-from dpd_router.gateway import HeadFirstStream, RelayedStream
+from dpd_router.gateway import ClosingStream
 from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
 async def _discard(response: Response) -> None:
     """Close an answer that will never be sent: a stream's upstream, and the request's record and
     admission slot (a whole answer released them when it was read)."""
-    if isinstance(response, RelayedStream | HeadFirstStream):
+    if isinstance(response, ClosingStream):
         await response.discard()
 
 
