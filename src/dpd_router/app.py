@@ -111,21 +111,10 @@ class Router:
         lmcache = LMCacheController.from_settings(settings, client, metrics)
         kv_sources = [kv_events.index] if kv_events else []
         adaptive = AdaptiveModel(adaptive_policy(settings), settings.routing_threshold)
-        planner = build_planner(
-            settings,
-            pool,
-            metrics,
-            kv_sources=kv_sources,
-            kv_lookup=lmcache,
-            adaptive=adaptive,
-            batches=connector.batches,
-            serves_direct=connector.serves_direct,
-        )
-        planners: dict[str | None, Planner] = {None: planner}
-        for tenant, reserved in tenant_pools.items():
-            planners[tenant] = build_planner(
+        planners: dict[str | None, Planner] = {
+            tenant: build_planner(
                 settings,
-                reserved,
+                engines,
                 metrics,
                 kv_sources=kv_sources,
                 kv_lookup=lmcache,
@@ -133,6 +122,9 @@ class Router:
                 batches=connector.batches,
                 serves_direct=connector.serves_direct,
             )
+            for tenant, engines in [(None, pool), *tenant_pools.items()]
+        }
+        planner = planners[None]
         metrics.watch_adaptive(
             lambda: [
                 (entry["decoder"], math.inf if entry["threshold_tokens"] is None else entry["threshold_tokens"])
