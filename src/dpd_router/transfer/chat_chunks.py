@@ -8,6 +8,7 @@ usage and anything unknown at the top level pass through.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 _TOP_LEVEL_DROPPED = ("prompt_logprobs", "prompt_token_ids", "kv_transfer_params")
@@ -45,12 +46,19 @@ def chat_chunk(
 
 def chunk_to_chat(payload: dict[str, Any]) -> dict[str, Any]:
     """One `text_completion` stream event as a `chat.completion.chunk` (an error event stays as it is)."""
+    return _to_chat(payload, "chat.completion.chunk", _chunk_choice)
+
+
+def _to_chat(
+    payload: dict[str, Any], kind: str, convert_choice: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any]:
+    """`payload` (a `text_completion` event or body) as the chat object `kind`, each choice converted."""
     if "error" in payload or not isinstance(payload.get("choices"), list):
         return payload
     converted = {key: value for key, value in payload.items() if key not in _TOP_LEVEL_DROPPED}
-    converted["object"] = "chat.completion.chunk"
+    converted["object"] = kind
     converted["id"] = chat_id(payload.get("id"))
-    converted["choices"] = [_chunk_choice(choice) for choice in payload["choices"] if isinstance(choice, dict)]
+    converted["choices"] = [convert_choice(choice) for choice in payload["choices"] if isinstance(choice, dict)]
     return converted
 
 
@@ -69,13 +77,7 @@ def _chunk_choice(choice: dict[str, Any]) -> dict[str, Any]:
 
 def body_to_chat(payload: dict[str, Any]) -> dict[str, Any]:
     """A whole `text_completion` answer as a `chat.completion` (an error body stays as it is)."""
-    if "error" in payload or not isinstance(payload.get("choices"), list):
-        return payload
-    converted = {key: value for key, value in payload.items() if key not in _TOP_LEVEL_DROPPED}
-    converted["object"] = "chat.completion"
-    converted["id"] = chat_id(payload.get("id"))
-    converted["choices"] = [_body_choice(choice) for choice in payload["choices"] if isinstance(choice, dict)]
-    return converted
+    return _to_chat(payload, "chat.completion", _body_choice)
 
 
 def _body_choice(choice: dict[str, Any]) -> dict[str, Any]:
