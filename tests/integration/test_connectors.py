@@ -22,7 +22,16 @@ from transformers import AutoTokenizer
 from dpd_router.sim.cluster import SimCluster, free_ports
 from dpd_router.sim.sampler import Sampler
 
-from .conftest import MODEL, engine_stats, metric, openai_client, requests_seen, running_router, settled
+from .conftest import (
+    MODEL,
+    cluster_settings,
+    engine_stats,
+    metric,
+    openai_client,
+    requests_seen,
+    running_router,
+    settled,
+)
 
 THRESHOLD = 64
 LONG = "The quarterly report shows steady growth across every region and product line. " * 12
@@ -87,19 +96,14 @@ class LMCacheCluster:
         self.alloc_ports = alloc_ports
 
     def settings(self, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
-        return {
-            "prefill_urls": self.engines.prefill_urls,
-            "decode_urls": self.engines.decode_urls,
-            "tokenizer": str(tokenizer_dir),
-            "routing_threshold": THRESHOLD,
-            "threshold_mode": "static",
+        lmcache = {
             "kv_connector": "lmcache",
             "lmcache_notify_address": self.notify_address,
             "lmcache_receiver_init_ports": self.init_ports,
             "lmcache_receiver_alloc_ports": self.alloc_ports,
             "lmcache_notify_timeout": 2.0,
-            **extra,
         }
+        return cluster_settings(self.engines, tokenizer_dir, threshold=THRESHOLD, **(lmcache | extra))
 
 
 @pytest.fixture(scope="module")
@@ -453,16 +457,8 @@ class SGLangCluster:
         self.bootstrap_ports = bootstrap_ports
 
     def settings(self, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
-        return {
-            "prefill_urls": self.engines.prefill_urls,
-            "decode_urls": self.engines.decode_urls,
-            "tokenizer": str(tokenizer_dir),
-            "routing_threshold": THRESHOLD,
-            "threshold_mode": "static",
-            "kv_connector": "sglang",
-            "sglang_bootstrap_ports": self.bootstrap_ports,
-            **extra,
-        }
+        sglang = {"kv_connector": "sglang", "sglang_bootstrap_ports": self.bootstrap_ports}
+        return cluster_settings(self.engines, tokenizer_dir, threshold=THRESHOLD, **(sglang | extra))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import uvicorn
 from dpd_router.sim.cluster import SimCluster
 from dpd_router.sim.lmcache_controller import Controller
 from dpd_router.sim.lmcache_controller import create_app as create_controller_app
-from tests.integration.conftest import MODEL, metric, openai_client, requests_seen, running_router
+from tests.integration.conftest import MODEL, cluster_settings, metric, openai_client, requests_seen, running_router
 
 THRESHOLD = 64
 BLOCK = 16
@@ -54,15 +54,14 @@ async def kv_cluster(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
 
 
 def kvaware_settings(cluster: SimCluster, tokenizer_dir: Path, threshold_mode: str) -> dict[str, Any]:
-    return {
-        "prefill_urls": cluster.prefill_urls,
-        "decode_urls": cluster.decode_urls,
-        "tokenizer": str(tokenizer_dir),
-        "routing_threshold": THRESHOLD,
-        "prefill_strategy": "kvaware",
-        "threshold_mode": threshold_mode,
-        "kv_events_endpoints": cluster.kv_events_endpoints,
-    }
+    return cluster_settings(
+        cluster,
+        tokenizer_dir,
+        threshold=THRESHOLD,
+        prefill_strategy="kvaware",
+        threshold_mode=threshold_mode,
+        kv_events_endpoints=cluster.kv_events_endpoints,
+    )
 
 
 async def kv_events(base_url: str, url: str, kind: str) -> float:
