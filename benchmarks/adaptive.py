@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip", nargs="*", default=[], choices=["sweep", "converge", "change", "workloads"],
         help="parts not to run; a skipped part already in --out's results.json is kept, with its date and arguments",
     )  # fmt: skip
+    parser.add_argument(
+        "--only-workloads", nargs="+", default=None, metavar="TEXT",
+        help="run only the part-D workloads whose name contains one of these (e.g. 'seed' 'c=32'); the others "
+        "already in --out's results.json are kept, each marked with the run it came from",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
     parser.add_argument(
         "--slo-variant", action=argparse.BooleanOptionalAction, default=True,
@@ -119,6 +124,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phase_rates = [2.0, 8.0, 2.0]
         args.workloads = SMOKE_WORKLOADS
         args.timing, args.max_seconds, args.ttft_budget, args.scrape = "default", 30.0, 5.0, 0.2
+    if args.only_workloads:
+        args.workloads = [w for w in args.workloads if any(text in w["name"] for text in args.only_workloads)]
+        if not args.workloads:
+            parser.error(f"--only-workloads {' '.join(args.only_workloads)} matches no workload")
     return args
 
 
@@ -856,7 +865,13 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
         "ITL p99 vs best static",
         "within 10%, TTFT in budget",
     ]
-    return [*md, report.table(headers, rows), ""]
+    kept = [
+        f"- {ws['name']}: kept from an earlier run ({(ws['measured'].get('env') or {}).get('when', '?')}, "
+        f"commit {(ws['measured'].get('env') or {}).get('commit', '?')})"
+        for ws in sets
+        if ws.get("measured")
+    ]
+    return [*md, report.table(headers, rows), "", *kept, *([""] if kept else [])]
 
 
 def plotted_threshold(tokens: float) -> float:
@@ -1024,6 +1039,23 @@ def carry(results: dict[str, Any], args: argparse.Namespace) -> None:
         results.setdefault("carried", {})[name] = source
 
 
+def keep_other_workloads(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """After an `--only-workloads` run: the part-D workloads it did not run, from --out's results.json,
+    each marked with the run that measured it (`measured`: that run's date, commit and arguments)."""
+    path = args.out / "results.json"
+    if not path.exists():
+        return
+    import json
+
+    earlier = json.loads(path.read_text())
+    source = earlier.get("carried", {}).get("workloads") or {"env": earlier.get("env"), "args": earlier.get("args")}
+    ran = {w["name"] for w in results["workloads"]}
+    kept = [{"measured": source, **w} for w in earlier.get("workloads") or [] if w["name"] not in ran]
+    order = [w["name"] for w in WORKLOADS]
+    rank = {name: i for i, name in enumerate(order)}
+    results["workloads"] = sorted(results["workloads"] + kept, key=lambda w: rank.get(w["name"], len(order)))
+
+
 def part_args(results: dict[str, Any], args: argparse.Namespace, name: str) -> argparse.Namespace:
     """The arguments a part of the results was measured with (an earlier run's, for a carried part)."""
     source = results.get("carried", {}).get(name)
@@ -1101,6 +1133,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["change_verdicts"] = change_verdicts(results["change"], args.ttft_budget)
         if "workloads" not in args.skip:
             results["workloads"] = await other_workloads(args, cluster, factory, seeds)
+            if args.only_workloads:
+                keep_other_workloads(results, args)
     report.finish(results, args, started=began, plot=lambda: plot(results, args), write=lambda: write(results, args))
     return results
 

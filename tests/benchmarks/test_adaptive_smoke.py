@@ -7,8 +7,13 @@ threshold was scraped, and the reports exist.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from benchmarks import adaptive
 from tests.benchmarks.test_scenarios_smoke import HAVE_MATPLOTLIB, run_scenario
 
 
@@ -51,3 +56,30 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert set(kept["carried"]) == {"sweep", "converge", "change", "workloads"}
     assert kept["carried"]["sweep"]["env"] == results["env"]
     assert "Kept from an earlier run" in (tmp_path / "results.md").read_text()
+
+
+def test_only_workloads_runs_the_matching_ones_and_keeps_the_others(tmp_path: Path) -> None:
+    args = adaptive.parse_args(["--only-workloads", "c=32", "seed", "--out", str(tmp_path)])
+    assert [w["name"] for w in args.workloads] == ["seed mix, c=16", "D(4096,256), c=32"]
+    with pytest.raises(SystemExit):
+        adaptive.parse_args(["--only-workloads", "no such workload"])
+
+    earlier = {
+        "env": {"when": "earlier", "commit": "abc1234"},
+        "args": {"repeats": 3},
+        "workloads": [{"name": w["name"], "run": "earlier"} for w in adaptive.WORKLOADS],
+    }
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    results: dict[str, Any] = {
+        "workloads": [{"name": "D(4096,256), c=32", "run": "new"}, {"name": "seed mix, c=16", "run": "new"}]
+    }
+    adaptive.keep_other_workloads(results, args)
+    # In WORKLOADS order, the new runs where there are some, the earlier ones marked with where they came from.
+    assert [(w["name"], w["run"]) for w in results["workloads"]] == [
+        ("seed mix, c=16", "new"),
+        ("D(4096,256), c=8", "earlier"),
+        ("D(4096,256), c=16", "earlier"),
+        ("D(4096,256), c=32", "new"),
+    ]
+    assert [bool(w.get("measured")) for w in results["workloads"]] == [False, True, True, False]
+    assert results["workloads"][1]["measured"]["env"]["commit"] == "abc1234"
