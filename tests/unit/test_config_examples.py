@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,4 +18,16 @@ def test_example_configs_use_only_real_settings(path: Path) -> None:
     unknown = set(values) - set(Settings.model_fields)
     assert not unknown, f"{path.name} names settings the router does not have: {sorted(unknown)}"
     values.pop("tokenizer", None)  # a path on the example's target machine
+    Settings.model_validate(values)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_commented_out_settings_are_real_too(path: Path) -> None:
+    """`# key: value` lines are settings to uncomment: with them uncommented the file is still valid."""
+    text = path.read_text()
+    uncommented = re.sub(r"^# ([a-z_]+: )", r"\1", text, flags=re.MULTILINE)
+    values = yaml.safe_load(uncommented)
+    unknown = set(values) - set(Settings.model_fields)
+    assert not unknown, f"{path.name} suggests settings the router does not have: {sorted(unknown)}"
+    values.pop("tokenizer", None)
     Settings.model_validate(values)
