@@ -36,6 +36,7 @@ from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.kv_events import KVEventSubscriber
 from dpd_router.routing.lmcache import LMCacheController
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
+from dpd_router.tasks import cancel_and_wait
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
@@ -230,11 +231,7 @@ class Router:
         if self.discovery is not None:
             await self.discovery.close()
         await self.live.close()
-        for task in (self._maintenance, self._scraping):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(task for task in (self._maintenance, self._scraping) if task is not None)
         if self.kv_events is not None:
             await self.kv_events.close()
         if self.connector is not None:

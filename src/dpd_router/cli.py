@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import Any
 
 from dpd_router import __version__
 from dpd_router.config import Settings, SettingsError, load_settings
+from dpd_router.tasks import cancel_and_wait
 
 # Flags that map one-to-one onto settings: flag -> (setting name, type, help).
 SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -246,9 +246,7 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
         )
         announce = asyncio.create_task(_announce(server, settings, cluster.prefill_urls, cluster.decode_urls))
         await server.serve()
-        announce.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await announce
+        await cancel_and_wait([announce])
     finally:
         print("stopping the engines ...", flush=True)
         await cluster.stop()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpd_router.config import Settings, SettingsError, load_settings, updated_settings
 from dpd_router.gateway import PhaseTimeouts, RetryPolicy
+from dpd_router.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from dpd_router.app import Router
@@ -174,9 +175,7 @@ class LiveConfig:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+            await cancel_and_wait([self._watch])
 
 
 def _mtime(path: Path) -> float | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any, Literal
 
 import httpx
@@ -21,6 +20,7 @@ from dpd_router.sim.metrics import EngineMetrics
 from dpd_router.sim.nixl import KvPuller, NixlSideChannel
 from dpd_router.sim.sampler import Sampler
 from dpd_router.sim.stats import RequestKind, RequestLog
+from dpd_router.tasks import cancel_and_wait
 
 Protocol = Literal["nixl", "lmcache", "sglang"]
 
@@ -94,9 +94,7 @@ class EngineCore:
     async def close(self) -> None:
         reaper, self._reaper = self._reaper, None
         if reaper is not None:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            await cancel_and_wait([reaper])
         await self.scheduler.close()
         await self.kv_puller.client.aclose()
         await self.lmcache_sender.close()

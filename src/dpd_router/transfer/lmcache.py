@@ -18,7 +18,6 @@ be reached) is drained: the decoder is asked for one token of the continuation, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -35,6 +34,7 @@ import zmq.asyncio
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.request import ClientRequest
+from dpd_router.tasks import cancel_and_wait
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import (
@@ -193,9 +193,7 @@ class ProxyNotifications:
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
