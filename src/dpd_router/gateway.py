@@ -294,6 +294,8 @@ class Gateway:
                 self._record_plan(trace, plan)
                 trace.decoder = plan.decoder.url
                 trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
+                if staged is None and request.stream:
+                    self._await_first_token(exchange, plan)
                 call = self._decode_call(request, staged)
                 if request.stream and call.head:
                     return self._stream_after_head(exchange, plan, call, staged)
@@ -323,6 +325,20 @@ class Gateway:
         finally:
             if trace.decode_started is not None:
                 self._metrics.route_decisions.labels(trace.path, trace.reason).inc()
+
+    @staticmethod
+    def _await_first_token(exchange: Exchange, plan: Plan) -> None:
+        """A streamed direct call's prompt counts in its decoder's queue until the first token (or the
+        request's end): the prefill a new direct prompt there waits behind (adaptive mode reads it)."""
+        trace = exchange.trace
+        if trace.first_token_at is not None:
+            return
+        earlier = trace.on_first_token
+        if earlier is not None:
+            earlier()  # an earlier decoder failed before its first token: the prompt left its queue
+        release = plan.decoder.queue_prefill(plan.uncached_tokens)
+        trace.on_first_token = release
+        exchange.done.defer(release)
 
     def _decode_call(self, request: ClientRequest, staged: StagedKV | None) -> DecodeCall:
         if staged is None or staged.handoff is None:
@@ -418,8 +434,7 @@ class Gateway:
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
         prefiller.start()
-        tokens = trace.uncached_tokens or 0
-        prefiller.queued_tokens += tokens
+        dequeue = prefiller.queue_prefill(trace.uncached_tokens or 0)
         outcome = "ok"
         try:
             async with asyncio.timeout(self._timeouts.prefill):
@@ -440,7 +455,7 @@ class Gateway:
             raise
         finally:
             prefiller.finish()
-            prefiller.queued_tokens -= tokens
+            dequeue()
             trace.prefill_seconds = time.perf_counter() - started
             self._metrics.prefill.labels(outcome).observe(trace.prefill_seconds)
 

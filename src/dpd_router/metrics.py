@@ -345,7 +345,8 @@ class _AdaptiveCollector(Collector):
         threshold = GaugeMetricFamily(
             f"{PREFIX}_adaptive_threshold_tokens",
             "The prompt length (uncached tokens) at which threshold_mode adaptive would disaggregate now, "
-            "given the decoder's running streams and the least-queued prefiller (+Inf: it would not).",
+            "given the decoder's running streams and queued direct prefills and the least-queued prefiller "
+            "(+Inf: it would not).",
             labels=["decoder"],
         )
         for decoder, tokens in self._thresholds():

@@ -36,6 +36,8 @@ class RequestTrace:
     decoder_streams: float = 0.0
     # Prompt tokens queued on the prefiller when an adaptive plan chose it (None otherwise).
     prefiller_queue: float | None = None
+    # Prompt tokens of streamed direct requests on the decoder before their first token, when planned.
+    decoder_queue: float = 0.0
     tokenize_seconds: float | None = None
     prefiller: str | None = None
     decoder: str | None = None
@@ -60,10 +62,15 @@ class RequestTrace:
     finished: bool = False
 
     gaps: list[float] = field(default_factory=list, repr=False)
+    # Called once, at the first token (a streamed direct request leaving its decoder's prefill queue).
+    on_first_token: Callable[[], None] | None = field(default=None, repr=False)
 
     def mark_token_chunk(self, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
+            hook, self.on_first_token = self.on_first_token, None
+            if hook is not None:
+                hook()
         elif self.last_chunk_at is not None and len(self.gaps) < MAX_RECORDED_GAPS:
             self.gaps.append(now - self.last_chunk_at)
         self.last_chunk_at = now
@@ -175,6 +182,7 @@ class Observer:
             # What a direct prefill would have stalled, and (adaptive) the prefill queue it weighed.
             "decoder_streams": trace.decoder_streams,
             "prefiller_queue_tokens": trace.prefiller_queue,
+            "decoder_queue_tokens": trace.decoder_queue,
             "prefiller": trace.prefiller,
             "decoder": trace.decoder,
             "cached_tokens": trace.cached_tokens,

@@ -68,3 +68,58 @@ async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenize
             base_url, "dpd_router_adaptive_cost", {"model": "direct_prefill", "term": "observations"}
         )
         assert learned >= 1, "the direct path's timings were learned"
+
+
+async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_first_token(tokenizer_dir: Path) -> None:
+    """What the adaptive decision reads as the direct path's queue: prompts on the decoder without a first token."""
+    slow_prefill = ["--prefill-overhead", "1.5", "--decode-step-base", "0.05"]
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow_prefill) as cluster,
+        running_router(
+            prefill_urls=cluster.prefill_urls,
+            decode_urls=cluster.decode_urls,
+            tokenizer=str(tokenizer_dir),
+            threshold_mode="adaptive",
+            routing_threshold=2048,
+            min_threshold=64,
+            explore_share=0.0,
+            admin_key_hashes=[hash_key("ops")],
+        ) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+    ):
+        ops = {"Authorization": "Bearer ops"}
+
+        async def decoder_queue() -> float:
+            (entry,) = (await client.get("/admin/routing", headers=ops)).json()["decoders"]
+            return float(entry["decoder_queue"])
+
+        assert await decoder_queue() == 0
+        first_token = asyncio.Event()
+        after_first_token: list[float] = []
+
+        async def stream() -> None:
+            body = chat_body(MEDIUM, max_tokens=40, stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if '"content"' in line and '"content":""' not in line:
+                        break
+                first_token.set()
+                after_first_token.append(await decoder_queue())  # 40 tokens at 50 ms a step: still streaming
+                async for _ in lines:
+                    pass
+
+        streaming = asyncio.create_task(stream())
+        async with asyncio.timeout(10):
+            while (queued := await decoder_queue()) == 0 and not first_token.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        summary = (await client.get("/admin/routing", headers=ops)).json()["summary"]
+        await streaming
+        assert queued > 400, "the direct prompt's tokens are queued for the decoder's prefill"
+        assert any("prompt tokens await its prefill" in line for line in summary)
+        assert after_first_token == [0]
+        await settled(base_url)
+        assert await decoder_queue() == 0
+        decisions = await metric(base_url, "dpd_router_route_decisions_total", {"reason": "adaptive_cheaper_direct"})
+        assert decisions == 1, "an idle decoder kept the prompt"

@@ -97,7 +97,9 @@ async def routing(request: Request) -> Response:
             else f"would disaggregate prompts from {tokens:,.0f} uncached tokens"
         )
         summary.append(
-            f"Decoder {entry['decoder']} runs {entry['running_streams']:.0f} streams: adaptive mode {where}"
+            f"Decoder {entry['decoder']} runs {entry['running_streams']:.0f} streams"
+            + (f" ({entry['decoder_queue']:,.0f} prompt tokens await its prefill)" if entry["decoder_queue"] else "")
+            + f": adaptive mode {where}"
             + (
                 f" (prefiller {entry['prefiller']}, {entry['prefiller_queue']:.0f} queued)."
                 if "prefiller" in entry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,7 +42,8 @@ class Endpoint:
     url: str
     role: Role
     in_flight: int = 0
-    # Prompt tokens of the prefill calls open here (prefillers only): the work queued ahead of a new one.
+    # Prompt tokens this router has sent here that are not prefilled yet: on a prefiller, its open prefill
+    # calls; on a decoder, its streamed direct calls before their first token. The work ahead of a new one.
     queued_tokens: int = 0
     # Requests counted in in_flight here that are still in their prefill hop (decoders only).
     staging: int = 0
@@ -60,6 +62,20 @@ class Endpoint:
     def available(self) -> bool:
         """Whether new calls may go here: not draining, its probes pass and its breaker lets them through."""
         return self.healthy and not self.draining and self.breaker.allows()
+
+    def queue_prefill(self, tokens: int) -> Callable[[], None]:
+        """Count `tokens` prompt tokens in `queued_tokens` until the returned release is called (it
+        takes effect once, however often it is called)."""
+        self.queued_tokens += tokens
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.queued_tokens -= tokens
+
+        return release
 
     def start(self) -> None:
         self.in_flight += 1

@@ -6,7 +6,7 @@ queue, its prefill, the KV hand-off) instead of the direct prefill. So, for each
 
     stall      = direct_prefill(uncached) * streams running on the decoder
     hop_ttft   = prefill_hop(queued + uncached) + handoff(uncached)
-    direct_ttft = direct_wait + direct_prefill(uncached)
+    direct_ttft = direct_wait + direct_prefill(decoder_queued + uncached)
     extra_cost = hop_ttft - direct_ttft
     disaggregate  when  interference_weight * stall > extra_cost
 
@@ -25,8 +25,13 @@ measures, each against the work it measures:
   the queue plus its own tokens, serves until IDLE_HOPS_TO_TRUST calls found the prefiller idle;
 - handoff: a disaggregated request's decode call until its first token (the KV transfer);
 - direct_wait: how much longer than direct_prefill the decoder's recent direct requests took to
-  their first token, at whatever load (the wait behind other prefills and decode steps), a
-  fast-fading mean per decoder; so both paths' first-token times count their queues.
+  their first token, at whatever load, beyond the prefill of the prompts queued ahead of them (the
+  wait behind decode steps and prompts the router cannot see), a fast-fading mean per decoder.
+
+Both paths' first-token times count their queues as they are when the request is planned: the
+prompt tokens the router has open on the prefiller, and those of its streamed direct requests on
+the decoder still waiting for their first token. A burst of direct decisions then makes the next
+direct prompt wait behind the burst's prefills, not behind a mean of what earlier ones waited.
 
 The fits fade (per observation and per second) so they follow the engines, and start from priors
 derived from `routing_threshold` that fade faster still: an unlearned router behaves like the
@@ -320,17 +325,26 @@ class AdaptiveModel:
                 # Only a quiet decoder's first token measures its prefill speed: on a busy one it also
                 # counts the wait behind other prompts' prefills and the running streams' decode steps.
                 self.learn_direct(trace.decoder, tokens, first_token)
-            prefill = self.direct_cost(trace.decoder).predict(tokens)
+            line = self.direct_cost(trace.decoder)
+            prefill = line.predict(tokens) + line.per_token * max(trace.decoder_queue, 0.0)
             self.direct_wait(trace.decoder).observe(max(first_token - prefill, 0.0))
 
     # -- deciding -----------------------------------------------------------------------------
     def estimate(
-        self, decoder: str, prefiller: str, uncached_tokens: int, running_streams: float, prefiller_queue: float
+        self,
+        decoder: str,
+        prefiller: str,
+        uncached_tokens: int,
+        running_streams: float,
+        prefiller_queue: float,
+        decoder_queue: float = 0.0,
     ) -> Estimate:
-        """`running_streams`: what a direct prefill would stall; `prefiller_queue`: the prompt tokens
-        already queued on the prefiller (their prefill comes first, at the prefiller's speed per token)."""
-        direct = self.direct_cost(decoder).predict(uncached_tokens)
-        direct_ttft = direct + self.direct_wait(decoder).mean
+        """`running_streams`: what a direct prefill would stall; `prefiller_queue` / `decoder_queue`: the
+        prompt tokens already queued on the prefiller / the decoder (their prefill comes first, at that
+        engine's speed per token)."""
+        line = self.direct_cost(decoder)
+        direct = line.predict(uncached_tokens)
+        direct_ttft = direct + line.per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
         hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
         hop += self.handoff.predict(uncached_tokens)
         stall = direct * max(running_streams, 0.0)
@@ -374,16 +388,17 @@ class AdaptiveModel:
         return high <= 2 * low and self._rng() < share
 
     def effective_threshold(
-        self, decoder: str, prefiller: str, running_streams: float, prefiller_queue: float
+        self, decoder: str, prefiller: str, running_streams: float, prefiller_queue: float, decoder_queue: float = 0.0
     ) -> float:
         """The prompt length (uncached tokens) at which the decision flips, at this load; inf if never."""
         d = self.direct_cost(decoder)
         p = self.hop_cost(prefiller)
         queued = p.per_token * max(prefiller_queue, 0.0)
         w = self.policy.interference_weight * max(running_streams, 0.0)
-        # w * (d0 + d1 x) > p0 + p1 (queue + x) + h0 + h1 x - (wait + d0 + d1 x)
+        waiting = d.per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
+        # w * (d0 + d1 x) > p0 + p1 (queue + x) + h0 + h1 x - (wait + d1 dqueue + d0 + d1 x)
         slope = (w + 1) * d.per_token - p.per_token - self.handoff.per_token
-        intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead - self.direct_wait(decoder).mean
+        intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead - waiting
         if slope <= 0:
             return math.inf if intercept >= 0 else float(self.policy.min_threshold)
         crossing = max(intercept / slope, 0.0)

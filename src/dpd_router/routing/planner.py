@@ -60,6 +60,9 @@ class Plan:
     decoder_streams: float = 0.0
     # Prompt tokens queued on the prefiller when an adaptive plan chose it (what its prefill waits for).
     prefiller_queue: float | None = None
+    # Prompt tokens of streamed direct requests on the decoder before their first token (what a direct
+    # prefill waits for).
+    decoder_queue: float = 0.0
     # The decoder fails its health probes but nothing else, and no decoder passes them (Pool.last_resort).
     last_resort: bool = False
 
@@ -161,6 +164,7 @@ class Planner:
         plan = replace(
             self._decide(request, decoder, uncached, batch_size),
             decoder_streams=running_streams(decoder, time.monotonic()),
+            decoder_queue=float(decoder.queued_tokens),
             last_resort=not decoder.healthy,
         )
         if self.cache is not None:
@@ -247,7 +251,9 @@ class Planner:
             return prefiller
         now = time.monotonic()
         queue = queued_prefills(prefiller, now)
-        estimate = model.estimate(decoder.url, prefiller.url, uncached, running_streams(decoder, now), queue)
+        estimate = model.estimate(
+            decoder.url, prefiller.url, uncached, running_streams(decoder, now), queue, decoder.queued_tokens
+        )
         if estimate.disaggregate:
             return Plan(
                 "disaggregated", estimate.reason, decoder, prefiller, uncached_tokens=uncached, prefiller_queue=queue
@@ -264,14 +270,22 @@ class Planner:
         view: list[dict[str, Any]] = []
         for decoder in self.pool.healthy("decode"):
             streams = running_streams(decoder, now)
-            entry: dict[str, Any] = {"decoder": decoder.url, "running_streams": streams, "threshold_tokens": None}
+            pending = float(decoder.queued_tokens)
+            entry: dict[str, Any] = {
+                "decoder": decoder.url,
+                "running_streams": streams,
+                "decoder_queue": pending,
+                "threshold_tokens": None,
+            }
             if prefillers:
                 prefiller = min(prefillers, key=lambda p: queued_prefills(p, now))
                 queue = queued_prefills(prefiller, now)
                 entry |= {
                     "prefiller": prefiller.url,
                     "prefiller_queue": queue,
-                    "threshold_tokens": self.adaptive.effective_threshold(decoder.url, prefiller.url, streams, queue),
+                    "threshold_tokens": self.adaptive.effective_threshold(
+                        decoder.url, prefiller.url, streams, queue, pending
+                    ),
                 }
             view.append(entry)
         return view

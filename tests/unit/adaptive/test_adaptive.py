@@ -325,3 +325,48 @@ def test_a_router_started_at_a_huge_threshold_learns_the_hop_from_a_prefiller_se
     assert hop.idle_observations == 8
     assert hop.overhead < 0.1
     assert hop.per_token == pytest.approx(per_token, rel=0.1)
+
+
+def test_prompts_queued_for_the_decoders_prefill_make_the_direct_path_wait() -> None:
+    """Both paths' first tokens count their queues: a burst of direct prompts is a queue on the decoder."""
+    m = model()
+    idle = m.estimate("d", "p", 3000, running_streams=1, prefiller_queue=0)
+    behind = m.estimate("d", "p", 3000, running_streams=1, prefiller_queue=0, decoder_queue=20_000)
+    assert not idle.disaggregate
+    assert behind.disaggregate and behind.reason == "adaptive_interference"
+    # The direct path's first token waits for the queued prompts' prefill, at the decoder's speed.
+    assert idle.extra_cost - behind.extra_cost == pytest.approx(20_000 * m.direct_cost("d").per_token)
+    assert m.effective_threshold("d", "p", 1, 0, decoder_queue=20_000) < m.effective_threshold("d", "p", 1, 0)
+
+
+def test_the_direct_wait_learns_only_what_the_queued_prefills_do_not_explain() -> None:
+    m = model()
+    d = m.direct_cost("d")
+    # Every direct request waited exactly for the prompts queued ahead of it and its own prefill.
+    for queued in range(0, 40_000, 2000):
+        first = d.predict(1000) + d.per_token * queued
+        m.learn_from(
+            trace(
+                path="direct",
+                decoder="d",
+                uncached_tokens=1000,
+                decoder_streams=4,
+                decoder_queue=queued,
+                first_token=first,
+            )
+        )
+    assert m.direct_wait("d").mean == pytest.approx(0.0, abs=1e-9)
+    # Waiting longer than that (decode steps, prompts the router cannot see) is the wait.
+    for _ in range(200):
+        first = d.predict(1000) + d.per_token * 8000 + 0.3
+        m.learn_from(
+            trace(
+                path="direct",
+                decoder="d",
+                uncached_tokens=1000,
+                decoder_streams=4,
+                decoder_queue=8000,
+                first_token=first,
+            )
+        )
+    assert m.direct_wait("d").mean == pytest.approx(0.3, rel=0.01)
