@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -17,9 +20,13 @@ OTHER = "A river runs through the valley past the old mill and the village schoo
 BUSY_DECODE = ["--decode-step-base", "0.01"]
 
 
-async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenizer_dir: Path) -> None:
+@asynccontextmanager
+async def adaptive_router(
+    tokenizer_dir: Path, engine_args: list[str], **settings: Any
+) -> AsyncIterator[tuple[SimCluster, str, httpx.AsyncClient]]:
+    """One prefill and one decode engine behind an adaptive router (no exploration, admin key "ops")."""
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=BUSY_DECODE) as cluster,
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=engine_args) as cluster,
         running_router(
             prefill_urls=cluster.prefill_urls,
             decode_urls=cluster.decode_urls,
@@ -28,11 +35,16 @@ async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenize
             routing_threshold=2048,
             min_threshold=64,
             explore_share=0.0,
-            load_scrape_interval=0.2,
             admin_key_hashes=[hash_key("ops")],
+            **settings,
         ) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=60) as client,
     ):
+        yield cluster, base_url, client
+
+
+async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenizer_dir: Path) -> None:
+    async with adaptive_router(tokenizer_dir, BUSY_DECODE, load_scrape_interval=0.2) as (cluster, base_url, client):
         decoder = {"decoder": cluster.decode_urls[0]}
         idle = await metric(base_url, "dpd_router_adaptive_threshold_tokens", decoder)
         assert math.isinf(idle), "an idle decoder keeps every prompt"
@@ -73,20 +85,7 @@ async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenize
 async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_first_token(tokenizer_dir: Path) -> None:
     """What the adaptive decision reads as the direct path's queue: prompts on the decoder without a first token."""
     slow_prefill = ["--prefill-overhead", "1.5", "--decode-step-base", "0.05"]
-    async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow_prefill) as cluster,
-        running_router(
-            prefill_urls=cluster.prefill_urls,
-            decode_urls=cluster.decode_urls,
-            tokenizer=str(tokenizer_dir),
-            threshold_mode="adaptive",
-            routing_threshold=2048,
-            min_threshold=64,
-            explore_share=0.0,
-            admin_key_hashes=[hash_key("ops")],
-        ) as base_url,
-        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
-    ):
+    async with adaptive_router(tokenizer_dir, slow_prefill) as (_, base_url, client):
         ops = {"Authorization": "Bearer ops"}
 
         async def decoder_queue() -> float:

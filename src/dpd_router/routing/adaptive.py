@@ -342,9 +342,8 @@ class AdaptiveModel:
         """`running_streams`: what a direct prefill would stall; `prefiller_queue` / `decoder_queue`: the
         prompt tokens already queued on the prefiller / the decoder (their prefill comes first, at that
         engine's speed per token)."""
-        line = self.direct_cost(decoder)
-        direct = line.predict(uncached_tokens)
-        direct_ttft = direct + line.per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
+        direct = self.direct_cost(decoder).predict(uncached_tokens)
+        direct_ttft = self._wait_before_prefill(decoder, decoder_queue) + direct
         hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
         hop += self.handoff.predict(uncached_tokens)
         stall = direct * max(running_streams, 0.0)
@@ -362,6 +361,11 @@ class AdaptiveModel:
         if self._explores(stall * policy.interference_weight, extra, disaggregate):
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "explore")
         return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, disaggregate, reason)
+
+    def _wait_before_prefill(self, decoder: str, decoder_queue: float) -> float:
+        """A direct prompt's wait on `decoder` before its own prefill: the queued prompts' prefill at the
+        decoder's speed per token, plus the learned wait they do not explain."""
+        return self.direct_cost(decoder).per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
 
     def _slo_decides(self, direct_ttft: float, hop_ttft: float, stall: float) -> bool:
         """Whether the TTFT SLO picks the path: only one path meets it, and, when that is the direct
@@ -395,7 +399,7 @@ class AdaptiveModel:
         p = self.hop_cost(prefiller)
         queued = p.per_token * max(prefiller_queue, 0.0)
         w = self.policy.interference_weight * max(running_streams, 0.0)
-        waiting = d.per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
+        waiting = self._wait_before_prefill(decoder, decoder_queue)
         # w * (d0 + d1 x) > p0 + p1 (queue + x) + h0 + h1 x - (wait + d1 dqueue + d0 + d1 x)
         slope = (w + 1) * d.per_token - p.per_token - self.handoff.per_token
         intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead - waiting

@@ -342,31 +342,19 @@ def test_prompts_queued_for_the_decoders_prefill_make_the_direct_path_wait() -> 
 def test_the_direct_wait_learns_only_what_the_queued_prefills_do_not_explain() -> None:
     m = model()
     d = m.direct_cost("d")
+
+    def direct(queued: int, beyond_the_queue: float) -> RequestTrace:
+        """A direct request on a busy decoder: `queued` prompt tokens were ahead of it when it was planned."""
+        first = d.predict(1000) + d.per_token * queued + beyond_the_queue
+        return trace(
+            path="direct", decoder="d", uncached_tokens=1000, decoder_streams=4, decoder_queue=queued, first_token=first
+        )
+
     # Every direct request waited exactly for the prompts queued ahead of it and its own prefill.
     for queued in range(0, 40_000, 2000):
-        first = d.predict(1000) + d.per_token * queued
-        m.learn_from(
-            trace(
-                path="direct",
-                decoder="d",
-                uncached_tokens=1000,
-                decoder_streams=4,
-                decoder_queue=queued,
-                first_token=first,
-            )
-        )
+        m.learn_from(direct(queued, 0.0))
     assert m.direct_wait("d").mean == pytest.approx(0.0, abs=1e-9)
     # Waiting longer than that (decode steps, prompts the router cannot see) is the wait.
     for _ in range(200):
-        first = d.predict(1000) + d.per_token * 8000 + 0.3
-        m.learn_from(
-            trace(
-                path="direct",
-                decoder="d",
-                uncached_tokens=1000,
-                decoder_streams=4,
-                decoder_queue=8000,
-                first_token=first,
-            )
-        )
+        m.learn_from(direct(8000, 0.3))
     assert m.direct_wait("d").mean == pytest.approx(0.3, rel=0.01)
