@@ -221,6 +221,7 @@ class Gateway:
             trace.threshold = planner.threshold
             trace.uncached_tokens = plan.uncached_tokens
             trace.decoder_streams = plan.decoder_streams
+            trace.decoder_queue = plan.decoder_queue
             trace.prefiller_queue = plan.prefiller_queue
             phase = "serve"
             exchange = Exchange(request, prompt, planner, request_id, trace, done, ask_for_usage(request))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from dpd_router.api.auth import hash_key
 from dpd_router.sim.cluster import SimCluster
@@ -82,8 +83,12 @@ async def test_the_effective_threshold_falls_when_the_decoder_gets_busy(tokenize
         assert learned >= 1, "the direct path's timings were learned"
 
 
-async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_first_token(tokenizer_dir: Path) -> None:
-    """What the adaptive decision reads as the direct path's queue: prompts on the decoder without a first token."""
+async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_first_token(
+    tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the adaptive decision reads as the direct path's queue: prompts on the decoder without a first token.
+    A request planned meanwhile carries that queue in its trace (its log line, and what its timings teach)."""
+    caplog.set_level("INFO", logger="dpd_router.request")
     slow_prefill = ["--prefill-overhead", "1.5", "--decode-step-base", "0.05"]
     async with adaptive_router(tokenizer_dir, slow_prefill) as (_, base_url, client):
         ops = {"Authorization": "Bearer ops"}
@@ -114,11 +119,15 @@ async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_f
             while (queued := await decoder_queue()) == 0 and not first_token.is_set():  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         summary = (await client.get("/admin/routing", headers=ops)).json()["summary"]
+        behind = await client.post("/v1/chat/completions", json=chat_body(OTHER, max_tokens=4, stream=True))
+        assert behind.status_code == 200
         await streaming
         assert queued > 400, "the direct prompt's tokens are queued for the decoder's prefill"
         assert any("prompt tokens await its prefill" in line for line in summary)
         assert after_first_token == [0]
         await settled(base_url)
         assert await decoder_queue() == 0
-        decisions = await metric(base_url, "dpd_router_route_decisions_total", {"reason": "adaptive_cheaper_direct"})
-        assert decisions == 1, "an idle decoder kept the prompt"
+        logged = [r.fields for r in caplog.records if r.getMessage().startswith("Conditional routing")]  # type: ignore[attr-defined]
+        first = next(f for f in logged if f["decoder_queue_tokens"] == 0)
+        assert first["reason"] == "adaptive_cheaper_direct", "an idle decoder kept the prompt"
+        assert [f["decoder_queue_tokens"] for f in logged if f is not first] == [queued]
