@@ -8,11 +8,13 @@ B. Convergence: adaptive started from deliberately bad thresholds (512 and 32768
    the best static run (pass: short ITL p99 within 10% of it and short TTFT p99 within the budget).
 C. Load change: quiet -> busy -> quiet (concurrency per phase, `--phases`) for the best static
    threshold, the `--change-static` ones (512: the best for a quiet decoder) and adaptive (started
-   from the best threshold; with `--slo-variant`, also with `ttft_slo` = the budget), the router's
-   `dpd_router_adaptive_threshold_tokens` scraped every `--scrape` seconds.
+   from the best threshold; with `--slo-variant`, also with `ttft_slo` = the budget; with
+   `--itl-slo`, also with that `itl_slo`), the router's `dpd_router_adaptive_threshold_tokens`
+   scraped every `--scrape` seconds.
 D. The other workloads of the issue, each with its own sweep and bad starts as in A and B: the
    seed's finance mix (scaled as in scenario 1) at concurrency 16, and the fixed D(4096,256) at
-   concurrency 8, 16 and 32 (`WORKLOADS`).
+   concurrency 8, 16 and 32 (`WORKLOADS`); with `--itl-slo`, adaptive runs from each bad start
+   with that `itl_slo` too.
 
 Statistics. Every configuration runs once per repeat (`--repeats`), interleaved, in an order that
 rotates from repeat to repeat, so a slow spell of the shared machine falls on all of them. Within a
@@ -111,6 +113,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--slo-variant", action=argparse.BooleanOptionalAction, default=True,
         help="also run the load change with adaptive and ttft_slo = the TTFT budget",
     )  # fmt: skip
+    parser.add_argument(
+        "--itl-slo", type=float, default=0.0,
+        help="seconds: also run adaptive with this itl_slo, in the load change and from each bad start in part D "
+        "(0: not)",
+    )  # fmt: skip
     parser.add_argument("--render", action="store_true", help="rewrite results.md and plots from results.json")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -146,6 +153,18 @@ def router_settings(args: argparse.Namespace, mode: str) -> dict[str, object]:
     if mode == "adaptive" and args.interference_weight is not None:
         settings["interference_weight"] = args.interference_weight
     return settings
+
+
+def variant_name(mode: str, slos: dict[str, float] | None) -> str:
+    """`adaptive+slo1s` (ttft_slo 1 s), `adaptive+itl250ms` (itl_slo 0.25 s), or the mode alone."""
+    slos = slos or {}
+    name = mode + (f"+slo{slos['ttft_slo']:g}s" if "ttft_slo" in slos else "")
+    return name + (f"+itl{slos['itl_slo'] * 1000:g}ms" if "itl_slo" in slos else "")
+
+
+def adaptive_variants(args: argparse.Namespace) -> list[dict[str, float]]:
+    """The SLO settings of the extra adaptive runs of part D: with `--itl-slo`, that itl_slo."""
+    return [{"itl_slo": args.itl_slo}] if args.itl_slo > 0 else []
 
 
 def open_loop(args: argparse.Namespace) -> bool:
@@ -287,10 +306,12 @@ async def one_run(
     draw: int,
     prompt_seed: int,
     repeat: int,
+    slos: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     (p,), (d,) = cluster.prefill_urls, cluster.decode_urls
-    settings = router_settings(args, mode)
+    settings = router_settings(args, mode) | (slos or {})
     router = stack.dpd_router(decode=[d], prefill=[p], threshold=threshold, settings=settings, name="adaptive-bench")
+    mode = variant_name(mode, slos)
     warmup = args.warmup
     requests = requests_for(args, factory, warmup + args.requests, draw, prompt_seed)
     label = f"r{repeat} {getattr(args, 'name', '')} {mode} {threshold:>6}".replace("  ", " ")
@@ -308,7 +329,7 @@ async def one_run(
             stop.set()
             await scraper
         decisions = await stack.route_decisions(router.url)
-        learned = await learned_costs(router.url) if mode == "adaptive" else {}
+        learned = await learned_costs(router.url) if mode.startswith("adaptive") else {}
     measured = [r for r in result.records if r.index >= warmup]
     warm = [r for r in result.records if r.index < warmup]
     ends = [r.start + r.e2e for r in measured if r.e2e is not None]
@@ -428,17 +449,15 @@ async def load_change(
     *,
     threshold: int,
     mode: str,
-    slo: float | None,
+    slos: dict[str, float],
     draw: int,
     prompt_seed: int,
     repeat: int,
 ) -> dict[str, Any]:
     (p,), (d,) = cluster.prefill_urls, cluster.decode_urls
-    settings = router_settings(args, mode)
-    if slo is not None:
-        settings["ttft_slo"] = slo
+    settings = router_settings(args, mode) | slos
     router = stack.dpd_router(decode=[d], prefill=[p], threshold=threshold, settings=settings, name="change")
-    name = mode + (f"+slo{slo:g}s" if slo is not None else "")
+    name = variant_name(mode, slos)
     phases = []
     samples: list[dict[str, Any]] = []
     records: list[loadgen.Record] = []
@@ -467,7 +486,7 @@ async def load_change(
             stop.set()
             await scraper
         decisions = await stack.route_decisions(router.url)
-        learned = await learned_costs(router.url) if mode == "adaptive" else {}
+        learned = await learned_costs(router.url) if mode.startswith("adaptive") else {}
     for phase in phases:
         values = [s["tokens"] for s in samples if phase["start"] <= s["t"] <= phase["end"]]
         fin = [v for v in values if math.isfinite(v)]
@@ -816,12 +835,14 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
     if not sets:
         return []
     d = part_args(results, args, "workloads")
+    itl_ms = getattr(d, "itl_slo", 0) * 1000
     md = [
         "## D. The other workloads: static sweep, then adaptive from a bad start",
         "",
         *carried_note(results, "workloads"),
-        f"Per workload: every static threshold, then adaptive from {' and '.join(map(str, d.bad_starts))}, "
-        f"{d.warmup} unmeasured requests first in every run. ITL p99 is over the short requests' gaps (every "
+        f"Per workload: every static threshold, then adaptive from {' and '.join(map(str, d.bad_starts))}"
+        + (f" (also with itl_slo {itl_ms:g} ms: `adaptive+itl{itl_ms:g}ms`)" if itl_ms else "")
+        + f", {d.warmup} unmeasured requests first in every run. ITL p99 is over the short requests' gaps (every "
         "request's, when the workload has one class); the best static is the lowest ITL p99 with TTFT p99 "
         "within the budget; when no static run meets the budget, the lowest TTFT p99, and adaptive reaches "
         "it with a TTFT p99 within the budget or within 10% of the best's.",
@@ -832,9 +853,9 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
         best = ws["best"]["threshold"]
         for config in ws["sweep"] + ws["converge"]:
             s = config["spread"]
-            adaptive = config["mode"] == "adaptive"
+            adaptive = config["mode"].startswith("adaptive")
             v = config.get("verdict", {})
-            name = f"adaptive from {config['threshold']}" if adaptive else f"static {config['threshold']}"
+            name = f"{config['mode']} from {config['threshold']}" if adaptive else f"static {config['threshold']}"
             if not adaptive and config["threshold"] == best:
                 name = f"**{name}** (best" + ("" if ws["best"]["within_budget"] else ", no run in budget") + ")"
             rows.append(
@@ -980,24 +1001,27 @@ async def other_workloads(
 ) -> list[dict[str, Any]]:
     """Part D: per workload, its static sweep and adaptive from each bad start, repeats interleaved."""
     setups = [argparse.Namespace(**{**vars(args), **spec}) for spec in args.workloads]
+    # (workload, mode, threshold, index of the adaptive variant's SLOs: -1 for none)
+    variants = adaptive_variants(args)
+    adaptive = [("adaptive", t, v) for v in range(-1, len(variants)) for t in args.bad_starts]
     configs = [
-        (wi, mode, threshold)
+        (wi, mode, threshold, v)
         for wi, setup in enumerate(setups)
-        for mode, threshold in [("static", t) for t in setup.thresholds] + [("adaptive", t) for t in args.bad_starts]
+        for mode, threshold, v in [("static", t, -1) for t in setup.thresholds] + adaptive
     ]
-    runs: dict[tuple[int, str, int], list[dict[str, Any]]] = {c: [] for c in configs}
+    runs: dict[tuple[int, str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
-        for wi, mode, threshold in rotated(configs, repeat):
+        for wi, mode, threshold, v in rotated(configs, repeat):
             run = await one_run(
                 setups[wi], cluster, factory, mode=mode, threshold=threshold, draw=400 + 10 * wi + repeat,
-                prompt_seed=next(seeds), repeat=repeat,
+                prompt_seed=next(seeds), repeat=repeat, slos=variants[v] if v >= 0 else None,
             )  # fmt: skip
-            runs[(wi, mode, threshold)].append(run)
+            runs[(wi, mode, threshold, v)].append(run)
     out = []
     for wi, setup in enumerate(setups):
-        sweep = [aggregate(runs[(wi, "static", t)]) for t in setup.thresholds]
+        sweep = [aggregate(runs[(wi, "static", t, -1)]) for t in setup.thresholds]
         best, within = pick_best(sweep, setup.ttft_budget)
-        conv = [aggregate(runs[(wi, "adaptive", t)]) for t in args.bad_starts]
+        conv = [aggregate(runs[(wi, mode, t, v)]) for mode, t, v in adaptive]
         for config in conv:
             config["verdict"] = verdict(config, best, setup.ttft_budget)
         out.append(
@@ -1118,19 +1142,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["converge"] = conv
         if "change" not in args.skip:
             base = best["threshold"] if best is not None else args.thresholds[0]
-            variants: list[tuple[str, int, float | None]] = [("static", base, None)]
-            variants += [("static", t, None) for t in args.change_static if t != base]
-            variants.append(("adaptive", base, None))
+            slo_sets: list[dict[str, float]] = [{}]
             if args.slo_variant:
-                variants.append(("adaptive", base, args.ttft_budget))
-            change_runs: dict[tuple[str, int, float | None], list[dict[str, Any]]] = {v: [] for v in variants}
+                slo_sets.append({"ttft_slo": args.ttft_budget})
+            slo_sets += adaptive_variants(args)
+            variants: list[tuple[str, int, int]] = [("static", base, 0)]
+            variants += [("static", t, 0) for t in args.change_static if t != base]
+            variants += [("adaptive", base, i) for i in range(len(slo_sets))]
+            change_runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {v: [] for v in variants}
             for repeat in range(args.repeats):
-                for mode, threshold, slo in rotated(variants, repeat):
+                for mode, threshold, i in rotated(variants, repeat):
                     run = await load_change(
-                        args, cluster, factory, threshold=threshold, mode=mode, slo=slo, draw=200 + repeat,
+                        args, cluster, factory, threshold=threshold, mode=mode, slos=slo_sets[i], draw=200 + repeat,
                         prompt_seed=next(seeds), repeat=repeat,
                     )  # fmt: skip
-                    change_runs[(mode, threshold, slo)].append(run)
+                    change_runs[(mode, threshold, i)].append(run)
             results["change"] = [aggregate_change(change_runs[v]) for v in variants]
             results["change_verdicts"] = change_verdicts(results["change"], args.ttft_budget)
         if "workloads" not in args.skip:

@@ -132,13 +132,14 @@ class Settings(BaseSettings):
     # threshold_mode adaptive: disaggregate when interference_weight x (the stall a direct prefill inflicts
     # on the decoder's running streams) exceeds the hop's extra cost, both learned online; never below
     # min_threshold uncached tokens, always from max_threshold; explore_share of the decisions near the
-    # boundary are flipped to keep measuring both paths; a known ttft_slo (seconds) wins when only one
-    # path meets it.
+    # boundary are flipped to keep measuring both paths; known SLOs (seconds) win when only one path meets
+    # them: ttft_slo by first-token time, itl_slo by the pause a direct prefill puts in the decoder's streams.
     interference_weight: float = Field(default=1.0, ge=0)
     min_threshold: int = Field(default=256, ge=0)
     max_threshold: int = Field(default=32768, ge=1)
     explore_share: float = Field(default=0.03, ge=0, le=0.2)
     ttft_slo: float | None = Field(default=None, gt=0)
+    itl_slo: float | None = Field(default=None, gt=0)
     prefill_strategy: PrefillStrategy = "prefixaware"
     # The `session` strategy's key: this header, else the body's `user` field.
     session_header: str = Field(default="x-session-id", min_length=1)
@@ -155,7 +156,8 @@ class Settings(BaseSettings):
     # When every prefiller's engine queue is deeper than this, prompts with fewer uncached tokens than
     # prefill_busy_max_tokens go direct (0 disables the gate). In threshold_mode adaptive the model
     # prices each prefiller's queue itself, so the gate counts queued prompt tokens instead of waiting
-    # requests: closed when every prefiller has more than prefill_busy_queue_tokens queued (0: never).
+    # requests: closed when every prefiller has more than prefill_busy_queue_tokens queued (0: never),
+    # and its ceiling is on uncached tokens times the decoder's running streams (at least 1).
     prefill_busy_queue_depth: int = Field(default=8, ge=0)
     prefill_busy_max_tokens: int = Field(default=16384, ge=0)
     prefill_busy_queue_tokens: int = Field(default=131072, ge=0)

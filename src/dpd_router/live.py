@@ -33,6 +33,7 @@ LIVE_SETTINGS = frozenset(
         "max_threshold",
         "explore_share",
         "ttft_slo",
+        "itl_slo",
         "prefill_strategy",
         "session_header",
         "balance_abs_threshold",

@@ -18,32 +18,39 @@ from tests.benchmarks.test_scenarios_smoke import HAVE_MATPLOTLIB, run_scenario
 
 
 def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> None:
-    results = run_scenario("adaptive", tmp_path, timeout=300)
+    results = run_scenario("adaptive", tmp_path, "--itl-slo", "0.5", timeout=300)
     assert (tmp_path / "results.md").read_text().startswith("# Scenario 5")
 
     assert [run["threshold"] for run in results["sweep"]] == [256, 4096]
     assert results["best"]["threshold"] in (256, 4096)
     assert all(run["summary"]["all"]["errors"] == 0 for run in results["sweep"] + results["converge"])
     assert all("reached" in run["verdict"] for run in results["converge"])
-    # The load change: the best static threshold, the --change-static one (256), then adaptive.
+    # The load change: the best static threshold, the --change-static one (256), then adaptive: alone,
+    # with ttft_slo (--slo-variant, on by default) and with --itl-slo.
     runs = [(run["mode"], run["threshold"]) for run in results["change"]]
     statics = {threshold for mode, threshold in runs if mode == "static"}
     assert statics == {results["best"]["threshold"], 256}
-    assert [mode for mode, _ in runs] == ["static"] * len(statics) + ["adaptive", "adaptive+slo5s"]
+    assert [mode for mode, _ in runs] == ["static"] * len(statics) + ["adaptive", "adaptive+slo5s", "adaptive+itl500ms"]
     for run in results["change"]:
         assert [phase["phase"] for phase in run["phases"]] == ["quiet-1", "busy", "quiet-2"]
         assert all(phase["summary"]["all"]["errors"] == 0 for phase in run["phases"])
     adaptive = next(run for run in results["change"] if run["mode"] == "adaptive")
     assert adaptive["threshold_samples"], "the adaptive router's effective threshold was never scraped"
     assert {v["static"] for v in results["change_verdicts"]} == statics
-    # The other workloads (the smoke run's one): swept, then adaptive from the bad start, with a verdict.
+    # The other workloads (the smoke run's one): swept, then adaptive from the bad start, alone and with
+    # --itl-slo, each with a verdict.
     (workload,) = results["workloads"]
     assert [run["threshold"] for run in workload["sweep"]] == [256, 4096]
     assert workload["best"]["threshold"] in (256, 4096)
-    assert [run["threshold"] for run in workload["converge"]] == [256]
+    assert [(run["mode"], run["threshold"]) for run in workload["converge"]] == [
+        ("adaptive", 256),
+        ("adaptive+itl500ms", 256),
+    ]
     assert all(run["summary"]["all"]["errors"] == 0 for run in workload["sweep"] + workload["converge"])
-    assert "reached" in workload["converge"][0]["verdict"]
-    assert "## D. The other workloads" in (tmp_path / "results.md").read_text()
+    assert all("reached" in run["verdict"] for run in workload["converge"])
+    assert all(run["learned"] for run in workload["converge"][1]["runs"]), "adaptive+itl's costs were not scraped"
+    md = (tmp_path / "results.md").read_text()
+    assert "## D. The other workloads" in md and "adaptive+itl500ms from 256" in md
     if HAVE_MATPLOTLIB:
         assert results["plots"]
         for name in results["plots"]:

@@ -36,10 +36,16 @@ direct prompt wait behind the burst's prefills, not behind a mean of what earlie
 The fits fade (per observation and per second) so they follow the engines, and start from priors
 derived from `routing_threshold` that fade faster still: an unlearned router behaves like the
 static rule, a learned one like what it measured, whatever threshold it started from.
-Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens, a TTFT SLO wins when
-only one path's first-token time meets it (for the direct path, only while the stall it inflicts
-on the decoder's streams stays within the SLO), and a small exploration share keeps measuring the
-hop near the boundary.
+Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens; known SLOs win when only
+one path meets them: the TTFT SLO by each path's first-token time (for the direct path, only while
+the stall it inflicts on the decoder's streams stays within the SLO), the ITL SLO by the pause the
+prompt's own prefill would put in its decoder's running streams (prompts queued ahead of it pause them
+whichever path it takes, and sending a short prompt into the prefill pool's queue for them would buy
+nothing); and a small exploration share keeps measuring the hop near the boundary.
+
+The ITL SLO is what tells a long prompt's stall from a short one's: the linear cost counts ten
+streams stalled 0.1 s the same as one stalled 1 s, but a 0.1 s gap hides among a busy decoder's
+ordinary ones while a 1 s gap is a visible freeze, the kind a stream's ITL p99 (and its reader) notices.
 """
 
 from __future__ import annotations
@@ -213,6 +219,7 @@ class AdaptivePolicy:
     max_threshold: int = 32768
     explore_share: float = 0.03
     ttft_slo: float | None = None
+    itl_slo: float | None = None
     # Priors, before anything is learned (see AdaptiveModel._prior_hop): the static threshold holds
     # at a load of one running stream.
     prior_prefill_per_token: float = 0.0001
@@ -353,9 +360,9 @@ class AdaptiveModel:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, False, "below_min_threshold")
         if uncached_tokens >= policy.max_threshold:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "above_max_threshold")
-        if policy.ttft_slo is not None and self._slo_decides(direct_ttft, hop, stall):
-            direct_late = direct_ttft > policy.ttft_slo
-            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, direct_late, "ttft_slo")
+        slo = self._slo_path(direct_ttft, hop, stall, direct if running_streams > 0 else 0.0)
+        if slo is not None:
+            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, *slo)
         disaggregate = policy.interference_weight * stall > extra
         reason = "adaptive_interference" if disaggregate else "adaptive_cheaper_direct"
         if self._explores(stall * policy.interference_weight, extra, disaggregate):
@@ -367,16 +374,27 @@ class AdaptiveModel:
         decoder's speed per token, plus the learned wait they do not explain."""
         return self.direct_cost(decoder).per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
 
-    def _slo_decides(self, direct_ttft: float, hop_ttft: float, stall: float) -> bool:
-        """Whether the TTFT SLO picks the path: only one path meets it, and, when that is the direct
-        path, the prefill it puts on the decoder delays the others' tokens by less than the SLO in
-        all (weighted stall): keeping one long prompt on time must not make a decoder full of
-        streams late, and that stall also delays the first token of every request behind it."""
-        slo = self.policy.ttft_slo
-        if slo is None or (direct_ttft > slo) == (hop_ttft > slo):
-            return False
-        direct_on_time = direct_ttft <= slo
-        return not direct_on_time or self.policy.interference_weight * stall <= slo
+    def _slo_path(self, direct_ttft: float, hop_ttft: float, stall: float, pause: float) -> tuple[bool, str] | None:
+        """(disaggregate, reason) when the known SLOs pick the path: only one path meets all of them.
+        The hop meets the TTFT SLO by its first-token time; the direct path meets it by its own, and
+        the ITL SLO by `pause`, what its prefill adds to the running streams' next gap. When the direct
+        path is the one on time for the TTFT SLO it is taken only while its weighted stall summed over
+        the streams stays within that SLO: keeping one long prompt on time must not make a decoder full
+        of streams late, and that stall also delays the first token of every request behind it.
+        None: the model decides."""
+        policy = self.policy
+        ttft_slo, itl_slo = policy.ttft_slo, policy.itl_slo
+        if ttft_slo is None and itl_slo is None:
+            return None
+        hop_on_time = ttft_slo is None or hop_ttft <= ttft_slo
+        direct_on_time = ttft_slo is None or direct_ttft <= ttft_slo
+        smooth = itl_slo is None or pause <= itl_slo
+        if hop_on_time and not (direct_on_time and smooth):
+            return True, "ttft_slo" if not direct_on_time else "itl_slo"
+        on_time_alone = direct_on_time and smooth and not hop_on_time
+        if on_time_alone and ttft_slo is not None and policy.interference_weight * stall <= ttft_slo:
+            return False, "ttft_slo"
+        return None
 
     def _explores(self, weighted_stall: float, extra: float, disaggregate: bool) -> bool:
         """Send a small share of the prompts the model keeps direct to the prefill pool instead, only

@@ -229,15 +229,20 @@ class Planner:
         if not prefillers:
             return Plan("direct", PREFILL_POOL_DOWN, decoder, uncached_tokens=uncached)
         gate = self._busy_gate
-        if gate is not None and self._pool_is_busy(gate, prefillers, uncached):
+        if gate is not None and self._pool_is_busy(gate, prefillers, decoder, uncached):
             return Plan("direct", PREFILL_POOL_BUSY, decoder, uncached_tokens=uncached)
         return self.prefill_strategy.select(prefillers, request)
 
-    def _pool_is_busy(self, gate: PrefillBusyGate, prefillers: Sequence[Endpoint], uncached: int) -> bool:
-        """The prefill-busy gate: by waiting requests, or in adaptive mode by queued prompt tokens."""
+    def _pool_is_busy(
+        self, gate: PrefillBusyGate, prefillers: Sequence[Endpoint], decoder: Endpoint, uncached: int
+    ) -> bool:
+        """The prefill-busy gate: by waiting requests, or in adaptive mode by queued prompt tokens, for
+        the prompts `decoder` can take without stalling its streams for long."""
         if self.adaptive is not None and self._threshold.mode == "adaptive":
             now = time.monotonic()
-            return gate.diverts_by_tokens(prefillers, uncached, lambda prefiller: queued_prefills(prefiller, now))
+            return gate.diverts_by_tokens(
+                prefillers, uncached, lambda prefiller: queued_prefills(prefiller, now), running_streams(decoder, now)
+            )
         return gate.diverts(prefillers, uncached)
 
     def _decide_adaptively(
@@ -359,6 +364,7 @@ def adaptive_policy(settings: Settings) -> AdaptivePolicy:
         max_threshold=settings.max_threshold,
         explore_share=settings.explore_share,
         ttft_slo=settings.ttft_slo,
+        itl_slo=settings.itl_slo,
     )
 
 

@@ -46,7 +46,12 @@ class PrefillBusyGate:
     Adaptive mode measures the queue in prompt tokens instead (`diverts_by_tokens`, closed above
     `queue_tokens`): its model already prices a queue by its tokens, and a request count would
     close the gate on a burst of short prompts the model sent to an idle prefiller, sending the
-    next long prompts onto the decoder.
+    next long prompts onto the decoder. Its ceiling counts the decoder's streams too: a prompt is
+    diverted only while its tokens times the streams its prefill would stall (at least 1) stay
+    below `max_tokens`. An idle decoder takes what the static gate would send it; a decoder full
+    of streams takes only short prompts, and longer ones are left to the model, which weighs the
+    saturated queue's wait against the stall (a 16k-token prompt diverted onto 10 streams stalls
+    each for its whole prefill).
     """
 
     queue_depth: int
@@ -64,12 +69,18 @@ class PrefillBusyGate:
         return True
 
     def diverts_by_tokens(
-        self, prefillers: Sequence[Endpoint], uncached_tokens: int, queued: Callable[[Endpoint], float]
+        self,
+        prefillers: Sequence[Endpoint],
+        uncached_tokens: int,
+        queued: Callable[[Endpoint], float],
+        decoder_streams: float,
     ) -> bool:
-        """Closed when every prefiller has more than `queue_tokens` prompt tokens queued (`queued`)."""
-        if self.queue_tokens <= 0 or not self._applies(prefillers, uncached_tokens):
+        """Closed when every prefiller has more than `queue_tokens` prompt tokens queued (`queued`);
+        it diverts a prompt only while `uncached_tokens` times `decoder_streams` (at least 1) stays
+        below `max_tokens`."""
+        if self.queue_tokens <= 0 or not self._applies(prefillers, uncached_tokens * max(decoder_streams, 1.0)):
             return False
         return all(queued(prefiller) > self.queue_tokens for prefiller in prefillers)
 
-    def _applies(self, prefillers: Sequence[Endpoint], uncached_tokens: int) -> bool:
+    def _applies(self, prefillers: Sequence[Endpoint], uncached_tokens: float) -> bool:
         return self.max_tokens > 0 and uncached_tokens < self.max_tokens and bool(prefillers)

@@ -275,6 +275,37 @@ def test_the_ttft_slo_keeps_no_prompt_direct_whose_stall_would_make_a_full_decod
     assert (late_direct.disaggregate, late_direct.reason) == (True, "ttft_slo")
 
 
+def test_the_itl_slo_sends_away_a_prompt_whose_prefill_would_freeze_the_streams() -> None:
+    # A 10 s prefill queue: by the linear costs a 6k-token prompt (0.6 s on the decoder, 4 streams:
+    # 2.4 s of stall in all) is cheaper direct than 10 s in the queue...
+    plain = model().estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000)
+    assert (plain.disaggregate, plain.reason) == (False, "adaptive_cheaper_direct")
+    # ...but each stream would freeze for 0.6 s, over a 0.25 s ITL SLO: the prompt takes the hop.
+    m = model(itl_slo=0.25)
+    frozen = m.estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000)
+    assert (frozen.disaggregate, frozen.reason) == (True, "itl_slo")
+    # A 2k-token prompt pauses them 0.2 s, within the SLO: the model keeps it direct...
+    within = m.estimate("d", "p", 2000, running_streams=4, prefiller_queue=100_000)
+    assert (within.disaggregate, within.reason) == (False, "adaptive_cheaper_direct")
+    # ...also behind prompts queued on the decoder: they pause the streams whichever path it takes, and
+    # the prefill pool's 10 s queue would buy nothing.
+    queued = m.estimate("d", "p", 2000, running_streams=4, prefiller_queue=100_000, decoder_queue=5000)
+    assert (queued.disaggregate, queued.reason) == (False, "adaptive_cheaper_direct")
+    # An idle decoder has no stream to pause: the model decides.
+    assert m.estimate("d", "p", 6000, running_streams=0, prefiller_queue=100_000).reason == "adaptive_cheaper_direct"
+
+
+def test_with_both_slos_the_itl_slo_decides_only_while_the_hop_is_on_time() -> None:
+    m = model(itl_slo=0.25, ttft_slo=1.0)
+    # No prefill queue: the hop's first token comes in about 0.9 s, on time, and the direct prefill
+    # would pause 4 streams 0.5 s: the hop.
+    on_time = m.estimate("d", "p", 5000, running_streams=4, prefiller_queue=0)
+    assert (on_time.disaggregate, on_time.reason) == (True, "itl_slo")
+    # Behind a 10 s queue the hop is late and the direct path too rough: neither meets the SLOs.
+    neither = m.estimate("d", "p", 5000, running_streams=4, prefiller_queue=100_000)
+    assert neither.reason == "adaptive_cheaper_direct"
+
+
 def test_exploration_only_ever_sends_prompts_to_the_prefill_pool() -> None:
     m = AdaptiveModel(
         AdaptivePolicy(explore_share=0.2, min_threshold=16, max_threshold=10**6),

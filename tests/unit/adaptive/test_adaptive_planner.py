@@ -111,15 +111,30 @@ def test_many_short_prompts_waiting_on_the_prefillers_do_not_close_the_adaptive_
 
 def test_prefillers_holding_more_queued_tokens_than_the_cap_close_the_adaptive_busy_gate() -> None:
     p = planner(prefill_busy_queue_tokens=100_000, prefill_busy_max_tokens=16384)
-    p.pool.decoders[0].in_flight = 24
+    p.pool.decoders[0].in_flight = 1
     busy_prefillers(p, waiting=0, queued_tokens=120_000)
     assert p.plan(prompt(8000, seed=8)).reason == "prefill_pool_busy"
-    # The ceiling still holds: prompts of prefill_busy_max_tokens and more wait for a prefiller.
+    # The ceiling still holds: prompts of prefill_busy_max_tokens and more are left to the model.
     ceiling = p.plan(prompt(20_000, seed=9))
-    assert (ceiling.path, ceiling.reason) == ("disaggregated", "adaptive_interference")
+    assert ceiling.reason in {"adaptive_interference", "adaptive_cheaper_direct"}
     # One prefiller below the cap keeps the gate open.
     p.pool.prefillers[1].queued_tokens = 50_000
     assert p.plan(prompt(8000, seed=11)).reason != "prefill_pool_busy"
+
+
+def test_the_adaptive_busy_gate_diverts_only_what_the_decoders_streams_can_absorb() -> None:
+    # A saturated prefill pool, and a decoder with 24 streams: an 8k-token prompt would stall each of
+    # them for its whole prefill (8000 x 24 tokens, over the 16384 ceiling), so the model decides it;
+    # a 600-token prompt (600 x 24 = 14400) is diverted.
+    p = planner(prefill_busy_queue_tokens=100_000, prefill_busy_max_tokens=16384)
+    p.pool.decoders[0].in_flight = 24
+    busy_prefillers(p, waiting=0, queued_tokens=120_000)
+    long = p.plan(prompt(8000, seed=13))
+    assert long.reason in {"adaptive_interference", "adaptive_cheaper_direct"}
+    assert (p.plan(prompt(600, seed=14)).path, p.plan(prompt(600, seed=15)).reason) == ("direct", "prefill_pool_busy")
+    # The same 8k-token prompt on a decoder with one stream is diverted.
+    p.pool.decoders[0].in_flight = 1
+    assert p.plan(prompt(8000, seed=16)).reason == "prefill_pool_busy"
 
 
 def test_a_token_cap_of_zero_turns_the_adaptive_busy_gate_off() -> None:
