@@ -421,10 +421,23 @@ class AdaptiveModel:
         # w * (d0 + d1 x) > p0 + p1 (queue + x) + h0 + h1 x - (wait + d1 dqueue + d0 + d1 x)
         slope = (w + 1) * d.per_token - p.per_token - self.handoff.per_token
         intercept = p.overhead + queued + self.handoff.overhead - (w + 1) * d.overhead - waiting
-        if slope <= 0:
-            return math.inf if intercept >= 0 else float(self.policy.min_threshold)
-        crossing = max(intercept / slope, 0.0)
+        crossing = (math.inf if intercept >= 0 else 0.0) if slope <= 0 else max(intercept / slope, 0.0)
+        crossing = min(crossing, self._itl_slo_tokens(decoder, prefiller, running_streams, prefiller_queue))
+        if math.isinf(crossing):
+            return math.inf
         return float(min(max(crossing, self.policy.min_threshold), self.policy.max_threshold))
+
+    def _itl_slo_tokens(self, decoder: str, prefiller: str, running_streams: float, prefiller_queue: float) -> float:
+        """The prompt length from which the ITL SLO sends prompts to the hop at this load: where their
+        own prefill would pause the running streams longer than the SLO, unless the hop of a prompt that
+        long would miss the TTFT SLO (then the model decides); inf when it sends none."""
+        itl_slo, ttft_slo = self.policy.itl_slo, self.policy.ttft_slo
+        d = self.direct_cost(decoder)
+        if itl_slo is None or running_streams <= 0 or d.per_token <= 0:
+            return math.inf
+        tokens = max((itl_slo - d.overhead) / d.per_token, 0.0)
+        hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + tokens) + self.handoff.predict(tokens)
+        return math.inf if ttft_slo is not None and hop > ttft_slo else tokens
 
     def cost_rows(self) -> list[tuple[str, str, str, float]]:
         """(model, endpoint, term, value) for every learned cost, for metrics."""

@@ -295,6 +295,22 @@ def test_the_itl_slo_sends_away_a_prompt_whose_prefill_would_freeze_the_streams(
     assert m.estimate("d", "p", 6000, running_streams=0, prefiller_queue=100_000).reason == "adaptive_cheaper_direct"
 
 
+def test_the_effective_threshold_shows_where_the_itl_slo_sends_prompts_away() -> None:
+    # 4 streams behind a 10 s prefill queue: by the linear costs only prompts past about 20k tokens
+    # would leave the decoder; with a 0.25 s ITL SLO those past 2450 do (0.005 s + 100 us per token).
+    plain = model().effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000)
+    capped = model(itl_slo=0.25).effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000)
+    assert plain > 15_000
+    assert capped == pytest.approx(2450, rel=0.01)
+    m = model(itl_slo=0.25)
+    assert not m.estimate("d", "p", 2400, running_streams=4, prefiller_queue=100_000).disaggregate
+    assert m.estimate("d", "p", 2500, running_streams=4, prefiller_queue=100_000).disaggregate
+    # No stream to pause, or a hop that would miss the TTFT SLO: the model's threshold stands.
+    assert math.isinf(m.effective_threshold("d", "p", running_streams=0, prefiller_queue=100_000))
+    late = model(itl_slo=0.25, ttft_slo=1.0).effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000)
+    assert late == pytest.approx(plain)
+
+
 def test_with_both_slos_the_itl_slo_decides_only_while_the_hop_is_on_time() -> None:
     m = model(itl_slo=0.25, ttft_slo=1.0)
     # No prefill queue: the hop's first token comes in about 0.9 s, on time, and the direct prefill
