@@ -351,8 +351,7 @@ class AdaptiveModel:
         engine's speed per token)."""
         direct = self.direct_cost(decoder).predict(uncached_tokens)
         direct_ttft = self._wait_before_prefill(decoder, decoder_queue) + direct
-        hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
-        hop += self.handoff.predict(uncached_tokens)
+        hop = self._hop_ttft(prefiller, prefiller_queue, uncached_tokens)
         stall = direct * max(running_streams, 0.0)
         extra = hop - direct_ttft
         policy = self.policy
@@ -368,6 +367,12 @@ class AdaptiveModel:
         if self._explores(stall * policy.interference_weight, extra, disaggregate):
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "explore")
         return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, disaggregate, reason)
+
+    def _hop_ttft(self, prefiller: str, prefiller_queue: float, uncached_tokens: float) -> float:
+        """The disaggregated path's first-token time: the prefiller's queue and this prompt's prefill at
+        its learned line, plus the KV hand-off."""
+        hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
+        return hop + self.handoff.predict(uncached_tokens)
 
     def _wait_before_prefill(self, decoder: str, decoder_queue: float) -> float:
         """A direct prompt's wait on `decoder` before its own prefill: the queued prompts' prefill at the
@@ -436,8 +441,8 @@ class AdaptiveModel:
         if itl_slo is None or running_streams <= 0 or d.per_token <= 0:
             return math.inf
         tokens = max((itl_slo - d.overhead) / d.per_token, 0.0)
-        hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + tokens) + self.handoff.predict(tokens)
-        return math.inf if ttft_slo is not None and hop > ttft_slo else tokens
+        late = ttft_slo is not None and self._hop_ttft(prefiller, prefiller_queue, tokens) > ttft_slo
+        return math.inf if late else tokens
 
     def cost_rows(self) -> list[tuple[str, str, str, float]]:
         """(model, endpoint, term, value) for every learned cost, for metrics."""
