@@ -5,7 +5,8 @@ A. Sweep: a mixed streaming workload (mostly short chat, some long prompts) thro
    whose short-request TTFT p99 stays within the TTFT budget (`--ttft-budget`; when none does,
    the lowest short-request TTFT p99 wins and the report says so).
 B. Convergence: adaptive started from deliberately bad thresholds (512 and 32768), compared with
-   the best static run (pass: short ITL p99 within 10% of it and short TTFT p99 within the budget).
+   the best static run (pass: short ITL p99 within 10% of it and short TTFT p99 within the budget);
+   with `--itl-slo`, also with that `itl_slo`.
 C. Load change: quiet -> busy -> quiet (concurrency per phase, `--phases`) for the best static
    threshold, the `--change-static` ones (512: the best for a quiet decoder) and adaptive (started
    from the best threshold; with `--slo-variant`, also with `ttft_slo` = the budget; with
@@ -14,7 +15,9 @@ C. Load change: quiet -> busy -> quiet (concurrency per phase, `--phases`) for t
 D. The other workloads of the issue, each with its own sweep and bad starts as in A and B: the
    seed's finance mix (scaled as in scenario 1) at concurrency 16, and the fixed D(4096,256) at
    concurrency 8, 16 and 32 (`WORKLOADS`); with `--itl-slo`, adaptive runs from each bad start
-   with that `itl_slo` too.
+   with that `itl_slo` too. The warm-up is at least `WARMUP_ROUNDS` rounds of the workload's
+   concurrency (c=32: 80 requests), so every workload's adaptive runs get the same number of
+   decisions per stream before measuring.
 
 Statistics. Every configuration runs once per repeat (`--repeats`), interleaved, in an order that
 rotates from repeat to repeat, so a slow spell of the shared machine falls on all of them. Within a
@@ -64,6 +67,10 @@ WORKLOADS: list[dict[str, Any]] = [
     *({"name": f"D(4096,256), c={c}", "workload": "D(4096,256)", "concurrency": c, "requests": 4 * c,
        "thresholds": [2048, 8192], "ttft_budget": 2.0} for c in (8, 16, 32)),
 ]  # fmt: skip
+# Part D's warm-up, in rounds of the concurrency: at least this many (and at least --warmup requests).
+# 2.5 is the seed mix's 40 requests at c=16; at c=32, 40 requests were 1.25 rounds, and the first
+# measured requests still queued behind the warm-up's prompts on the prefiller.
+WARMUP_ROUNDS = 2.5
 SMOKE_WORKLOADS: list[dict[str, Any]] = [
     {"name": "D(600,8), c=2", "workload": "D(600,8)", "concurrency": 2, "requests": 4,
      "thresholds": [256, 4096], "ttft_budget": 5.0},
@@ -115,8 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--itl-slo", type=float, default=0.0,
-        help="seconds: also run adaptive with this itl_slo, in the load change and from each bad start in part D "
-        "(0: not)",
+        help="seconds: also run adaptive with this itl_slo, in the load change and from each bad start in parts B "
+        "and D (0: not)",
     )  # fmt: skip
     parser.add_argument("--render", action="store_true", help="rewrite results.md and plots from results.json")
     parser.add_argument("--smoke", action="store_true")
@@ -708,13 +715,13 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             "",
             *carried_note(results, "converge"),
         ]
-        rows = [config_row(f"adaptive from {c['threshold']}", c) for c in conv]
+        rows = [config_row(f"{c['mode']} from {c['threshold']}", c) for c in conv]
         if best is not None:
             rows.insert(0, config_row(f"best static {best['threshold']}", best["config"]))
         md += [report.table(RUN_HEADERS, rows), ""]
         verdict_rows = [
             [
-                c["threshold"],
+                f"{c['mode']} from {c['threshold']}",
                 f"{c['warmup_seconds']:.1f}",
                 ratio_text(c["verdict"].get("itl_ratio"), c["verdict"].get("itl_paired", [])),
                 "yes" if c["verdict"]["ttft_within_budget"] else "no",
@@ -725,7 +732,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             for c in conv
         ]
         headers = [
-            "start threshold",
+            "run",
             "warm-up s",
             "short ITL p99 vs best static",
             "TTFT p99 in budget",
@@ -741,7 +748,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             ]
         md += ["Learned costs at the end of each adaptive run (`dpd_router_adaptive_cost`):", ""]
         md += [
-            f"- from {c['threshold']}, repeat {r['repeat']}: {learned_text(r['learned'])}"
+            f"- {c['mode']} from {c['threshold']}, repeat {r['repeat']}: {learned_text(r['learned'])}"
             for c in conv
             for r in c["runs"]
         ]
@@ -842,7 +849,8 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
         *carried_note(results, "workloads"),
         f"Per workload: every static threshold, then adaptive from {' and '.join(map(str, d.bad_starts))}"
         + (f" (also with itl_slo {itl_ms:g} ms: `adaptive+itl{itl_ms:g}ms`)" if itl_ms else "")
-        + f", {d.warmup} unmeasured requests first in every run. ITL p99 is over the short requests' gaps (every "
+        + f", the first max({d.warmup}, {WARMUP_ROUNDS:g} x concurrency) requests of every run unmeasured (the "
+        "warm-up column). ITL p99 is over the short requests' gaps (every "
         "request's, when the workload has one class); the best static is the lowest ITL p99 with TTFT p99 "
         "within the budget; when no static run meets the budget, the lowest TTFT p99, and adaptive reaches "
         "it with a TTFT p99 within the budget or within 10% of the best's.",
@@ -861,6 +869,7 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
             rows.append(
                 [
                     f"{ws['name']} (TTFT budget {ws['ttft_budget']:g} s)",
+                    ws.get("warmup", d.warmup),
                     name,
                     ranged(s["short_itl_p99"]),
                     ranged(s["short_ttft_p99"]),
@@ -879,6 +888,7 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
             )
     headers = [
         "workload",
+        "warm-up requests",
         "run",
         "ITL p99 ms, median [min-max]",
         "TTFT p99 ms, median [min-max]",
@@ -996,11 +1006,18 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return written
 
 
+def workload_warmup(warmup: int, concurrency: int) -> int:
+    """Part D's unmeasured requests: `warmup`, or WARMUP_ROUNDS rounds of the concurrency when more."""
+    return max(warmup, math.ceil(WARMUP_ROUNDS * concurrency))
+
+
 async def other_workloads(
     args: argparse.Namespace, cluster: Any, factory: PromptFactory, seeds: Iterator[int]
 ) -> list[dict[str, Any]]:
     """Part D: per workload, its static sweep and adaptive from each bad start, repeats interleaved."""
     setups = [argparse.Namespace(**{**vars(args), **spec}) for spec in args.workloads]
+    for setup in setups:
+        setup.warmup = workload_warmup(args.warmup, setup.concurrency)
     # (workload, mode, threshold, index of the adaptive variant's SLOs: -1 for none)
     variants = adaptive_variants(args)
     adaptive = [("adaptive", t, v) for v in range(-1, len(variants)) for t in args.bad_starts]
@@ -1030,6 +1047,7 @@ async def other_workloads(
                 "workload": setup.workload,
                 "concurrency": setup.concurrency,
                 "requests": setup.requests,
+                "warmup": setup.warmup,
                 "ttft_budget": setup.ttft_budget,
                 "sweep": sweep,
                 "best": {"threshold": best["threshold"], "within_budget": within},
@@ -1113,22 +1131,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     seeds = prompt_seeds()
     async with stack.engines(prefill=1, decode=1, timing=args.timing, extra_args=extra) as cluster:
-        configs: list[tuple[str, int]] = []
+        # (mode, threshold, index of the adaptive variant's SLOs: -1 for none), as in part D
+        variants = adaptive_variants(args)
+        adaptive = [("adaptive", t, v) for v in range(-1, len(variants)) for t in args.bad_starts]
+        configs: list[tuple[str, int, int]] = []
         if "sweep" not in args.skip:
-            configs += [("static", t) for t in args.thresholds]
+            configs += [("static", t, -1) for t in args.thresholds]
         if "converge" not in args.skip:
-            configs += [("adaptive", t) for t in args.bad_starts]
-        runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in configs}
+            configs += adaptive
+        runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
         for repeat in range(args.repeats):
-            for mode, threshold in rotated(configs, repeat):
+            for mode, threshold, v in rotated(configs, repeat):
                 run = await one_run(
                     args, cluster, factory, mode=mode, threshold=threshold, draw=100 + repeat,
-                    prompt_seed=next(seeds), repeat=repeat,
+                    prompt_seed=next(seeds), repeat=repeat, slos=variants[v] if v >= 0 else None,
                 )  # fmt: skip
-                runs[(mode, threshold)].append(run)
+                runs[(mode, threshold, v)].append(run)
         best = None
         if "sweep" not in args.skip:
-            sweep = [aggregate(runs[("static", t)]) for t in args.thresholds]
+            sweep = [aggregate(runs[("static", t, -1)]) for t in args.thresholds]
             results["sweep"] = sweep
             best, within = pick_best(sweep, args.ttft_budget)
             results["best"] = {"threshold": best["threshold"], "within_budget": within, "config": best}
@@ -1136,7 +1157,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if best is None and results.get("best"):
             best = results["best"]["config"]  # a carried sweep's
         if "converge" not in args.skip:
-            conv = [aggregate(runs[("adaptive", t)]) for t in args.bad_starts]
+            conv = [aggregate(runs[c]) for c in adaptive]
             for config in conv:
                 config["verdict"] = verdict(config, best, args.ttft_budget)
             results["converge"] = conv

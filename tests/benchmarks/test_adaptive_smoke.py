@@ -25,6 +25,11 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert results["best"]["threshold"] in (256, 4096)
     assert all(run["summary"]["all"]["errors"] == 0 for run in results["sweep"] + results["converge"])
     assert all("reached" in run["verdict"] for run in results["converge"])
+    # Part B: adaptive from the bad start, alone and with --itl-slo.
+    assert [(run["mode"], run["threshold"]) for run in results["converge"]] == [
+        ("adaptive", 256),
+        ("adaptive+itl500ms", 256),
+    ]
     # The load change: the best static threshold, the --change-static one (256), then adaptive: alone,
     # with ttft_slo (--slo-variant, on by default) and with --itl-slo.
     runs = [(run["mode"], run["threshold"]) for run in results["change"]]
@@ -42,6 +47,7 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     (workload,) = results["workloads"]
     assert [run["threshold"] for run in workload["sweep"]] == [256, 4096]
     assert workload["best"]["threshold"] in (256, 4096)
+    assert workload["warmup"] == 5  # 2.5 rounds of its concurrency (2), more than --warmup's 4
     assert [(run["mode"], run["threshold"]) for run in workload["converge"]] == [
         ("adaptive", 256),
         ("adaptive+itl500ms", 256),
