@@ -125,6 +125,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds: also run adaptive with this itl_slo, in the load change and from each bad start in parts B "
         "and D (0: not)",
     )  # fmt: skip
+    parser.add_argument(
+        "--itl-slo-share", type=float, nargs="+", default=[0.0],
+        help="the itl_slo variants' itl_slo_share, one variant per value (the share of the decoder's gaps "
+        "it may spend on longer pauses; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--render", action="store_true", help="rewrite results.md and plots from results.json")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -163,15 +168,21 @@ def router_settings(args: argparse.Namespace, mode: str) -> dict[str, object]:
 
 
 def variant_name(mode: str, slos: dict[str, float] | None) -> str:
-    """`adaptive+slo1s` (ttft_slo 1 s), `adaptive+itl250ms` (itl_slo 0.25 s), or the mode alone."""
+    """`adaptive+slo1s` (ttft_slo 1 s), `adaptive+itl250ms` (itl_slo 0.25 s), `adaptive+itl250ms@0.5%`
+    (and itl_slo_share 0.005), or the mode alone."""
     slos = slos or {}
     name = mode + (f"+slo{slos['ttft_slo']:g}s" if "ttft_slo" in slos else "")
-    return name + (f"+itl{slos['itl_slo'] * 1000:g}ms" if "itl_slo" in slos else "")
+    name += f"+itl{slos['itl_slo'] * 1000:g}ms" if "itl_slo" in slos else ""
+    return name + (f"@{slos['itl_slo_share'] * 100:g}%" if slos.get("itl_slo_share") else "")
 
 
 def adaptive_variants(args: argparse.Namespace) -> list[dict[str, float]]:
-    """The SLO settings of the extra adaptive runs of part D: with `--itl-slo`, that itl_slo."""
-    return [{"itl_slo": args.itl_slo}] if args.itl_slo > 0 else []
+    """The SLO settings of the extra adaptive runs of parts B and D: with `--itl-slo`, that itl_slo, once
+    per `--itl-slo-share` value (0: no itl_slo_share)."""
+    if getattr(args, "itl_slo", 0.0) <= 0:
+        return []
+    shares = getattr(args, "itl_slo_share", None) or [0.0]
+    return [{"itl_slo": args.itl_slo} | ({"itl_slo_share": share} if share > 0 else {}) for share in shares]
 
 
 def open_loop(args: argparse.Namespace) -> bool:
@@ -842,13 +853,15 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
     if not sets:
         return []
     d = part_args(results, args, "workloads")
-    itl_ms = getattr(d, "itl_slo", 0) * 1000
+    extra = [(variant, variant_name("adaptive", variant)) for variant in adaptive_variants(d)]
     md = [
         "## D. The other workloads: static sweep, then adaptive from a bad start",
         "",
         *carried_note(results, "workloads"),
         f"Per workload: every static threshold, then adaptive from {' and '.join(map(str, d.bad_starts))}"
-        + (f" (also with itl_slo {itl_ms:g} ms: `adaptive+itl{itl_ms:g}ms`)" if itl_ms else "")
+        + "".join(
+            f" (also with {', '.join(f'{k} {v:g}' for k, v in variant.items())}: `{name}`)" for variant, name in extra
+        )
         + f", the first max({d.warmup}, {WARMUP_ROUNDS:g} x concurrency) requests of every run unmeasured (the "
         "warm-up column). ITL p99 is over the short requests' gaps (every "
         "request's, when the workload has one class); the best static is the lowest ITL p99 with TTFT p99 "

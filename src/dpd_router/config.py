@@ -133,13 +133,15 @@ class Settings(BaseSettings):
     # on the decoder's running streams) exceeds the hop's extra cost, both learned online; never below
     # min_threshold uncached tokens, always from max_threshold; explore_share of the decisions near the
     # boundary are flipped to keep measuring both paths; known SLOs (seconds) win when only one path meets
-    # them: ttft_slo by first-token time, itl_slo by the pause a direct prefill puts in the decoder's streams.
+    # them: ttft_slo by first-token time, itl_slo by the pause a direct prefill puts in the decoder's streams,
+    # of which itl_slo_share of the decoder's recent inter-token gaps may be longer (0: none).
     interference_weight: float = Field(default=1.0, ge=0)
     min_threshold: int = Field(default=256, ge=0)
     max_threshold: int = Field(default=32768, ge=1)
     explore_share: float = Field(default=0.03, ge=0, le=0.2)
     ttft_slo: float | None = Field(default=None, gt=0)
     itl_slo: float | None = Field(default=None, gt=0)
+    itl_slo_share: float = Field(default=0.0, ge=0, le=0.1)
     prefill_strategy: PrefillStrategy = "prefixaware"
     # The `session` strategy's key: this header, else the body's `user` field.
     session_header: str = Field(default="x-session-id", min_length=1)

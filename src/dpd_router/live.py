@@ -34,6 +34,7 @@ LIVE_SETTINGS = frozenset(
         "explore_share",
         "ttft_slo",
         "itl_slo",
+        "itl_slo_share",
         "prefill_strategy",
         "session_header",
         "balance_abs_threshold",

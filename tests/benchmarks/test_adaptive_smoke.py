@@ -18,7 +18,7 @@ from tests.benchmarks.test_scenarios_smoke import HAVE_MATPLOTLIB, run_scenario
 
 
 def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> None:
-    results = run_scenario("adaptive", tmp_path, "--itl-slo", "0.5", timeout=300)
+    results = run_scenario("adaptive", tmp_path, "--itl-slo", "0.5", "--itl-slo-share", "0.01", timeout=300)
     assert (tmp_path / "results.md").read_text().startswith("# Scenario 5")
 
     assert [run["threshold"] for run in results["sweep"]] == [256, 4096]
@@ -28,14 +28,15 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     # Part B: adaptive from the bad start, alone and with --itl-slo.
     assert [(run["mode"], run["threshold"]) for run in results["converge"]] == [
         ("adaptive", 256),
-        ("adaptive+itl500ms", 256),
+        ("adaptive+itl500ms@1%", 256),
     ]
     # The load change: the best static threshold, the --change-static one (256), then adaptive: alone,
     # with ttft_slo (--slo-variant, on by default) and with --itl-slo.
     runs = [(run["mode"], run["threshold"]) for run in results["change"]]
     statics = {threshold for mode, threshold in runs if mode == "static"}
     assert statics == {results["best"]["threshold"], 256}
-    assert [mode for mode, _ in runs] == ["static"] * len(statics) + ["adaptive", "adaptive+slo5s", "adaptive+itl500ms"]
+    adaptive_modes = ["adaptive", "adaptive+slo5s", "adaptive+itl500ms@1%"]
+    assert [mode for mode, _ in runs] == ["static"] * len(statics) + adaptive_modes
     for run in results["change"]:
         assert [phase["phase"] for phase in run["phases"]] == ["quiet-1", "busy", "quiet-2"]
         assert all(phase["summary"]["all"]["errors"] == 0 for phase in run["phases"])
@@ -50,13 +51,13 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert workload["warmup"] == 5  # 2.5 rounds of its concurrency (2), more than --warmup's 4
     assert [(run["mode"], run["threshold"]) for run in workload["converge"]] == [
         ("adaptive", 256),
-        ("adaptive+itl500ms", 256),
+        ("adaptive+itl500ms@1%", 256),
     ]
     assert all(run["summary"]["all"]["errors"] == 0 for run in workload["sweep"] + workload["converge"])
     assert all("reached" in run["verdict"] for run in workload["converge"])
     assert all(run["learned"] for run in workload["converge"][1]["runs"]), "adaptive+itl's costs were not scraped"
     md = (tmp_path / "results.md").read_text()
-    assert "## D. The other workloads" in md and "adaptive+itl500ms from 256" in md
+    assert "## D. The other workloads" in md and "adaptive+itl500ms@1% from 256" in md
     if HAVE_MATPLOTLIB:
         assert results["plots"]
         for name in results["plots"]:
@@ -69,6 +70,17 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert set(kept["carried"]) == {"sweep", "converge", "change", "workloads"}
     assert kept["carried"]["sweep"]["env"] == results["env"]
     assert "Kept from an earlier run" in (tmp_path / "results.md").read_text()
+
+
+def test_variant_names_say_their_slos() -> None:
+    assert adaptive.variant_name("adaptive", None) == "adaptive"
+    assert adaptive.variant_name("adaptive", {"ttft_slo": 1.0}) == "adaptive+slo1s"
+    assert adaptive.variant_name("adaptive", {"itl_slo": 0.25}) == "adaptive+itl250ms"
+    assert adaptive.variant_name("adaptive", {"itl_slo": 0.25, "itl_slo_share": 0.005}) == "adaptive+itl250ms@0.5%"
+    args = adaptive.parse_args(["--itl-slo", "0.25", "--itl-slo-share", "0", "0.005"])
+    assert adaptive.adaptive_variants(args) == [{"itl_slo": 0.25}, {"itl_slo": 0.25, "itl_slo_share": 0.005}]
+    assert adaptive.adaptive_variants(adaptive.parse_args(["--itl-slo", "0.25"])) == [{"itl_slo": 0.25}]
+    assert adaptive.adaptive_variants(adaptive.parse_args([])) == []
 
 
 def test_only_workloads_runs_the_matching_ones_and_keeps_the_others(tmp_path: Path) -> None:

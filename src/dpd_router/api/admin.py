@@ -106,6 +106,12 @@ async def routing(request: Request) -> Response:
                 else "."
             )
         )
+        if settings.itl_slo is not None:
+            summary.append(
+                f"Direct prefills longer than itl_slo ({settings.itl_slo:g} s) made {entry['late_gap_share']:.2%} "
+                f"of decoder {entry['decoder']}'s recent inter-token gaps; itl_slo_share allows "
+                f"{settings.itl_slo_share:.2%}."
+            )
     body = {
         "threshold_mode": settings.threshold_mode,
         "routing_threshold": settings.routing_threshold,

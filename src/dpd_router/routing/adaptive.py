@@ -46,6 +46,13 @@ nothing); and a small exploration share keeps measuring the hop near the boundar
 The ITL SLO is what tells a long prompt's stall from a short one's: the linear cost counts ten
 streams stalled 0.1 s the same as one stalled 1 s, but a 0.1 s gap hides among a busy decoder's
 ordinary ones while a 1 s gap is a visible freeze, the kind a stream's ITL p99 (and its reader) notices.
+
+An ITL SLO is a percentile, not a maximum: with `itl_slo_share` the router may spend that share of a
+decoder's inter-token gaps on pauses longer than the SLO. Each direct prefill longer than the SLO
+spends one gap per stream it pauses; the gaps are counted from the decoder's finished streams; both
+fade with time (GapBudget). A prompt that finds the decoder with few streams then goes direct on the
+model's word (a 4k prompt pausing 3 streams spends 3 of, at c=32, hundreds of gaps a second), while
+one that would pause a full decoder, or a decoder whose budget is spent, still takes the hop.
 """
 
 from __future__ import annotations
@@ -180,6 +187,57 @@ class HopCost:
 
 
 @dataclass
+class GapBudget:
+    """A decoder's recent inter-token gaps and the pauses longer than the ITL SLO the router chose to put
+    in them, both fading with time (`half_life_seconds`), so their ratio is the share of late gaps it
+    caused lately. Gaps are counted when their stream finishes, pauses when the prefill is decided."""
+
+    half_life_seconds: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    _gaps: float = field(init=False, default=0.0)
+    _spent: float = field(init=False, default=0.0)
+    _last: float | None = field(init=False, default=None)
+
+    def _fade(self) -> None:
+        now = self.clock()
+        if self._last is not None:
+            decay = 0.5 ** (max(now - self._last, 0.0) / self.half_life_seconds)
+            self._gaps *= decay
+            self._spent *= decay
+        self._last = now
+
+    def count_gaps(self, gaps: int) -> None:
+        self._fade()
+        self._gaps += max(gaps, 0)
+
+    def allows(self, pauses: float, share: float) -> bool:
+        """Whether `pauses` more late gaps keep the late share within `share` of the recent gaps."""
+        self._fade()
+        return share > 0 and self._spent + pauses <= share * self._gaps
+
+    def spend(self, pauses: float) -> None:
+        self._fade()
+        self._spent += max(pauses, 0.0)
+
+    @property
+    def gaps(self) -> float:
+        """The decoder's recent inter-token gaps, faded to now."""
+        self._fade()
+        return self._gaps
+
+    @property
+    def spent(self) -> float:
+        """The late gaps the router's direct prefills put in them, faded to now."""
+        self._fade()
+        return self._spent
+
+    @property
+    def share(self) -> float:
+        self._fade()
+        return self._spent / self._gaps if self._gaps > 0 else 0.0
+
+
+@dataclass
 class DecayedMean:
     """The mean of recent observations, fading per observation and with time (no prior: starts at 0)."""
 
@@ -220,6 +278,8 @@ class AdaptivePolicy:
     explore_share: float = 0.03
     ttft_slo: float | None = None
     itl_slo: float | None = None
+    # The share of a decoder's inter-token gaps the router may spend on pauses longer than itl_slo (0: none).
+    itl_slo_share: float = 0.0
     # Priors, before anything is learned (see AdaptiveModel._prior_hop): the static threshold holds
     # at a load of one running stream.
     prior_prefill_per_token: float = 0.0001
@@ -256,6 +316,7 @@ class AdaptiveModel:
         self._direct: OrderedDict[str, LinearCost] = OrderedDict()
         self._wait: OrderedDict[str, DecayedMean] = OrderedDict()
         self._hop: OrderedDict[str, HopCost] = OrderedDict()
+        self._gaps: OrderedDict[str, GapBudget] = OrderedDict()
         self.handoff = self._prior_handoff()
 
     # -- priors -------------------------------------------------------------------------------
@@ -291,6 +352,9 @@ class AdaptiveModel:
     def hop_cost(self, prefiller: str) -> HopCost:
         return self._fit(self._hop, prefiller, self._prior_hop)
 
+    def gap_budget(self, decoder: str) -> GapBudget:
+        return self._fit(self._gaps, decoder, GapBudget)
+
     def reprior(self, routing_threshold: int) -> None:
         """A new routing_threshold: prefillers not yet seen start from priors built on it."""
         self.routing_threshold = routing_threshold
@@ -310,6 +374,8 @@ class AdaptiveModel:
 
     def learn_from(self, trace: RequestTrace) -> None:
         """Learn from a finished streamed request (a whole answer says nothing about its first token)."""
+        if trace.stream and trace.decoder and trace.token_chunks > 1:
+            self.gap_budget(trace.decoder).count_gaps(trace.token_chunks - 1)
         if trace.outcome != "ok" or not trace.stream or trace.uncached_tokens is None:
             return
         tokens = trace.uncached_tokens
@@ -348,7 +414,8 @@ class AdaptiveModel:
     ) -> Estimate:
         """`running_streams`: what a direct prefill would stall; `prefiller_queue` / `decoder_queue`: the
         prompt tokens already queued on the prefiller / the decoder (their prefill comes first, at that
-        engine's speed per token)."""
+        engine's speed per token). A direct decision whose prefill pauses the streams longer than
+        itl_slo spends that many gaps of the decoder's ITL budget."""
         direct = self.direct_cost(decoder).predict(uncached_tokens)
         direct_ttft = self._wait_before_prefill(decoder, decoder_queue) + direct
         hop = self._hop_ttft(prefiller, prefiller_queue, uncached_tokens)
@@ -359,13 +426,18 @@ class AdaptiveModel:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, False, "below_min_threshold")
         if uncached_tokens >= policy.max_threshold:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "above_max_threshold")
-        slo = self._slo_path(direct_ttft, hop, stall, direct if running_streams > 0 else 0.0)
+        late = policy.itl_slo is not None and running_streams > 0 and direct > policy.itl_slo
+        budgeted = late and self.gap_budget(decoder).allows(running_streams, policy.itl_slo_share)
+        slo = self._slo_path(direct_ttft, hop, stall, smooth=not late or budgeted)
         if slo is not None:
-            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, *slo)
-        disaggregate = policy.interference_weight * stall > extra
-        reason = "adaptive_interference" if disaggregate else "adaptive_cheaper_direct"
-        if self._explores(stall * policy.interference_weight, extra, disaggregate):
-            return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "explore")
+            disaggregate, reason = slo
+        else:
+            disaggregate = policy.interference_weight * stall > extra
+            reason = "adaptive_interference" if disaggregate else "adaptive_cheaper_direct"
+            if self._explores(stall * policy.interference_weight, extra, disaggregate):
+                disaggregate, reason = True, "explore"
+        if late and not disaggregate:
+            self.gap_budget(decoder).spend(running_streams)
         return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, disaggregate, reason)
 
     def _hop_ttft(self, prefiller: str, prefiller_queue: float, uncached_tokens: float) -> float:
@@ -379,10 +451,11 @@ class AdaptiveModel:
         decoder's speed per token, plus the learned wait they do not explain."""
         return self.direct_cost(decoder).per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
 
-    def _slo_path(self, direct_ttft: float, hop_ttft: float, stall: float, pause: float) -> tuple[bool, str] | None:
+    def _slo_path(self, direct_ttft: float, hop_ttft: float, stall: float, *, smooth: bool) -> tuple[bool, str] | None:
         """(disaggregate, reason) when the known SLOs pick the path: only one path meets all of them.
         The hop meets the TTFT SLO by its first-token time; the direct path meets it by its own, and
-        the ITL SLO by `pause`, what its prefill adds to the running streams' next gap. When the direct
+        the ITL SLO when `smooth`: its prefill would not pause the running streams longer than the SLO,
+        or the decoder's ITL budget has room for those late gaps. When the direct
         path is the one on time for the TTFT SLO it is taken only while its weighted stall summed over
         the streams stays within that SLO: keeping one long prompt on time must not make a decoder full
         of streams late, and that stall also delays the first token of every request behind it.
@@ -393,7 +466,6 @@ class AdaptiveModel:
             return None
         hop_on_time = ttft_slo is None or hop_ttft <= ttft_slo
         direct_on_time = ttft_slo is None or direct_ttft <= ttft_slo
-        smooth = itl_slo is None or pause <= itl_slo
         if hop_on_time and not (direct_on_time and smooth):
             return True, "ttft_slo" if not direct_on_time else "itl_slo"
         on_time_alone = direct_on_time and smooth and not hop_on_time
@@ -435,10 +507,13 @@ class AdaptiveModel:
     def _itl_slo_tokens(self, decoder: str, prefiller: str, running_streams: float, prefiller_queue: float) -> float:
         """The prompt length from which the ITL SLO sends prompts to the hop at this load: where their
         own prefill would pause the running streams longer than the SLO, unless the hop of a prompt that
-        long would miss the TTFT SLO (then the model decides); inf when it sends none."""
+        long would miss the TTFT SLO, or the decoder's ITL budget has room for the pause (then the model
+        decides); inf when it sends none."""
         itl_slo, ttft_slo = self.policy.itl_slo, self.policy.ttft_slo
         d = self.direct_cost(decoder)
         if itl_slo is None or running_streams <= 0 or d.per_token <= 0:
+            return math.inf
+        if self.gap_budget(decoder).allows(running_streams, self.policy.itl_slo_share):
             return math.inf
         tokens = max((itl_slo - d.overhead) / d.per_token, 0.0)
         late = ttft_slo is not None and self._hop_ttft(prefiller, prefiller_queue, tokens) > ttft_slo
@@ -456,6 +531,12 @@ class AdaptiveModel:
         for model, table in tables:
             for endpoint, fit in list(table.items()):
                 rows += [(model, endpoint, term, value) for term, value in _coefficients(fit).items()]
+        for decoder, budget in list(self._gaps.items()):
+            rows += [
+                ("itl_budget", decoder, "recent_gaps", budget.gaps),
+                ("itl_budget", decoder, "late_gaps", budget.spent),
+                ("itl_budget", decoder, "late_share", budget.share),
+            ]
         return rows
 
     def describe(self) -> dict[str, object]:
@@ -464,6 +545,10 @@ class AdaptiveModel:
             "direct_prefill": {url: _coefficients(fit) for url, fit in self._direct.items()},
             "direct_wait": {url: _coefficients(fit) for url, fit in self._wait.items()},
             "prefill_hop": {url: _coefficients(fit) for url, fit in self._hop.items()},
+            "itl_budget": {
+                url: {"recent_gaps": budget.gaps, "late_gaps": budget.spent, "late_share": budget.share}
+                for url, budget in self._gaps.items()
+            },
         }
 
 

@@ -281,6 +281,7 @@ class Planner:
                 "running_streams": streams,
                 "decoder_queue": pending,
                 "threshold_tokens": None,
+                "late_gap_share": self.adaptive.gap_budget(decoder.url).share,
             }
             if prefillers:
                 prefiller = min(prefillers, key=lambda p: queued_prefills(p, now))
@@ -365,6 +366,7 @@ def adaptive_policy(settings: Settings) -> AdaptivePolicy:
         explore_share=settings.explore_share,
         ttft_slo=settings.ttft_slo,
         itl_slo=settings.itl_slo,
+        itl_slo_share=settings.itl_slo_share,
     )
 
 

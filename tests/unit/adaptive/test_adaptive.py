@@ -6,7 +6,7 @@ import random
 import pytest
 
 from dpd_router.observe import RequestTrace
-from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy, LinearCost
+from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy, GapBudget, LinearCost
 
 
 def test_a_fit_learns_a_known_line_from_noisy_observations() -> None:
@@ -320,6 +320,67 @@ def test_with_both_slos_the_itl_slo_decides_only_while_the_hop_is_on_time() -> N
     # Behind a 10 s queue the hop is late and the direct path too rough: neither meets the SLOs.
     neither = m.estimate("d", "p", 5000, running_streams=4, prefiller_queue=100_000)
     assert neither.reason == "adaptive_cheaper_direct"
+
+
+def finished_streams(m: AdaptiveModel, decoder: str, streams: int, tokens: int) -> None:
+    """`streams` finished streamed requests on `decoder`, `tokens` output tokens (chunks) each; their
+    prompts unknown, so they teach only the gaps."""
+    for _ in range(streams):
+        m.learn_from(trace(path="disaggregated", decoder=decoder, token_chunks=tokens))
+
+
+def test_the_itl_budget_lets_late_pauses_through_up_to_its_share_of_the_decoders_gaps() -> None:
+    # The case of the itl_slo test above: a 6k prompt (0.6 s) would pause 4 streams behind a 10 s
+    # prefill queue. With a 1% share and no gaps seen yet there is no budget: the hop.
+    m = model(itl_slo=0.25, itl_slo_share=0.01)
+    assert m.estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000).reason == "itl_slo"
+    assert m.gap_budget("d").spent == 0  # a prompt sent to the hop pauses nothing
+    # 10 finished streams of 102 tokens: 1010 gaps, room for 10 late ones, two prompts of 4 pauses each.
+    finished_streams(m, "d", streams=10, tokens=102)
+    first = m.estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000)
+    second = m.estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000)
+    assert [(e.disaggregate, e.reason) for e in (first, second)] == [(False, "adaptive_cheaper_direct")] * 2
+    assert m.gap_budget("d").spent == pytest.approx(8, rel=1e-3)
+    spent = m.estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000)
+    assert (spent.disaggregate, spent.reason) == (True, "itl_slo")
+    # Two late pauses still fit: a prompt meeting a decoder with 2 streams goes direct on the model's word.
+    assert m.estimate("d", "p", 6000, running_streams=2, prefiller_queue=100_000).reason == "adaptive_cheaper_direct"
+    # Another decoder's gaps are its own; pauses within the SLO spend nothing.
+    assert m.estimate("d2", "p", 6000, running_streams=4, prefiller_queue=100_000).reason == "itl_slo"
+    m.estimate("d", "p", 2000, running_streams=4, prefiller_queue=100_000)
+    assert m.gap_budget("d").spent == pytest.approx(10, rel=1e-3)
+    assert m.describe()["itl_budget"]["d"]["late_share"] == pytest.approx(10 / 1010, rel=1e-3)  # type: ignore[index]
+    assert ("itl_budget", "d", "late_gaps", pytest.approx(10, rel=1e-3)) in m.cost_rows()
+
+
+def test_without_a_share_the_itl_slo_spends_no_budget_but_counts_the_late_pauses_it_could_not_avoid() -> None:
+    m = model(itl_slo=0.25, ttft_slo=1.0)
+    finished_streams(m, "d", streams=10, tokens=101)
+    # Behind a 10 s queue the hop misses the TTFT SLO and the model keeps the 5k prompt direct: 4 late gaps.
+    neither = m.estimate("d", "p", 5000, running_streams=4, prefiller_queue=100_000)
+    assert (neither.disaggregate, neither.reason) == (False, "adaptive_cheaper_direct")
+    assert m.gap_budget("d").share == pytest.approx(0.004, rel=1e-3)
+    # With the hop on time, the ITL SLO still sends it there: no share, no room.
+    assert m.estimate("d", "p", 5000, running_streams=4, prefiller_queue=0).reason == "itl_slo"
+
+
+def test_the_itl_budget_fades_with_time_and_the_effective_threshold_follows_it() -> None:
+    now = [0.0]
+    budget = GapBudget(half_life_seconds=30.0, clock=lambda: now[0])
+    budget.count_gaps(1000)
+    budget.spend(10)
+    now[0] = 30.0
+    assert (budget.gaps, budget.spent) == (500.0, 5.0)
+    assert budget.share == pytest.approx(0.01)
+    assert budget.allows(5, 0.02) and not budget.allows(6, 0.02) and not budget.allows(1, 0.0)
+    # The effective threshold: capped by the ITL SLO while the budget has no room for the pause...
+    m = model(itl_slo=0.25, itl_slo_share=0.01)
+    plain = model().effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000)
+    assert m.effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000) == pytest.approx(2450, rel=0.01)
+    # ...the model's own where it has room.
+    finished_streams(m, "d", streams=10, tokens=101)
+    assert m.effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000) == pytest.approx(plain)
+    assert m.effective_threshold("d", "p", running_streams=20, prefiller_queue=100_000) < 2500
 
 
 def test_exploration_only_ever_sends_prompts_to_the_prefill_pool() -> None:
