@@ -131,3 +131,22 @@ async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_f
         first = next(f for f in logged if f["decoder_queue_tokens"] == 0)
         assert first["reason"] == "adaptive_cheaper_direct", "an idle decoder kept the prompt"
         assert [f["decoder_queue_tokens"] for f in logged if f is not first] == [queued]
+
+
+async def test_the_itl_budget_counts_the_decoders_gaps_from_finished_streams(tokenizer_dir: Path) -> None:
+    """With itl_slo_share the decoder's recent inter-token gaps are the budget's measure: each finished
+    stream adds its gaps (output tokens - 1); /metrics and /admin/routing show them and the share spent."""
+    async with adaptive_router(tokenizer_dir, [], itl_slo=0.25, itl_slo_share=0.005) as (cluster, base_url, client):
+        for i in range(3):
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=chat_body(f"{i} hello", max_tokens=21, stream=True)
+            ) as r:
+                assert r.status_code == 200
+                await r.aread()
+        await settled(base_url)
+        labels = {"model": "itl_budget", "endpoint": cluster.decode_urls[0]}
+        gaps = await metric(base_url, "dpd_router_adaptive_cost", labels | {"term": "recent_gaps"})
+        assert 0.8 * 60 <= gaps <= 60, "3 streams of 21 tokens: 60 gaps, fading with a 30 s half-life"
+        assert await metric(base_url, "dpd_router_adaptive_cost", labels | {"term": "late_share"}) == 0
+        summary = (await client.get("/admin/routing", headers={"Authorization": "Bearer ops"})).json()["summary"]
+        assert any("0.00% of decoder" in line and "itl_slo_share allows 0.50%" in line for line in summary)
