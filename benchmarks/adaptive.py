@@ -859,8 +859,14 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
         "",
         *carried_note(results, "workloads"),
         f"Per workload: every static threshold, then adaptive from {' and '.join(map(str, d.bad_starts))}"
-        + "".join(
-            f" (also with {', '.join(f'{k} {v:g}' for k, v in variant.items())}: `{name}`)" for variant, name in extra
+        + (
+            " (also with "
+            + "; and with ".join(
+                f"{', '.join(f'{k} {v:g}' for k, v in variant.items())}: `{name}`" for variant, name in extra
+            )
+            + ")"
+            if extra
+            else ""
         )
         + f", the first max({d.warmup}, {WARMUP_ROUNDS:g} x concurrency) requests of every run unmeasured (the "
         "warm-up column). ITL p99 is over the short requests' gaps (every "
