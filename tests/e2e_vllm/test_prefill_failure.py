@@ -43,6 +43,7 @@ async def test_requests_fall_back_to_the_decoder_while_the_prefiller_is_down_the
     while True:
         attempt += 1
         before = await EngineCounters.read(nixl_pair)
+        retried = await metric_total(router, "dpd_router_retries_total", hop="decode")
         disaggregated = await metric_total(router, "dpd_router_route_decisions_total", path="disaggregated")
         text, _ = await ask(router, "chat", long_text(seed=f"resumed-{attempt}"), stream=True)
         assert text
@@ -52,5 +53,9 @@ async def test_requests_fall_back_to_the_decoder_while_the_prefiller_is_down_the
         await asyncio.sleep(3)
     await asyncio.sleep(1)
     after = await EngineCounters.read(nixl_pair)
-    assert after.prefill_requests == before.prefill_requests + 1
+    # One prefill per decode attempt: a decoder whose first NIXL handshake with the new engine fails (seen
+    # in CI: it timed out, and the decoder answered 500) is retried by the router, which stages the prompt
+    # again, since the failed call may have consumed its blocks.
+    decode_retries = await metric_total(router, "dpd_router_retries_total", hop="decode") - retried
+    assert after.prefill_requests == before.prefill_requests + 1 + decode_retries
     assert after.nixl_transfers > before.nixl_transfers, "the decoder pulled the KV from the new prefill engine"
