@@ -134,12 +134,14 @@ class Settings(BaseSettings):
     # min_threshold uncached tokens, always from max_threshold; explore_share of the decisions near the
     # boundary are flipped to keep measuring both paths; known SLOs (seconds) win when only one path meets
     # them: ttft_slo by first-token time, itl_slo by the pause a direct prefill puts in the decoder's streams,
-    # of which itl_slo_share of the decoder's recent inter-token gaps may be longer (0: none).
+    # of which itl_slo_share of the decoder's recent inter-token gaps may be longer (0: none); ttft_slo holds
+    # only for prompts of at most ttft_slo_max_tokens uncached tokens (0: every prompt), longer ones have none.
     interference_weight: float = Field(default=1.0, ge=0)
     min_threshold: int = Field(default=256, ge=0)
     max_threshold: int = Field(default=32768, ge=1)
     explore_share: float = Field(default=0.03, ge=0, le=0.2)
     ttft_slo: float | None = Field(default=None, gt=0)
+    ttft_slo_max_tokens: int = Field(default=0, ge=0)
     itl_slo: float | None = Field(default=None, gt=0)
     itl_slo_share: float = Field(default=0.0, ge=0, le=0.1)
     prefill_strategy: PrefillStrategy = "prefixaware"

@@ -33,6 +33,7 @@ LIVE_SETTINGS = frozenset(
         "max_threshold",
         "explore_share",
         "ttft_slo",
+        "ttft_slo_max_tokens",
         "itl_slo",
         "itl_slo_share",
         "prefill_strategy",

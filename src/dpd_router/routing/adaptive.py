@@ -53,6 +53,11 @@ spends one gap per stream it pauses; the gaps are counted from the decoder's fin
 fade with time (GapBudget). A prompt that finds the decoder with few streams then goes direct on the
 model's word (a 4k prompt pausing 3 streams spends 3 of, at c=32, hundreds of gaps a second), while
 one that would pause a full decoder, or a decoder whose budget is spent, still takes the hop.
+
+A TTFT SLO may hold only for prompts up to `ttft_slo_max_tokens` uncached tokens: interactive prompts
+have one, long documents often none. A long prompt then weighs only the ITL SLO (when set), which
+sends it to the hop whatever the prefill queue, while a deployment whose every prompt has the TTFT
+SLO leaves the choice to the model once neither path meets both SLOs.
 """
 
 from __future__ import annotations
@@ -277,6 +282,8 @@ class AdaptivePolicy:
     max_threshold: int = 32768
     explore_share: float = 0.03
     ttft_slo: float | None = None
+    # ttft_slo holds for prompts of at most this many uncached tokens (0: every prompt).
+    ttft_slo_max_tokens: int = 0
     itl_slo: float | None = None
     # The share of a decoder's inter-token gaps the router may spend on pauses longer than itl_slo (0: none).
     itl_slo_share: float = 0.0
@@ -428,7 +435,7 @@ class AdaptiveModel:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "above_max_threshold")
         late = policy.itl_slo is not None and running_streams > 0 and direct > policy.itl_slo
         budgeted = late and self.gap_budget(decoder).allows(running_streams, policy.itl_slo_share)
-        slo = self._slo_path(direct_ttft, hop, stall, smooth=not late or budgeted)
+        slo = self._slo_path(direct_ttft, hop, stall, self._ttft_slo(uncached_tokens), smooth=not late or budgeted)
         if slo is not None:
             disaggregate, reason = slo
         else:
@@ -451,18 +458,24 @@ class AdaptiveModel:
         decoder's speed per token, plus the learned wait they do not explain."""
         return self.direct_cost(decoder).per_token * max(decoder_queue, 0.0) + self.direct_wait(decoder).mean
 
-    def _slo_path(self, direct_ttft: float, hop_ttft: float, stall: float, *, smooth: bool) -> tuple[bool, str] | None:
+    def _ttft_slo(self, uncached_tokens: float) -> float | None:
+        """The TTFT SLO of a prompt this long: none beyond ttft_slo_max_tokens (when set)."""
+        limit = self.policy.ttft_slo_max_tokens
+        return None if limit and uncached_tokens > limit else self.policy.ttft_slo
+
+    def _slo_path(
+        self, direct_ttft: float, hop_ttft: float, stall: float, ttft_slo: float | None, *, smooth: bool
+    ) -> tuple[bool, str] | None:
         """(disaggregate, reason) when the known SLOs pick the path: only one path meets all of them.
-        The hop meets the TTFT SLO by its first-token time; the direct path meets it by its own, and
-        the ITL SLO when `smooth`: its prefill would not pause the running streams longer than the SLO,
-        or the decoder's ITL budget has room for those late gaps. When the direct
+        The hop meets this prompt's TTFT SLO (`ttft_slo`) by its first-token time; the direct path meets
+        it by its own, and the ITL SLO when `smooth`: its prefill would not pause the running streams
+        longer than the SLO, or the decoder's ITL budget has room for those late gaps. When the direct
         path is the one on time for the TTFT SLO it is taken only while its weighted stall summed over
         the streams stays within that SLO: keeping one long prompt on time must not make a decoder full
         of streams late, and that stall also delays the first token of every request behind it.
         None: the model decides."""
         policy = self.policy
-        ttft_slo, itl_slo = policy.ttft_slo, policy.itl_slo
-        if ttft_slo is None and itl_slo is None:
+        if ttft_slo is None and policy.itl_slo is None:
             return None
         hop_on_time = ttft_slo is None or hop_ttft <= ttft_slo
         direct_on_time = ttft_slo is None or direct_ttft <= ttft_slo
@@ -509,13 +522,14 @@ class AdaptiveModel:
         own prefill would pause the running streams longer than the SLO, unless the hop of a prompt that
         long would miss the TTFT SLO, or the decoder's ITL budget has room for the pause (then the model
         decides); inf when it sends none."""
-        itl_slo, ttft_slo = self.policy.itl_slo, self.policy.ttft_slo
+        itl_slo = self.policy.itl_slo
         d = self.direct_cost(decoder)
         if itl_slo is None or running_streams <= 0 or d.per_token <= 0:
             return math.inf
         if self.gap_budget(decoder).allows(running_streams, self.policy.itl_slo_share):
             return math.inf
         tokens = max((itl_slo - d.overhead) / d.per_token, 0.0)
+        ttft_slo = self._ttft_slo(tokens)
         late = ttft_slo is not None and self._hop_ttft(prefiller, prefiller_queue, tokens) > ttft_slo
         return math.inf if late else tokens
 

@@ -365,6 +365,7 @@ def adaptive_policy(settings: Settings) -> AdaptivePolicy:
         max_threshold=settings.max_threshold,
         explore_share=settings.explore_share,
         ttft_slo=settings.ttft_slo,
+        ttft_slo_max_tokens=settings.ttft_slo_max_tokens,
         itl_slo=settings.itl_slo,
         itl_slo_share=settings.itl_slo_share,
     )

@@ -322,6 +322,28 @@ def test_with_both_slos_the_itl_slo_decides_only_while_the_hop_is_on_time() -> N
     assert neither.reason == "adaptive_cheaper_direct"
 
 
+def test_a_prompt_beyond_ttft_slo_max_tokens_has_no_ttft_slo() -> None:
+    # The same late hop and rough direct path: a 5000-token prompt past the TTFT SLO's 4095 tokens
+    # answers to the ITL SLO alone and takes the hop; a 3000-token one is within it, and neither path
+    # meets both SLOs, so the model keeps it.
+    m = model(itl_slo=0.25, ttft_slo=1.0, ttft_slo_max_tokens=4095)
+    long = m.estimate("d", "p", 5000, running_streams=4, prefiller_queue=100_000)
+    assert (long.disaggregate, long.reason) == (True, "itl_slo")
+    medium = m.estimate("d", "p", 3000, running_streams=4, prefiller_queue=100_000)
+    assert (medium.disaggregate, medium.reason) == (False, "adaptive_cheaper_direct")
+    # Only a prompt within it may be kept direct on time: beyond it the TTFT SLO does not pick the path.
+    on_time = model(ttft_slo=1.0, ttft_slo_max_tokens=4095)
+    assert on_time.estimate("d", "p", 4000, running_streams=1, prefiller_queue=100_000).reason == "ttft_slo"
+    assert on_time.estimate("d", "p", 4200, running_streams=1, prefiller_queue=100_000).reason != "ttft_slo"
+    # The effective threshold: the ITL SLO's 2450 tokens are within the TTFT SLO, whose late hop leaves
+    # the model's threshold; when the ITL crossing lies beyond the TTFT SLO's reach, the ITL SLO's stands.
+    plain = model().effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000)
+    within = model(itl_slo=0.25, ttft_slo=1.0, ttft_slo_max_tokens=4095)
+    assert within.effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000) == pytest.approx(plain)
+    beyond = model(itl_slo=0.25, ttft_slo=1.0, ttft_slo_max_tokens=2000)
+    assert beyond.effective_threshold("d", "p", 4, 100_000) == pytest.approx(2450, rel=0.01)
+
+
 def finished_streams(m: AdaptiveModel, decoder: str, streams: int, tokens: int) -> None:
     """`streams` finished streamed requests on `decoder`, `tokens` output tokens (chunks) each; their
     prompts unknown, so they teach only the gaps."""
