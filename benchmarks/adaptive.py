@@ -130,6 +130,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the itl_slo variants' itl_slo_share, one variant per value (the share of the decoder's gaps "
         "it may spend on longer pauses; 0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--objective-slos", action="store_true",
+        help="with --itl-slo, also run adaptive wherever its variants run told the objective as SLOs: that "
+        "itl_slo and ttft_slo = the TTFT budget, for the prompts the budget measures (of a mix, those shorter "
+        "than the other classes': ttft_slo_max_tokens)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only-variants", nargs="+", default=None, metavar="TEXT",
+        help="run only the adaptive configurations whose name contains one of these (e.g. '+slo'; plain "
+        "adaptive is 'adaptive'), in every part; static runs are not affected",
+    )  # fmt: skip
     parser.add_argument("--render", action="store_true", help="rewrite results.md and plots from results.json")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -168,21 +179,43 @@ def router_settings(args: argparse.Namespace, mode: str) -> dict[str, object]:
 
 
 def variant_name(mode: str, slos: dict[str, float] | None) -> str:
-    """`adaptive+slo1s` (ttft_slo 1 s), `adaptive+itl250ms` (itl_slo 0.25 s), `adaptive+itl250ms@0.5%`
-    (and itl_slo_share 0.005), or the mode alone."""
+    """`adaptive+slo1s` (ttft_slo 1 s), `adaptive+slo1s<=4095` (for prompts up to 4095 tokens),
+    `adaptive+itl250ms` (itl_slo 0.25 s), `adaptive+itl250ms@0.5%` (and itl_slo_share 0.005), or the mode
+    alone."""
     slos = slos or {}
     name = mode + (f"+slo{slos['ttft_slo']:g}s" if "ttft_slo" in slos else "")
+    name += f"<={slos['ttft_slo_max_tokens']:g}" if slos.get("ttft_slo_max_tokens") else ""
     name += f"+itl{slos['itl_slo'] * 1000:g}ms" if "itl_slo" in slos else ""
     return name + (f"@{slos['itl_slo_share'] * 100:g}%" if slos.get("itl_slo_share") else "")
 
 
 def adaptive_variants(args: argparse.Namespace) -> list[dict[str, float]]:
     """The SLO settings of the extra adaptive runs of parts B and D: with `--itl-slo`, that itl_slo, once
-    per `--itl-slo-share` value (0: no itl_slo_share)."""
+    per `--itl-slo-share` value (0: no itl_slo_share); with `--objective-slos` too, the workload's
+    objective as SLOs (objective_slos)."""
     if getattr(args, "itl_slo", 0.0) <= 0:
         return []
     shares = getattr(args, "itl_slo_share", None) or [0.0]
-    return [{"itl_slo": args.itl_slo} | ({"itl_slo_share": share} if share > 0 else {}) for share in shares]
+    variants = [{"itl_slo": args.itl_slo} | ({"itl_slo_share": share} if share > 0 else {}) for share in shares]
+    return variants + ([objective_slos(args)] if getattr(args, "objective_slos", False) else [])
+
+
+def chosen(args: argparse.Namespace, slos: dict[str, float] | None) -> bool:
+    """Whether the adaptive configuration with these SLOs runs: every one, or those `--only-variants` names."""
+    only = getattr(args, "only_variants", None)
+    name = variant_name("adaptive", slos)
+    return not only or any(text == name if text == "adaptive" else text in name for text in only)
+
+
+def objective_slos(args: argparse.Namespace) -> dict[str, float]:
+    """The benchmark's objective told to the router: itl_slo, and ttft_slo = the TTFT budget for the prompts
+    the budget measures: every prompt of a one-class workload; of a mix, the short class's, so the TTFT
+    SLO holds below the shortest prompt of the other classes (ttft_slo_max_tokens)."""
+    slos = {"itl_slo": args.itl_slo, "ttft_slo": args.ttft_budget}
+    others = [c.lengths.in_lo for c in Workload.parse(args.workload).classes if c.name != "short"]
+    if len(others) < len(Workload.parse(args.workload).classes):  # a mix with a short class
+        slos["ttft_slo_max_tokens"] = min(others) - 1 if others else 0
+    return slos
 
 
 def open_loop(args: argparse.Namespace) -> bool:
@@ -853,19 +886,22 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
     if not sets:
         return []
     d = part_args(results, args, "workloads")
-    extra = [(variant, variant_name("adaptive", variant)) for variant in adaptive_variants(d)]
+    extra = [(variant, variant_name("adaptive", variant)) for variant in adaptive_variants(d) if chosen(d, variant)]
+    described = [
+        f"itl_slo {variant['itl_slo']:g}, ttft_slo = the workload's TTFT budget, in a mix only for prompts shorter "
+        f"than the other classes' (the objective as SLOs): `adaptive+slo...+itl{variant['itl_slo'] * 1000:g}ms`"
+        if "ttft_slo" in variant
+        else f"{', '.join(f'{k} {v:g}' for k, v in variant.items())}: `{name}`"
+        for variant, name in extra
+    ]
     md = [
         "## D. The other workloads: static sweep, then adaptive from a bad start",
         "",
         *carried_note(results, "workloads"),
         f"Per workload: every static threshold, then adaptive from {' and '.join(map(str, d.bad_starts))}"
         + (
-            " (also with "
-            + "; and with ".join(
-                f"{', '.join(f'{k} {v:g}' for k, v in variant.items())}: `{name}`" for variant, name in extra
-            )
-            + ")"
-            if extra
+            (" (also with " if chosen(d, None) else " (only with ") + "; and with ".join(described) + ")"
+            if described
             else ""
         )
         + f", the first max({d.warmup}, {WARMUP_ROUNDS:g} x concurrency) requests of every run unmeasured (the "
@@ -1037,27 +1073,36 @@ async def other_workloads(
     setups = [argparse.Namespace(**{**vars(args), **spec}) for spec in args.workloads]
     for setup in setups:
         setup.warmup = workload_warmup(args.warmup, setup.concurrency)
-    # (workload, mode, threshold, index of the adaptive variant's SLOs: -1 for none)
-    variants = adaptive_variants(args)
-    adaptive = [("adaptive", t, v) for v in range(-1, len(variants)) for t in args.bad_starts]
+    # (workload, mode, threshold, index of the adaptive variant's SLOs: -1 for none); the objective's SLOs
+    # are the workload's own
+    variants = [adaptive_variants(setup) for setup in setups]
+    adaptive = [
+        [
+            ("adaptive", t, v)
+            for v in range(-1, len(slos))
+            for t in args.bad_starts
+            if chosen(args, slos[v] if v >= 0 else None)
+        ]
+        for slos in variants
+    ]
     configs = [
         (wi, mode, threshold, v)
         for wi, setup in enumerate(setups)
-        for mode, threshold, v in [("static", t, -1) for t in setup.thresholds] + adaptive
+        for mode, threshold, v in [("static", t, -1) for t in setup.thresholds] + adaptive[wi]
     ]
     runs: dict[tuple[int, str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         for wi, mode, threshold, v in rotated(configs, repeat):
             run = await one_run(
                 setups[wi], cluster, factory, mode=mode, threshold=threshold, draw=400 + 10 * wi + repeat,
-                prompt_seed=next(seeds), repeat=repeat, slos=variants[v] if v >= 0 else None,
+                prompt_seed=next(seeds), repeat=repeat, slos=variants[wi][v] if v >= 0 else None,
             )  # fmt: skip
             runs[(wi, mode, threshold, v)].append(run)
     out = []
     for wi, setup in enumerate(setups):
         sweep = [aggregate(runs[(wi, "static", t, -1)]) for t in setup.thresholds]
         best, within = pick_best(sweep, setup.ttft_budget)
-        conv = [aggregate(runs[(wi, mode, t, v)]) for mode, t, v in adaptive]
+        conv = [aggregate(runs[(wi, mode, t, v)]) for mode, t, v in adaptive[wi]]
         for config in conv:
             config["verdict"] = verdict(config, best, setup.ttft_budget)
         out.append(
@@ -1152,7 +1197,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async with stack.engines(prefill=1, decode=1, timing=args.timing, extra_args=extra) as cluster:
         # (mode, threshold, index of the adaptive variant's SLOs: -1 for none), as in part D
         variants = adaptive_variants(args)
-        adaptive = [("adaptive", t, v) for v in range(-1, len(variants)) for t in args.bad_starts]
+        adaptive = [
+            ("adaptive", t, v)
+            for v in range(-1, len(variants))
+            for t in args.bad_starts
+            if chosen(args, variants[v] if v >= 0 else None)
+        ]
         configs: list[tuple[str, int, int]] = []
         if "sweep" not in args.skip:
             configs += [("static", t, -1) for t in args.thresholds]
@@ -1186,6 +1236,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if args.slo_variant:
                 slo_sets.append({"ttft_slo": args.ttft_budget})
             slo_sets += adaptive_variants(args)
+            slo_sets = [slos for slos in slo_sets if chosen(args, slos)]
             variants: list[tuple[str, int, int]] = [("static", base, 0)]
             variants += [("static", t, 0) for t in args.change_static if t != base]
             variants += [("adaptive", base, i) for i in range(len(slo_sets))]

@@ -18,24 +18,28 @@ from tests.benchmarks.test_scenarios_smoke import HAVE_MATPLOTLIB, run_scenario
 
 
 def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> None:
-    results = run_scenario("adaptive", tmp_path, "--itl-slo", "0.5", "--itl-slo-share", "0.01", timeout=300)
+    results = run_scenario(
+        "adaptive", tmp_path, "--itl-slo", "0.5", "--itl-slo-share", "0.01", "--objective-slos", timeout=300
+    )
     assert (tmp_path / "results.md").read_text().startswith("# Scenario 5")
 
     assert [run["threshold"] for run in results["sweep"]] == [256, 4096]
     assert results["best"]["threshold"] in (256, 4096)
     assert all(run["summary"]["all"]["errors"] == 0 for run in results["sweep"] + results["converge"])
     assert all("reached" in run["verdict"] for run in results["converge"])
-    # Part B: adaptive from the bad start, alone and with --itl-slo.
+    # Part B: adaptive from the bad start, alone, with --itl-slo and told the objective (--objective-slos:
+    # the TTFT budget for the short class's prompts, those below the long class's 600 tokens).
     assert [(run["mode"], run["threshold"]) for run in results["converge"]] == [
         ("adaptive", 256),
         ("adaptive+itl500ms@1%", 256),
+        ("adaptive+slo5s<=599+itl500ms", 256),
     ]
     # The load change: the best static threshold, the --change-static one (256), then adaptive: alone,
     # with ttft_slo (--slo-variant, on by default) and with --itl-slo.
     runs = [(run["mode"], run["threshold"]) for run in results["change"]]
     statics = {threshold for mode, threshold in runs if mode == "static"}
     assert statics == {results["best"]["threshold"], 256}
-    adaptive_modes = ["adaptive", "adaptive+slo5s", "adaptive+itl500ms@1%"]
+    adaptive_modes = ["adaptive", "adaptive+slo5s", "adaptive+itl500ms@1%", "adaptive+slo5s<=599+itl500ms"]
     assert [mode for mode, _ in runs] == ["static"] * len(statics) + adaptive_modes
     for run in results["change"]:
         assert [phase["phase"] for phase in run["phases"]] == ["quiet-1", "busy", "quiet-2"]
@@ -52,6 +56,7 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert [(run["mode"], run["threshold"]) for run in workload["converge"]] == [
         ("adaptive", 256),
         ("adaptive+itl500ms@1%", 256),
+        ("adaptive+slo5s+itl500ms", 256),  # one class: the TTFT budget holds for every prompt
     ]
     assert all(run["summary"]["all"]["errors"] == 0 for run in workload["sweep"] + workload["converge"])
     assert all("reached" in run["verdict"] for run in workload["converge"])
@@ -81,6 +86,13 @@ def test_variant_names_say_their_slos() -> None:
     assert adaptive.adaptive_variants(args) == [{"itl_slo": 0.25}, {"itl_slo": 0.25, "itl_slo_share": 0.005}]
     assert adaptive.adaptive_variants(adaptive.parse_args(["--itl-slo", "0.25"])) == [{"itl_slo": 0.25}]
     assert adaptive.adaptive_variants(adaptive.parse_args([])) == []
+    # The objective as SLOs: the TTFT budget holds for a mix's short prompts, below the other classes'.
+    told = adaptive.parse_args(["--itl-slo", "0.25", "--objective-slos", "--ttft-budget", "1"])
+    told.workload = adaptive.SEED_MIX
+    assert adaptive.adaptive_variants(told)[-1] == {"itl_slo": 0.25, "ttft_slo": 1.0, "ttft_slo_max_tokens": 4095}
+    assert adaptive.variant_name("adaptive", adaptive.objective_slos(told)) == "adaptive+slo1s<=4095+itl250ms"
+    told.workload, told.ttft_budget = "D(4096,256)", 2.0
+    assert adaptive.objective_slos(told) == {"itl_slo": 0.25, "ttft_slo": 2.0}
 
 
 def test_only_workloads_runs_the_matching_ones_and_keeps_the_others(tmp_path: Path) -> None:
