@@ -10,16 +10,17 @@ from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.tokenizer import Prompt
 
+BASE: dict[str, object] = {
+    "prefill_urls": ["http://127.0.0.1:8101", "http://127.0.0.1:8102"],
+    "decode_urls": ["http://127.0.0.1:8201"],
+    "threshold_mode": "adaptive",
+    "routing_threshold": 4096,
+    "explore_share": 0.0,
+}
+
 
 def planner(**overrides: object) -> Planner:
-    settings = load_settings(
-        prefill_urls=["http://127.0.0.1:8101", "http://127.0.0.1:8102"],
-        decode_urls=["http://127.0.0.1:8201"],
-        threshold_mode="adaptive",
-        routing_threshold=4096,
-        explore_share=0.0,
-        **overrides,
-    )
+    settings = load_settings(**{**BASE, **overrides})
     pool = Pool(settings.prefill_urls, settings.decode_urls)
     adaptive = AdaptiveModel(adaptive_policy(settings), settings.routing_threshold)
     return build_planner(settings, pool, RouterMetrics(), adaptive=adaptive)
@@ -143,3 +144,27 @@ def test_a_token_cap_of_zero_turns_the_adaptive_busy_gate_off() -> None:
     p.pool.decoders[0].in_flight = 64
     busy_prefillers(p, waiting=100, queued_tokens=10**7)
     assert p.plan(prompt(8000, seed=12)).reason != "prefill_pool_busy"
+
+
+def test_a_prompt_beyond_ttft_slo_max_tokens_answers_to_the_itl_slo_alone() -> None:
+    # 4 streams on the decoder, a 10 s queue on both prefillers (at the prior 100 us per token): the hop
+    # misses the 1 s TTFT SLO and a 5000-token direct prefill would pause the streams 0.5 s, over the
+    # ITL SLO. With the TTFT SLO on every prompt neither path meets both and the model keeps it; with
+    # the TTFT SLO only up to 4095 tokens, it answers to the ITL SLO and takes the hop.
+    slos = {"ttft_slo": 1.0, "itl_slo": 0.25, "prefill_busy_queue_tokens": 0}
+    every = planner(**slos)
+    scoped = planner(**slos, ttft_slo_max_tokens=4095)
+    for p in (every, scoped):
+        p.pool.decoders[0].in_flight = 4
+        busy_prefillers(p, waiting=0, queued_tokens=100_000)
+    assert (every.plan(prompt(5000, seed=17)).path, every.plan(prompt(5000, seed=18)).reason) == (
+        "direct",
+        "adaptive_cheaper_direct",
+    )
+    long = scoped.plan(prompt(5000, seed=19))
+    assert (long.path, long.reason) == ("disaggregated", "itl_slo")
+    medium = scoped.plan(prompt(3000, seed=20))
+    assert (medium.path, medium.reason) == ("direct", "adaptive_cheaper_direct")
+    # A live change of the setting reaches the model.
+    scoped.reconfigure(load_settings(**{**BASE, **slos}))
+    assert scoped.plan(prompt(5000, seed=21)).path == "direct"
