@@ -520,8 +520,8 @@ class AdaptiveModel:
     def _itl_slo_tokens(self, decoder: str, prefiller: str, running_streams: float, prefiller_queue: float) -> float:
         """The prompt length from which the ITL SLO sends prompts to the hop at this load: where their
         own prefill would pause the running streams longer than the SLO, unless the hop of a prompt that
-        long would miss the TTFT SLO, or the decoder's ITL budget has room for the pause (then the model
-        decides); inf when it sends none."""
+        long would miss the TTFT SLO (then the model decides, for the prompts the TTFT SLO holds for), or
+        the decoder's ITL budget has room for the pause (then the model decides); inf when it sends none."""
         itl_slo = self.policy.itl_slo
         d = self.direct_cost(decoder)
         if itl_slo is None or running_streams <= 0 or d.per_token <= 0:
@@ -530,8 +530,11 @@ class AdaptiveModel:
             return math.inf
         tokens = max((itl_slo - d.overhead) / d.per_token, 0.0)
         ttft_slo = self._ttft_slo(tokens)
-        late = ttft_slo is not None and self._hop_ttft(prefiller, prefiller_queue, tokens) > ttft_slo
-        return math.inf if late else tokens
+        if ttft_slo is None or self._hop_ttft(prefiller, prefiller_queue, tokens) <= ttft_slo:
+            return tokens
+        # Late for the TTFT SLO: the model decides up to ttft_slo_max_tokens, the ITL SLO beyond it.
+        limit = self.policy.ttft_slo_max_tokens
+        return float(limit + 1) if limit else math.inf
 
     def cost_rows(self) -> list[tuple[str, str, str, float]]:
         """(model, endpoint, term, value) for every learned cost, for metrics."""

@@ -336,10 +336,12 @@ def test_a_prompt_beyond_ttft_slo_max_tokens_has_no_ttft_slo() -> None:
     assert on_time.estimate("d", "p", 4000, running_streams=1, prefiller_queue=100_000).reason == "ttft_slo"
     assert on_time.estimate("d", "p", 4200, running_streams=1, prefiller_queue=100_000).reason != "ttft_slo"
     # The effective threshold: the ITL SLO's 2450 tokens are within the TTFT SLO, whose late hop leaves
-    # the model's threshold; when the ITL crossing lies beyond the TTFT SLO's reach, the ITL SLO's stands.
-    plain = model().effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000)
+    # those prompts to the model (its threshold is past 15k here), so prompts leave from 4096 tokens, where
+    # the TTFT SLO ends; when the ITL crossing lies beyond the TTFT SLO's reach, the ITL SLO's stands.
     within = model(itl_slo=0.25, ttft_slo=1.0, ttft_slo_max_tokens=4095)
-    assert within.effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000) == pytest.approx(plain)
+    assert within.effective_threshold("d", "p", running_streams=4, prefiller_queue=100_000) == 4096
+    assert within.estimate("d", "p", 4096, running_streams=4, prefiller_queue=100_000).disaggregate
+    assert not within.estimate("d", "p", 4095, running_streams=4, prefiller_queue=100_000).disaggregate
     beyond = model(itl_slo=0.25, ttft_slo=1.0, ttft_slo_max_tokens=2000)
     assert beyond.effective_threshold("d", "p", 4, 100_000) == pytest.approx(2450, rel=0.01)
 
