@@ -136,7 +136,8 @@ async def test_a_streamed_direct_prompt_counts_in_its_decoders_queue_until_its_f
 async def test_the_itl_budget_counts_the_decoders_gaps_from_finished_streams(tokenizer_dir: Path) -> None:
     """With itl_slo_share the decoder's recent inter-token gaps are the budget's measure: each finished
     stream adds its gaps (output tokens - 1); /metrics and /admin/routing show them and the share spent."""
-    async with adaptive_router(tokenizer_dir, [], itl_slo=0.25, itl_slo_share=0.005) as (cluster, base_url, client):
+    slos = {"itl_slo": 0.25, "itl_slo_share": 0.005, "ttft_slo": 1.0, "ttft_slo_max_tokens": 4095}
+    async with adaptive_router(tokenizer_dir, [], **slos) as (cluster, base_url, client):
         for i in range(3):
             async with client.stream(
                 "POST", "/v1/chat/completions", json=chat_body(f"{i} hello", max_tokens=21, stream=True)
@@ -150,3 +151,5 @@ async def test_the_itl_budget_counts_the_decoders_gaps_from_finished_streams(tok
         assert await metric(base_url, "dpd_router_adaptive_cost", labels | {"term": "late_share"}) == 0
         summary = (await client.get("/admin/routing", headers={"Authorization": "Bearer ops"})).json()["summary"]
         assert any("0.00% of decoder" in line and "itl_slo_share allows 0.50%" in line for line in summary)
+        scoped = "ttft_slo 1 s for prompts up to 4,095 uncached tokens (longer ones have none)"
+        assert f"SLOs: {scoped}; itl_slo 0.25 s." in summary

@@ -14,6 +14,7 @@ from dpd_router.live import ConfigRejected
 
 if TYPE_CHECKING:
     from dpd_router.app import Router
+    from dpd_router.config import Settings
 
 routes = APIRouter(prefix="/admin")
 
@@ -89,6 +90,8 @@ async def routing(request: Request) -> Response:
         f"threshold_mode {settings.threshold_mode}, routing_threshold {settings.routing_threshold} tokens, "
         f"prefill_strategy {settings.prefill_strategy}."
     ]
+    if settings.threshold_mode == "adaptive":
+        summary += _slo_summary(settings)
     for entry in view:
         tokens = entry["threshold_tokens"]
         where = (
@@ -121,3 +124,15 @@ async def routing(request: Request) -> Response:
         "decisions": decisions,
     }
     return _json(body)
+
+
+def _slo_summary(settings: Settings) -> list[str]:
+    """The SLOs adaptive mode decides by, in words (none: no line)."""
+    slos = []
+    if settings.ttft_slo is not None:
+        scope = settings.ttft_slo_max_tokens
+        within = f"prompts up to {scope:,} uncached tokens (longer ones have none)" if scope else "every prompt"
+        slos.append(f"ttft_slo {settings.ttft_slo:g} s for {within}")
+    if settings.itl_slo is not None:
+        slos.append(f"itl_slo {settings.itl_slo:g} s")
+    return [f"SLOs: {'; '.join(slos)}."] if slos else []
