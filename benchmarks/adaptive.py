@@ -1232,14 +1232,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["converge"] = conv
         if "change" not in args.skip:
             base = best["threshold"] if best is not None else args.thresholds[0]
+            # slo_sets[0] ({}) is the static runs'; the adaptive runs take every chosen set
             slo_sets: list[dict[str, float]] = [{}]
             if args.slo_variant:
                 slo_sets.append({"ttft_slo": args.ttft_budget})
             slo_sets += adaptive_variants(args)
-            slo_sets = [slos for slos in slo_sets if chosen(args, slos)]
             variants: list[tuple[str, int, int]] = [("static", base, 0)]
             variants += [("static", t, 0) for t in args.change_static if t != base]
-            variants += [("adaptive", base, i) for i in range(len(slo_sets))]
+            variants += [("adaptive", base, i) for i, slos in enumerate(slo_sets) if chosen(args, slos)]
             change_runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {v: [] for v in variants}
             for repeat in range(args.repeats):
                 for mode, threshold, i in rotated(variants, repeat):

@@ -95,6 +95,18 @@ def test_variant_names_say_their_slos() -> None:
     assert adaptive.objective_slos(told) == {"itl_slo": 0.25, "ttft_slo": 2.0}
 
 
+def test_only_variants_runs_the_chosen_adaptive_runs_beside_plain_static_ones(tmp_path: Path) -> None:
+    results = run_scenario(
+        "adaptive", tmp_path, "--skip", "sweep", "converge", "workloads", "--itl-slo", "0.5", "--objective-slos",
+        "--only-variants", "+slo", timeout=300,
+    )  # fmt: skip
+    # The load change alone: the static runs are plain static ones, the adaptive runs only those whose
+    # name has "+slo" (ttft_slo alone, and the objective), not plain adaptive nor itl_slo alone.
+    modes = [run["mode"] for run in results["change"]]
+    assert modes == ["static", "adaptive+slo5s", "adaptive+slo5s<=599+itl500ms"]
+    assert all(phase["summary"]["all"]["errors"] == 0 for run in results["change"] for phase in run["phases"])
+
+
 def test_only_workloads_runs_the_matching_ones_and_keeps_the_others(tmp_path: Path) -> None:
     args = adaptive.parse_args(["--only-workloads", "c=32", "seed", "--out", str(tmp_path)])
     assert [w["name"] for w in args.workloads] == ["seed mix, c=16", "D(4096,256), c=32"]
