@@ -212,9 +212,10 @@ def objective_slos(args: argparse.Namespace) -> dict[str, float]:
     the budget measures: every prompt of a one-class workload; of a mix, the short class's, so the TTFT
     SLO holds below the shortest prompt of the other classes (ttft_slo_max_tokens)."""
     slos = {"itl_slo": args.itl_slo, "ttft_slo": args.ttft_budget}
-    others = [c.lengths.in_lo for c in Workload.parse(args.workload).classes if c.name != "short"]
-    if len(others) < len(Workload.parse(args.workload).classes):  # a mix with a short class
-        slos["ttft_slo_max_tokens"] = min(others) - 1 if others else 0
+    classes = Workload.parse(args.workload).classes
+    others = [c.lengths.in_lo for c in classes if c.name != "short"]
+    if others and len(others) < len(classes):  # a mix with a short class
+        slos["ttft_slo_max_tokens"] = min(others) - 1
     return slos
 
 
