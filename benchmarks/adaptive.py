@@ -18,6 +18,9 @@ D. The other workloads of the issue, each with its own sweep and bad starts as i
    with that `itl_slo` too. The warm-up is at least `WARMUP_ROUNDS` rounds of the workload's
    concurrency (c=32: 80 requests), so every workload's adaptive runs get the same number of
    decisions per stream before measuring.
+   With `--objective-slos` (and `--itl-slo`), adaptive also runs told the objective as SLOs, in B, C
+   and D: that itl_slo, and ttft_slo = the TTFT budget for the prompts it measures (of a mix, below
+   the other classes' shortest prompt: ttft_slo_max_tokens). `--only-variants` picks adaptive runs.
 
 Statistics. Every configuration runs once per repeat (`--repeats`), interleaved, in an order that
 rotates from repeat to repeat, so a slow spell of the shared machine falls on all of them. Within a

@@ -35,7 +35,7 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
         ("adaptive+slo5s<=599+itl500ms", 256),
     ]
     # The load change: the best static threshold, the --change-static one (256), then adaptive: alone,
-    # with ttft_slo (--slo-variant, on by default) and with --itl-slo.
+    # with ttft_slo (--slo-variant, on by default), with --itl-slo and told the objective.
     runs = [(run["mode"], run["threshold"]) for run in results["change"]]
     statics = {threshold for mode, threshold in runs if mode == "static"}
     assert statics == {results["best"]["threshold"], 256}
