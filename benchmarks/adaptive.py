@@ -210,6 +210,17 @@ def chosen(args: argparse.Namespace, slos: dict[str, float] | None) -> bool:
     return not only or any(text == name if text == "adaptive" else text in name for text in only)
 
 
+def bad_start_runs(args: argparse.Namespace, variants: list[dict[str, float]]) -> list[tuple[str, int, int]]:
+    """The adaptive runs from each bad start, (mode, threshold, index into `variants`: -1 for plain
+    adaptive), those `--only-variants` chooses."""
+    return [
+        ("adaptive", t, v)
+        for v in range(-1, len(variants))
+        for t in args.bad_starts
+        if chosen(args, variants[v] if v >= 0 else None)
+    ]
+
+
 def objective_slos(args: argparse.Namespace) -> dict[str, float]:
     """The benchmark's objective told to the router: itl_slo, and ttft_slo = the TTFT budget for the prompts
     the budget measures: every prompt of a one-class workload; of a mix, the short class's, so the TTFT
@@ -1080,15 +1091,7 @@ async def other_workloads(
     # (workload, mode, threshold, index of the adaptive variant's SLOs: -1 for none); the objective's SLOs
     # are the workload's own
     variants = [adaptive_variants(setup) for setup in setups]
-    adaptive = [
-        [
-            ("adaptive", t, v)
-            for v in range(-1, len(slos))
-            for t in args.bad_starts
-            if chosen(args, slos[v] if v >= 0 else None)
-        ]
-        for slos in variants
-    ]
+    adaptive = [bad_start_runs(args, slos) for slos in variants]
     configs = [
         (wi, mode, threshold, v)
         for wi, setup in enumerate(setups)
@@ -1201,12 +1204,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async with stack.engines(prefill=1, decode=1, timing=args.timing, extra_args=extra) as cluster:
         # (mode, threshold, index of the adaptive variant's SLOs: -1 for none), as in part D
         variants = adaptive_variants(args)
-        adaptive = [
-            ("adaptive", t, v)
-            for v in range(-1, len(variants))
-            for t in args.bad_starts
-            if chosen(args, variants[v] if v >= 0 else None)
-        ]
+        adaptive = bad_start_runs(args, variants)
         configs: list[tuple[str, int, int]] = []
         if "sweep" not in args.skip:
             configs += [("static", t, -1) for t in args.thresholds]
