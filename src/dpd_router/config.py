@@ -132,7 +132,8 @@ class Settings(BaseSettings):
     # threshold_mode adaptive: disaggregate when interference_weight x (the stall a direct prefill inflicts
     # on the decoder's running streams) exceeds the hop's extra cost, both learned online; never below
     # min_threshold uncached tokens, always from max_threshold; explore_share of the decisions near the
-    # boundary are flipped to keep measuring both paths; known SLOs (seconds) win when only one path meets
+    # boundary are flipped to the hop to keep measuring it (at least a quarter until a prefiller has served
+    # 8 hops; 0: never); known SLOs (seconds) win when only one path meets
     # them: ttft_slo by first-token time, itl_slo by the pause a direct prefill puts in the decoder's streams,
     # of which itl_slo_share of the decoder's recent inter-token gaps may be longer (0: none); ttft_slo holds
     # only for prompts of at most ttft_slo_max_tokens uncached tokens (0: every prompt), longer ones have none.

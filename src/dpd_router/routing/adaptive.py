@@ -35,7 +35,10 @@ direct prompt wait behind the burst's prefills, not behind a mean of what earlie
 
 The fits fade (per observation and per second) so they follow the engines, and start from priors
 derived from `routing_threshold` that fade faster still: an unlearned router behaves like the
-static rule, a learned one like what it measured, whatever threshold it started from.
+static rule, a learned one like what it measured, whatever threshold it started from. The hop's
+prior is a stand-in for the static rule, not a time, so until a prefiller's hop is learned
+(LEARNED_HOPS calls) the SLOs judge it by a neutral prior and exploration near the boundary is
+wider: a router started at 32768 would otherwise never take the hop that would teach it.
 Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens; known SLOs win when only
 one path meets them: the TTFT SLO by each path's first-token time (for the direct path, only while
 the stall it inflicts on the decoder's streams stays within the SLO), the ITL SLO by the pause the
@@ -82,6 +85,15 @@ IDLE_HOPS_TO_TRUST = 8
 # on the decoder when it was planned: with any, its first token also waits for their prefills and
 # decode steps, which is queueing, not this prompt's prefill.
 QUIET_DECODER_STREAMS = 0
+# A prefiller's hop counts as learned after this many observed prefill calls. Until then its line is
+# mostly the prior built on routing_threshold, a stand-in that reproduces the static rule rather than a
+# measured time (a router started at 32768 prices the hop at 3.3 s): it does not judge the TTFT SLO (the
+# neutral prior does: as fast per token as the decoders' prior, no fixed cost), and near the boundary
+# exploration sends at least LEARNING_EXPLORE_SHARE of the prompts the model keeps direct to the hop.
+# Otherwise a router started high could keep every prompt direct for good: the SLO would call the hop
+# late on the prior's word and a few percent of exploration would take hundreds of requests to teach it.
+LEARNED_HOPS = 8
+LEARNING_EXPLORE_SHARE = 0.25
 
 
 @dataclass
@@ -435,13 +447,16 @@ class AdaptiveModel:
             return Estimate(uncached_tokens, running_streams, direct, stall, hop, extra, True, "above_max_threshold")
         late = policy.itl_slo is not None and running_streams > 0 and direct > policy.itl_slo
         budgeted = late and self.gap_budget(decoder).allows(running_streams, policy.itl_slo_share)
-        slo = self._slo_path(direct_ttft, hop, stall, self._ttft_slo(uncached_tokens), smooth=not late or budgeted)
+        hop_for_slo = self._slo_hop_ttft(prefiller, prefiller_queue, uncached_tokens)
+        ttft_slo = self._ttft_slo(uncached_tokens)
+        slo = self._slo_path(direct_ttft, hop_for_slo, stall, ttft_slo, smooth=not late or budgeted)
         if slo is not None:
             disaggregate, reason = slo
         else:
             disaggregate = policy.interference_weight * stall > extra
             reason = "adaptive_interference" if disaggregate else "adaptive_cheaper_direct"
-            if self._explores(stall * policy.interference_weight, extra, disaggregate):
+            learning = not self.hop_learned(prefiller)
+            if self._explores(stall * policy.interference_weight, extra, disaggregate, learning=learning):
                 disaggregate, reason = True, "explore"
         if late and not disaggregate:
             self.gap_budget(decoder).spend(running_streams)
@@ -452,6 +467,23 @@ class AdaptiveModel:
         its learned line, plus the KV hand-off."""
         hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
         return hop + self.handoff.predict(uncached_tokens)
+
+    def hop_learned(self, prefiller: str) -> bool:
+        """Whether the prefiller's hop line rests on LEARNED_HOPS observed calls, not on the prior."""
+        return self.hop_cost(prefiller).observations >= LEARNED_HOPS
+
+    def _neutral_hop_ttft(self, prefiller_queue: float, uncached_tokens: float) -> float:
+        """An unlearned prefiller's first-token time for the SLOs: the neutral prior (the decoders' prior
+        speed per token for its queue and this prompt, no threshold-made fixed cost) plus the hand-off."""
+        policy = self.policy
+        work = max(prefiller_queue, 0.0) + uncached_tokens
+        return policy.prior_overhead + policy.prior_prefill_per_token * work + self.handoff.predict(uncached_tokens)
+
+    def _slo_hop_ttft(self, prefiller: str, prefiller_queue: float, uncached_tokens: float) -> float:
+        """The hop's first-token time the SLOs judge: learned, or the neutral prior until it is."""
+        if self.hop_learned(prefiller):
+            return self._hop_ttft(prefiller, prefiller_queue, uncached_tokens)
+        return self._neutral_hop_ttft(prefiller_queue, uncached_tokens)
 
     def _wait_before_prefill(self, decoder: str, decoder_queue: float) -> float:
         """A direct prompt's wait on `decoder` before its own prefill: the queued prompts' prefill at the
@@ -486,9 +518,11 @@ class AdaptiveModel:
             return False, "ttft_slo"
         return None
 
-    def _explores(self, weighted_stall: float, extra: float, disaggregate: bool) -> bool:
+    def _explores(self, weighted_stall: float, extra: float, disaggregate: bool, *, learning: bool = False) -> bool:
         """Send a small share of the prompts the model keeps direct to the prefill pool instead, only
-        near the boundary (the two costs within a factor of 2), so the hop keeps being measured.
+        near the boundary (the two costs within a factor of 2), so the hop keeps being measured; at least
+        LEARNING_EXPLORE_SHARE while the prefiller's hop is not learned (`learning`), so a prior that keeps
+        prompts direct is tested within a few requests (explore_share 0 still turns exploration off).
 
         Never the other way: the direct path is learned on quiet decoders, which keep prompts anyway,
         and a busy decoder's first tokens teach nothing, so its streams would pay a stall for no lesson.
@@ -496,6 +530,8 @@ class AdaptiveModel:
         share = self.policy.explore_share
         if share <= 0 or disaggregate:
             return False
+        if learning:
+            share = max(share, LEARNING_EXPLORE_SHARE)
         low, high = sorted((max(weighted_stall, 1e-9), max(extra, 1e-9)))
         return high <= 2 * low and self._rng() < share
 
@@ -530,7 +566,7 @@ class AdaptiveModel:
             return math.inf
         tokens = max((itl_slo - d.overhead) / d.per_token, 0.0)
         ttft_slo = self._ttft_slo(tokens)
-        if ttft_slo is None or self._hop_ttft(prefiller, prefiller_queue, tokens) <= ttft_slo:
+        if ttft_slo is None or self._slo_hop_ttft(prefiller, prefiller_queue, tokens) <= ttft_slo:
             return tokens
         # Late for the TTFT SLO: the model decides up to ttft_slo_max_tokens, the ITL SLO beyond it.
         limit = self.policy.ttft_slo_max_tokens

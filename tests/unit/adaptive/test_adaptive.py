@@ -6,7 +6,7 @@ import random
 import pytest
 
 from dpd_router.observe import RequestTrace
-from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy, GapBudget, LinearCost
+from dpd_router.routing.adaptive import LEARNED_HOPS, AdaptiveModel, AdaptivePolicy, GapBudget, LinearCost
 
 
 def test_a_fit_learns_a_known_line_from_noisy_observations() -> None:
@@ -41,6 +41,14 @@ def test_a_fit_ignores_nonsense_and_never_learns_a_negative_slope() -> None:
 def model(**policy: object) -> AdaptiveModel:
     defaults = {"explore_share": 0.0, "min_threshold": 16, "max_threshold": 1_000_000}
     return AdaptiveModel(AdaptivePolicy(**{**defaults, **policy}), routing_threshold=4096)  # type: ignore[arg-type]
+
+
+def hops_on_the_prior(m: AdaptiveModel, prefiller: str, calls: int = LEARNED_HOPS) -> None:
+    """Calls that found the prefiller idle and took what its prior line says: learned, the same line."""
+    line = m.hop_cost(prefiller)
+    for i in range(calls):
+        tokens = 1000 + 500 * i
+        m.learn_prefill(prefiller, tokens, line.predict(tokens))
 
 
 def test_unlearned_the_static_threshold_holds_at_one_running_stream() -> None:
@@ -99,6 +107,7 @@ def test_exploration_flips_only_a_small_share_and_only_near_the_boundary() -> No
         routing_threshold=4096,
         rng=random.Random(7).random,
     )
+    hops_on_the_prior(m, "p")
     near = [m.estimate("d", "p", 4096, running_streams=1, prefiller_queue=0) for _ in range(4000)]
     share = sum(e.reason == "explore" for e in near) / len(near)
     assert 0.03 < share < 0.07
@@ -413,6 +422,7 @@ def test_exploration_only_ever_sends_prompts_to_the_prefill_pool() -> None:
         routing_threshold=4096,
         rng=random.Random(9).random,
     )
+    hops_on_the_prior(m, "p")
     # Just above the boundary the model disaggregates: exploration never keeps such a prompt direct.
     above = [m.estimate("d", "p", 4300, running_streams=1, prefiller_queue=0) for _ in range(2000)]
     assert all(e.disaggregate and e.reason == "adaptive_interference" for e in above)
@@ -421,6 +431,44 @@ def test_exploration_only_ever_sends_prompts_to_the_prefill_pool() -> None:
     explored = [e for e in below if e.reason == "explore"]
     assert explored and all(e.disaggregate for e in explored)
     assert 0.15 < len(explored) / len(below) < 0.25
+
+
+def test_until_its_hop_is_learned_a_prefiller_is_explored_more_and_then_a_few_percent() -> None:
+    m = AdaptiveModel(
+        AdaptivePolicy(explore_share=0.03, min_threshold=16, max_threshold=10**6),
+        routing_threshold=4096,
+        rng=random.Random(3).random,
+    )
+    near = [m.estimate("d", "p", 3900, running_streams=1, prefiller_queue=0) for _ in range(2000)]
+    assert 0.2 < sum(e.reason == "explore" for e in near) / len(near) < 0.3
+    # Never far from the boundary, even unlearned: an idle decoder keeps its prompts.
+    assert not any(m.estimate("d", "p", 3900, running_streams=0, prefiller_queue=0).disaggregate for _ in range(500))
+    hops_on_the_prior(m, "p", LEARNED_HOPS - 1)
+    assert not m.hop_learned("p")
+    hops_on_the_prior(m, "p", 1)
+    assert m.hop_learned("p")
+    near = [m.estimate("d", "p", 3900, running_streams=1, prefiller_queue=0) for _ in range(4000)]
+    assert 0.015 < sum(e.reason == "explore" for e in near) / len(near) < 0.045
+    off = model(explore_share=0.0)  # 0 still means no exploration, learned or not
+    assert not any(off.estimate("d", "p", 3900, running_streams=1, prefiller_queue=0).disaggregate for _ in range(500))
+
+
+def test_a_router_started_high_does_not_call_an_unlearned_hop_late_on_its_prior() -> None:
+    # Started at 32768, the prior prices the hop at about 3.7 s for a 4k prompt: late for a 2 s TTFT SLO
+    # on the prior's word alone. The SLOs judge an unlearned hop by the neutral prior instead, so the ITL
+    # SLO sends the prompt (a 0.4 s pause of 7 streams) to the hop, and the hop gets measured.
+    policy = AdaptivePolicy(explore_share=0.0, ttft_slo=2.0, itl_slo=0.25, min_threshold=16, max_threshold=10**6)
+    m = AdaptiveModel(policy, routing_threshold=32768)
+    assert m.hop_cost("p").predict(4096) > 3.5
+    first = m.estimate("d", "p", 4096, running_streams=7, prefiller_queue=0)
+    assert first.disaggregate and first.reason == "itl_slo"
+    assert m.effective_threshold("d", "p", running_streams=7, prefiller_queue=0) < 4096
+    # A learned hop that is really late is judged late: neither path meets both SLOs, the model decides.
+    for i in range(LEARNED_HOPS):
+        m.learn_prefill("p", 2000 + 300 * i, 2.5 + 0.0001 * (2000 + 300 * i))
+    assert m.hop_learned("p")
+    late = m.estimate("d", "p", 4096, running_streams=7, prefiller_queue=0)
+    assert late.hop > 2.0 and late.reason == "adaptive_interference"
 
 
 def test_two_routers_started_from_opposite_thresholds_learn_the_same_decision() -> None:
