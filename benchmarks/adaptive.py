@@ -17,7 +17,9 @@ D. The other workloads of the issue, each with its own sweep and bad starts as i
    concurrency 8, 16 and 32 (`WORKLOADS`); with `--itl-slo`, adaptive runs from each bad start
    with that `itl_slo` too. The warm-up is at least `WARMUP_ROUNDS` rounds of the workload's
    concurrency (c=32: 80 requests), so every workload's adaptive runs get the same number of
-   decisions per stream before measuring.
+   decisions per stream before measuring. D(4096,256)'s users pause a random think time between
+   requests (0.3 s on average): with equal prompts on deterministic engines a closed loop would
+   otherwise keep the phase its first requests set (see WORKLOADS).
    With `--objective-slos` (and `--itl-slo`), adaptive also runs told the objective as SLOs, in B, C
    and D: that itl_slo, and ttft_slo = the TTFT budget for the prompts it measures (of a mix, below
    the other classes' shortest prompt: ttft_slo_max_tokens). `--only-variants` picks adaptive runs.
@@ -26,7 +28,11 @@ Statistics. Every configuration runs once per repeat (`--repeats`), interleaved,
 rotates from repeat to repeat, so a slow spell of the shared machine falls on all of them. Within a
 repeat every run sends the same prompt lengths (new prompt text each run, so no prefix cache
 carries over); repeats draw new lengths. The first `--warmup` requests of every A/B run, static
-or adaptive, are not measured (adaptive's warm-up; the static runs' ramp-up). ITL p99 is over every
+or adaptive, are not measured (adaptive's warm-up; the static runs' ramp-up), and the workers of
+an A, B or D run start evenly over its first `--ramp` seconds: the simulated engines are
+deterministic, so a closed loop of equal prompts that opens with all of them at once keeps the
+phase that burst leaves for the whole run (and a router that routed the burst differently
+measures a different phase, not a different decision). ITL p99 is over every
 inter-token gap of the measured short requests. Tables give the median over repeats with the
 [min-max] range, and comparisons the ratio of medians plus the per-repeat (paired) ratios.
 
@@ -63,12 +69,18 @@ PHASES = ("quiet-1", "busy", "quiet-2")
 # in scenario 1, and the fixed D(4096,256) at concurrency 8/16/32 (4 measured requests per stream, as in
 # scenario 1). With every prompt 4096 tokens long a threshold either sends all of them to the prefiller
 # (2048) or none (8192), and the TTFT budget is 2 s (a 4k prompt's own prefill takes about 0.35 s).
+# D(4096,256)'s users pause a random think time between requests (exponential, `think` seconds on average):
+# its prompts are all equal and the simulated engines deterministic, so a closed loop without pauses keeps
+# for the whole run the phase its first requests set. At c=8, static 2048 measured an ITL p99 of 20 ms
+# when all workers started at once and 16 ms when they started over 5 s; adaptive, which served only the
+# very first prompt direct (the decoder was idle) and every other one like static 2048, measured 20 ms;
+# with 0.3 s pauses all three measured 13-16 ms.
 SEED_MIX = "short:0.70:U(128,1023)/(128,128),long:0.25:U(4096,16384)/(128,128),huge:0.05:D(32768,128)"
 WORKLOADS: list[dict[str, Any]] = [
     {"name": "seed mix, c=16", "workload": SEED_MIX, "concurrency": 16, "requests": 100,
-     "thresholds": [512, 2048, 8192, 32768], "ttft_budget": 1.0},
+     "thresholds": [512, 2048, 8192, 32768], "ttft_budget": 1.0, "think": 0.0},
     *({"name": f"D(4096,256), c={c}", "workload": "D(4096,256)", "concurrency": c, "requests": 4 * c,
-       "thresholds": [2048, 8192], "ttft_budget": 2.0} for c in (8, 16, 32)),
+       "thresholds": [2048, 8192], "ttft_budget": 2.0, "think": 0.3} for c in (8, 16, 32)),
 ]  # fmt: skip
 # Part D's warm-up, in rounds of the concurrency: at least this many (and at least --warmup requests).
 # 2.5 is the seed mix's 40 requests at c=16; at c=32, 40 requests were 1.25 rounds, and the first
@@ -76,7 +88,7 @@ WORKLOADS: list[dict[str, Any]] = [
 WARMUP_ROUNDS = 2.5
 SMOKE_WORKLOADS: list[dict[str, Any]] = [
     {"name": "D(600,8), c=2", "workload": "D(600,8)", "concurrency": 2, "requests": 4,
-     "thresholds": [256, 4096], "ttft_budget": 5.0},
+     "thresholds": [256, 4096], "ttft_budget": 5.0, "think": 0.05},
 ]  # fmt: skip
 
 
@@ -89,6 +101,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=200, help="measured requests per sweep/convergence run")
     parser.add_argument("--warmup", type=int, default=40, help="unmeasured requests first, in every A/B run")
     parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument(
+        "--ramp", type=float, default=5.0,
+        help="seconds over which the workers of an A, B or D run start, evenly (0: all at once); in the warm-up",
+    )  # fmt: skip
+    parser.add_argument(
+        "--think", type=float, default=0.0,
+        help="mean think time (s, exponential) between an A/B worker's requests (part D: each workload's own)",
+    )  # fmt: skip
     parser.add_argument(
         "--phase-rates", type=float, nargs=3, default=[2.0, 8.0, 2.0],
         help="requests per second (Poisson arrivals) quiet busy quiet; 0 0 0: closed loop at --phases",
@@ -157,6 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phase_rates = [2.0, 8.0, 2.0]
         args.workloads = SMOKE_WORKLOADS
         args.timing, args.max_seconds, args.ttft_budget, args.scrape = "default", 30.0, 5.0, 0.2
+        args.ramp = 0.5
     if args.only_workloads:
         args.workloads = [w for w in args.workloads if any(text in w["name"] for text in args.only_workloads)]
         if not args.workloads:
@@ -389,7 +410,7 @@ async def one_run(
         try:
             result = await loadgen.run(
                 [router.url], requests, concurrency=args.concurrency, duration=args.max_seconds, label=label,
-                progress=not args.quiet,
+                progress=not args.quiet, ramp=args.ramp, think=args.think, seed=draw,
             )  # fmt: skip
         finally:
             stop.set()
@@ -747,7 +768,12 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"prompt lengths, shared by all runs of that repeat. Cells are the median over repeats, "
         f"[min-max] where shown; ratios are ratios of medians, with the per-repeat (paired) ratios in "
         f"parentheses. ITL p99 is over every inter-token gap of the measured short requests. "
-        f"Total {results['seconds'] / 60:.0f} min.",
+        + (
+            f"The workers of a closed-loop run (A, B, D) start evenly over its first {args.ramp:g} s. "
+            if getattr(args, "ramp", 0)
+            else ""
+        )
+        + f"Total {results['seconds'] / 60:.0f} min.",
         "",
     ]
     sweep = results.get("sweep") or []
@@ -909,6 +935,13 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
         else f"{', '.join(f'{k} {v:g}' for k, v in variant.items())}: `{name}`"
         for variant, name in extra
     ]
+    pauses = sorted({(ws["workload"], ws["think"]) for ws in sets if ws.get("think")})
+    thinking = [
+        f" The users of {workload} pause a random think time between requests (exponential, mean {think:g} s): "
+        "its prompts are all equal and the simulated engines deterministic, so without pauses a closed loop "
+        "keeps the phase its first requests set for the whole run."
+        for workload, think in pauses
+    ]
     md = [
         "## D. The other workloads: static sweep, then adaptive from a bad start",
         "",
@@ -924,6 +957,7 @@ def workloads_section(results: dict[str, Any], args: argparse.Namespace) -> list
         "request's, when the workload has one class); the best static is the lowest ITL p99 with TTFT p99 "
         "within the budget; when no static run meets the budget, the lowest TTFT p99, and adaptive reaches "
         "it with a TTFT p99 within the budget or within 10% of the best's.",
+        *thinking,
         "",
     ]
     rows = []
@@ -1119,6 +1153,7 @@ async def other_workloads(
                 "concurrency": setup.concurrency,
                 "requests": setup.requests,
                 "warmup": setup.warmup,
+                "think": setup.think,
                 "ttft_budget": setup.ttft_budget,
                 "sweep": sweep,
                 "best": {"threshold": best["threshold"], "within_budget": within},

@@ -219,11 +219,16 @@ async def run(
     client: httpx.AsyncClient | None = None,
     on_record: Callable[[Record], None] | None = None,
     stop: asyncio.Event | None = None,
+    ramp: float = 0.0,
+    think: float = 0.0,
 ) -> RunResult:
     """Send `requests` at a fixed concurrency (closed loop) or a Poisson rate (open loop).
 
     No new request starts after `duration` seconds; those still open `drain` seconds later are
     cancelled and recorded as errors. Setting `stop` ends the run early the same way, at once.
+    In a closed loop, `ramp` seconds spread the workers' first requests evenly (worker k of n
+    starts at k * ramp / n) instead of all at once, and each worker pauses a random think time
+    (exponential, mean `think` seconds, drawn from `seed`) after each of its requests.
     """
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency and rate")
@@ -255,15 +260,22 @@ async def run(
             if on_record is not None:
                 on_record(record)
 
-    async def worker() -> None:
+    async def worker(delay: float, pauses: random.Random) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
         for request in queue:
             if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
                 return
             await one(request)
+            if think > 0:
+                await asyncio.sleep(pauses.expovariate(1.0 / think))
 
     try:
         if concurrency is not None:
-            tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(requests)))]
+            workers = min(concurrency, len(requests))
+            tasks = [
+                asyncio.create_task(worker(k * ramp / workers, random.Random(f"{seed}/{k}"))) for k in range(workers)
+            ]
         else:
             tasks = []
             rng = random.Random(seed)

@@ -53,6 +53,7 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert [run["threshold"] for run in workload["sweep"]] == [256, 4096]
     assert workload["best"]["threshold"] in (256, 4096)
     assert workload["warmup"] == 5  # 2.5 rounds of its concurrency (2), more than --warmup's 4
+    assert workload["think"] == 0.05  # its users pause between requests
     assert [(run["mode"], run["threshold"]) for run in workload["converge"]] == [
         ("adaptive", 256),
         ("adaptive+itl500ms@1%", 256),
@@ -63,6 +64,8 @@ def test_adaptive_sweeps_converges_and_follows_a_load_change(tmp_path: Path) -> 
     assert all(run["learned"] for run in workload["converge"][1]["runs"]), "adaptive+itl's costs were not scraped"
     md = (tmp_path / "results.md").read_text()
     assert "## D. The other workloads" in md and "adaptive+itl500ms@1% from 256" in md
+    assert "The users of D(600,8) pause a random think time between requests (exponential, mean 0.05 s)" in md
+    assert "start evenly over its first 0.5 s" in md
     if HAVE_MATPLOTLIB:
         assert results["plots"]
         for name in results["plots"]:
