@@ -355,7 +355,8 @@ class _AdaptiveCollector(Collector):
         cost = GaugeMetricFamily(
             f"{PREFIX}_adaptive_cost",
             "Costs the adaptive threshold learned: model (direct_prefill and direct_wait per decoder, "
-            "prefill_hop per prefiller, handoff), term (overhead_seconds, seconds_per_token, observations); and "
+            "prefill_hop per prefiller, prefill_hop_slo: the same calls on a neutral prior, which the SLOs "
+            "judge the hop by, handoff), term (overhead_seconds, seconds_per_token, observations); and "
             "per decoder model itl_budget: its recent inter-token gaps (recent_gaps), the pauses longer than "
             "itl_slo direct prefills put in them (late_gaps), their ratio (late_share), fading with time.",
             labels=["model", "endpoint", "term"],

@@ -11,10 +11,12 @@ from starlette.responses import Response
 from dpd_router.api.errors import error_response, response_for
 from dpd_router.errors import RouterError
 from dpd_router.live import ConfigRejected
+from dpd_router.routing.adaptive import LEARNED_HOPS, LEARNING_EXPLORE_SHARE
 
 if TYPE_CHECKING:
     from dpd_router.app import Router
     from dpd_router.config import Settings
+    from dpd_router.routing.adaptive import AdaptiveModel
 
 routes = APIRouter(prefix="/admin")
 
@@ -115,6 +117,8 @@ async def routing(request: Request) -> Response:
                 f"of decoder {entry['decoder']}'s recent inter-token gaps; itl_slo_share allows "
                 f"{settings.itl_slo_share:.2%}."
             )
+    if planner.adaptive is not None:
+        summary += _unlearned_summary(planner.adaptive, [e["prefiller"] for e in view if "prefiller" in e], settings)
     body = {
         "threshold_mode": settings.threshold_mode,
         "routing_threshold": settings.routing_threshold,
@@ -124,6 +128,19 @@ async def routing(request: Request) -> Response:
         "decisions": decisions,
     }
     return _json(body)
+
+
+def _unlearned_summary(adaptive: AdaptiveModel, prefillers: list[str], settings: Settings) -> list[str]:
+    """A line per prefiller in the view that has not served LEARNED_HOPS calls yet, while exploring."""
+    if settings.explore_share <= 0:
+        return []
+    return [
+        f"Prefiller {url} has served {adaptive.hop_observations(url)} of {LEARNED_HOPS} prefill calls: until "
+        f"then exploration sends it at least {LEARNING_EXPLORE_SHARE:.0%} of the prompts near the boundary that "
+        "the model would keep direct."
+        for url in dict.fromkeys(prefillers)
+        if not adaptive.hop_learned(url)
+    ]
 
 
 def _slo_summary(settings: Settings) -> list[str]:

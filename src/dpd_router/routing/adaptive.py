@@ -36,9 +36,10 @@ direct prompt wait behind the burst's prefills, not behind a mean of what earlie
 The fits fade (per observation and per second) so they follow the engines, and start from priors
 derived from `routing_threshold` that fade faster still: an unlearned router behaves like the
 static rule, a learned one like what it measured, whatever threshold it started from. The hop's
-prior is a stand-in for the static rule, not a time, so until a prefiller's hop is learned
-(LEARNED_HOPS calls) the SLOs judge it by a neutral prior and exploration near the boundary is
-wider: a router started at 32768 would otherwise never take the hop that would teach it.
+prior is a stand-in for the static rule, not a time, so the SLOs judge the hop by a second line
+learned from the same calls on a neutral prior, and until a prefiller has served LEARNED_HOPS calls
+exploration near the boundary is wider: a router started at 32768 would otherwise never take the
+hop that would teach it.
 Guard rails: `min_threshold` / `max_threshold` bound the decision in tokens; known SLOs win when only
 one path meets them: the TTFT SLO by each path's first-token time (for the direct path, only while
 the stall it inflicts on the decoder's streams stays within the SLO), the ITL SLO by the pause the
@@ -85,11 +86,12 @@ IDLE_HOPS_TO_TRUST = 8
 # on the decoder when it was planned: with any, its first token also waits for their prefills and
 # decode steps, which is queueing, not this prompt's prefill.
 QUIET_DECODER_STREAMS = 0
-# A prefiller's hop counts as learned after this many observed prefill calls. Until then its line is
-# mostly the prior built on routing_threshold, a stand-in that reproduces the static rule rather than a
-# measured time (a router started at 32768 prices the hop at 3.3 s): it does not judge the TTFT SLO (the
-# neutral prior does: as fast per token as the decoders' prior, no fixed cost), and near the boundary
-# exploration sends at least LEARNING_EXPLORE_SHARE of the prompts the model keeps direct to the hop.
+# The hop's prior is built on routing_threshold, a stand-in that reproduces the static rule rather than a
+# measured time (a router started at 32768 prices the hop at 3.3 s), and it fades over a few prior
+# half-lives of calls. So the SLOs never judge the hop by it: they read a second line per prefiller,
+# learned from the same calls on the neutral prior (the decoders' prior speed per token and overhead,
+# no threshold-made fixed cost). And until a prefiller has served LEARNED_HOPS calls, exploration near
+# the boundary sends at least LEARNING_EXPLORE_SHARE of the prompts the model keeps direct to it.
 # Otherwise a router started high could keep every prompt direct for good: the SLO would call the hop
 # late on the prior's word and a few percent of exploration would take hundreds of requests to teach it.
 LEARNED_HOPS = 8
@@ -335,6 +337,7 @@ class AdaptiveModel:
         self._direct: OrderedDict[str, LinearCost] = OrderedDict()
         self._wait: OrderedDict[str, DecayedMean] = OrderedDict()
         self._hop: OrderedDict[str, HopCost] = OrderedDict()
+        self._slo_hop: OrderedDict[str, HopCost] = OrderedDict()
         self._gaps: OrderedDict[str, GapBudget] = OrderedDict()
         self.handoff = self._prior_handoff()
 
@@ -348,6 +351,10 @@ class AdaptiveModel:
         # streams at about routing_threshold / n; an idle decoder keeps everything.
         per_token = self.policy.prior_prefill_per_token
         return HopCost(LinearCost(self.policy.prior_overhead + self.routing_threshold * per_token, per_token))
+
+    def _neutral_hop(self) -> HopCost:
+        # What the SLOs judge the hop by: the same calls learned on a prior that is not the static rule's.
+        return HopCost(LinearCost(self.policy.prior_overhead, self.policy.prior_prefill_per_token))
 
     def _prior_handoff(self) -> LinearCost:
         return LinearCost(self.policy.prior_overhead, 0.0)
@@ -371,6 +378,10 @@ class AdaptiveModel:
     def hop_cost(self, prefiller: str) -> HopCost:
         return self._fit(self._hop, prefiller, self._prior_hop)
 
+    def slo_hop_cost(self, prefiller: str) -> HopCost:
+        """The prefiller's hop line on the neutral prior, which the SLOs judge the hop by."""
+        return self._fit(self._slo_hop, prefiller, self._neutral_hop)
+
     def gap_budget(self, decoder: str) -> GapBudget:
         return self._fit(self._gaps, decoder, GapBudget)
 
@@ -386,6 +397,7 @@ class AdaptiveModel:
     def learn_prefill(self, prefiller: str, uncached_tokens: int, seconds: float, queued_tokens: float = 0.0) -> None:
         """A prefill hop's whole call time, with the prompt tokens queued ahead of it when it was planned."""
         self.hop_cost(prefiller).observe(queued_tokens, uncached_tokens, seconds)
+        self.slo_hop_cost(prefiller).observe(queued_tokens, uncached_tokens, seconds)
 
     def learn_handoff(self, tokens: int, seconds: float) -> None:
         """A disaggregated request's decode call: from its start to the first token (KV transfer)."""
@@ -468,22 +480,19 @@ class AdaptiveModel:
         hop = self.hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
         return hop + self.handoff.predict(uncached_tokens)
 
-    def hop_learned(self, prefiller: str) -> bool:
-        """Whether the prefiller's hop line rests on LEARNED_HOPS observed calls, not on the prior."""
-        return self.hop_cost(prefiller).observations >= LEARNED_HOPS
+    def hop_observations(self, prefiller: str) -> int:
+        """The prefill calls the prefiller's hop line has learned from."""
+        return self.hop_cost(prefiller).observations
 
-    def _neutral_hop_ttft(self, prefiller_queue: float, uncached_tokens: float) -> float:
-        """An unlearned prefiller's first-token time for the SLOs: the neutral prior (the decoders' prior
-        speed per token for its queue and this prompt, no threshold-made fixed cost) plus the hand-off."""
-        policy = self.policy
-        work = max(prefiller_queue, 0.0) + uncached_tokens
-        return policy.prior_overhead + policy.prior_prefill_per_token * work + self.handoff.predict(uncached_tokens)
+    def hop_learned(self, prefiller: str) -> bool:
+        """Whether the prefiller has served LEARNED_HOPS observed calls (exploration is wider before)."""
+        return self.hop_observations(prefiller) >= LEARNED_HOPS
 
     def _slo_hop_ttft(self, prefiller: str, prefiller_queue: float, uncached_tokens: float) -> float:
-        """The hop's first-token time the SLOs judge: learned, or the neutral prior until it is."""
-        if self.hop_learned(prefiller):
-            return self._hop_ttft(prefiller, prefiller_queue, uncached_tokens)
-        return self._neutral_hop_ttft(prefiller_queue, uncached_tokens)
+        """The hop's first-token time the SLOs judge: the queue and this prompt at the line learned on the
+        neutral prior, plus the KV hand-off."""
+        hop = self.slo_hop_cost(prefiller).predict(max(prefiller_queue, 0.0) + uncached_tokens)
+        return hop + self.handoff.predict(uncached_tokens)
 
     def _wait_before_prefill(self, decoder: str, decoder_queue: float) -> float:
         """A direct prompt's wait on `decoder` before its own prefill: the queued prompts' prefill at the
@@ -580,6 +589,7 @@ class AdaptiveModel:
             ("direct_prefill", self._direct),
             ("direct_wait", self._wait),
             ("prefill_hop", self._hop),
+            ("prefill_hop_slo", self._slo_hop),
         ]
         for model, table in tables:
             for endpoint, fit in list(table.items()):
@@ -598,6 +608,7 @@ class AdaptiveModel:
             "direct_prefill": {url: _coefficients(fit) for url, fit in self._direct.items()},
             "direct_wait": {url: _coefficients(fit) for url, fit in self._wait.items()},
             "prefill_hop": {url: _coefficients(fit) for url, fit in self._hop.items()},
+            "prefill_hop_slo": {url: _coefficients(fit) for url, fit in self._slo_hop.items()},
             "itl_budget": {
                 url: {"recent_gaps": budget.gaps, "late_gaps": budget.spent, "late_share": budget.share}
                 for url, budget in self._gaps.items()

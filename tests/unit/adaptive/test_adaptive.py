@@ -471,6 +471,21 @@ def test_a_router_started_high_does_not_call_an_unlearned_hop_late_on_its_prior(
     assert late.hop > 2.0 and late.reason == "adaptive_interference"
 
 
+def test_the_slos_judge_the_hop_by_what_it_measured_not_by_the_fading_threshold_prior() -> None:
+    # Started at 32768 with a 1 s TTFT SLO on every prompt: the hops take 0.37 s for a 4k prompt, most behind
+    # a queue. The model's own line still carries the 3.3 s prior after 8 calls; the SLOs' line does not,
+    # so the prompt keeps taking the hop on the ITL SLO after the eighth call as before it.
+    policy = AdaptivePolicy(explore_share=0.0, ttft_slo=1.0, itl_slo=0.25, min_threshold=16, max_threshold=10**6)
+    m = AdaptiveModel(policy, routing_threshold=32768)
+    for i in range(3 * LEARNED_HOPS):
+        queued = 1500.0 * (i % 9)
+        m.learn_prefill("p", 4096, 0.005 + 0.00009 * (queued + 4096), queued_tokens=queued)
+        m.learn_handoff(4096, 0.02)
+        decision = m.estimate("d", "p", 4096, running_streams=2, prefiller_queue=0)
+        assert decision.disaggregate and decision.reason == "itl_slo", f"after {i + 1} calls: {decision}"
+    assert m.slo_hop_cost("p").predict(4096) == pytest.approx(0.005 + 0.00009 * 4096, rel=0.25)
+
+
 def test_two_routers_started_from_opposite_thresholds_learn_the_same_decision() -> None:
     low, high = (AdaptiveModel(AdaptivePolicy(explore_share=0.0), routing_threshold=t) for t in (512, 32768))
     assert high.effective_threshold("d", "p", 8, 0) > 4 * low.effective_threshold("d", "p", 8, 0)
@@ -538,3 +553,19 @@ def test_the_direct_wait_learns_only_what_the_queued_prefills_do_not_explain() -
     for _ in range(200):
         m.learn_from(direct(8000, 0.3))
     assert m.direct_wait("d").mean == pytest.approx(0.3, rel=0.01)
+
+
+def test_admin_routing_names_the_prefillers_still_explored_more() -> None:
+    from dpd_router.api.admin import _unlearned_summary
+    from dpd_router.config import Settings
+
+    m = model(explore_share=0.03)
+    hops_on_the_prior(m, "http://p2", LEARNED_HOPS)
+    hops_on_the_prior(m, "http://p1", 3)
+    exploring = Settings(decode_urls=["http://d"], threshold_mode="adaptive", explore_share=0.03)
+    assert _unlearned_summary(m, ["http://p1", "http://p2", "http://p1"], exploring) == [
+        "Prefiller http://p1 has served 3 of 8 prefill calls: until then exploration sends it at least 25% of "
+        "the prompts near the boundary that the model would keep direct."
+    ]
+    quiet = Settings(decode_urls=["http://d"], threshold_mode="adaptive", explore_share=0.0)
+    assert _unlearned_summary(m, ["http://p1"], quiet) == []
