@@ -773,6 +773,11 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             if getattr(args, "ramp", 0)
             else ""
         )
+        + (
+            f"A and B's users pause a random think time between requests (exponential, mean {args.think:g} s). "
+            if getattr(args, "think", 0)
+            else ""
+        )
         + f"Total {results['seconds'] / 60:.0f} min.",
         "",
     ]

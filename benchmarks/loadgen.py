@@ -263,12 +263,12 @@ async def run(
     async def worker(delay: float, pauses: random.Random) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
-        for request in queue:
+        for n, request in enumerate(queue):
+            if n and think > 0:  # between requests, not after the last one
+                await asyncio.sleep(pauses.expovariate(1.0 / think))
             if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
                 return
             await one(request)
-            if think > 0:
-                await asyncio.sleep(pauses.expovariate(1.0 / think))
 
     try:
         if concurrency is not None:
