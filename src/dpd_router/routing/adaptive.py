@@ -404,10 +404,11 @@ class AdaptiveModel:
         self.handoff.observe(tokens, seconds)
 
     def learn_from(self, trace: RequestTrace) -> None:
-        """Learn from a finished streamed request (a whole answer says nothing about its first token)."""
+        """Learn from a finished request: its prefill call streamed or not, its first token only when
+        streamed (a whole answer says nothing about its first token)."""
         if trace.stream and trace.decoder and trace.token_chunks > 1:
             self.gap_budget(trace.decoder).count_gaps(trace.token_chunks - 1)
-        if trace.outcome != "ok" or not trace.stream or trace.uncached_tokens is None:
+        if trace.outcome != "ok" or trace.uncached_tokens is None:
             return
         tokens = trace.uncached_tokens
         if (
@@ -418,7 +419,7 @@ class AdaptiveModel:
             and trace.prefiller_queue is not None
         ):
             self.learn_prefill(trace.prefiller, tokens, trace.prefill_seconds, trace.prefiller_queue)
-        if trace.decode_started is None or trace.first_token_at is None or not trace.decoder:
+        if not trace.stream or trace.decode_started is None or trace.first_token_at is None or not trace.decoder:
             return
         first_token = trace.first_token_at - trace.decode_started
         if trace.path == "disaggregated":
