@@ -54,6 +54,12 @@ earlier scrape so that only the traffic in between counts) and answers the playb
    (< 0.5 per engine), and the demand ratio would not move an engine towards the queueing pool,
    one engine is moved towards it, and the output says so.
 
+6. **Adaptive threshold** (routers in `threshold_mode: adaptive`): each router's effective threshold
+   per decoder at that decoder's load when scraped (`dpd_router_adaptive_threshold_tokens`) and the
+   costs it learned (`dpd_router_adaptive_cost`: overhead, time per token and observations per model
+   and endpoint; the ITL budget's gaps). The routing decisions table (`route_decisions_total`) gives
+   its decisions by reason.
+
 The output is plain-text tables with the evidence (or `--json`), and `--plot FILE` writes a PNG of
 TTFT per path against prompt length with the distribution and the threshold marked (matplotlib, the
 `bench` extra).
@@ -378,6 +384,9 @@ class Report:
     ratio: RatioAdvice
     warnings: list[str]
     settings: dict[str, Any]
+    # threshold_mode adaptive: each router's effective threshold per decoder at its load when scraped, and
+    # the costs it learned (empty for static routers)
+    adaptive: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -445,6 +454,7 @@ def analyse(scrape: Scrape, options: Options | None = None, sources: Sequence[st
     ]
     recommendation = recommend(rows, opts, current)
     ratio = _ratio(scrape, prompt_by_path, prompt_all, opts, recommendation.threshold)
+    adaptive = _adaptive(scrape)
 
     if prompt_all.count == 0:
         warnings.append("no requests in the scrape (or between the scrapes): nothing to advise on yet")
@@ -491,6 +501,53 @@ def analyse(scrape: Scrape, options: Options | None = None, sources: Sequence[st
         ratio=ratio,
         warnings=warnings,
         settings=asdict(opts) | {"candidates": list(opts.candidates)},
+        adaptive=adaptive,
+    )
+
+
+def _adaptive(scrape: Scrape) -> dict[str, list[dict[str, Any]]]:
+    """Adaptive mode's evidence as scraped: the effective threshold per decoder (one row per router) and
+    the learned costs, one row per (model, endpoint) and router with its terms."""
+    thresholds = [
+        {"decoder": labels.get("decoder", ""), "tokens": value}
+        for labels, value in sorted(
+            scrape.gauge_values(f"{PREFIX}_adaptive_threshold_tokens"), key=lambda lv: lv[0].get("decoder", "")
+        )
+    ]
+    grouped: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
+    for (sample, labels), values in sorted(scrape.gauges.items()):
+        if sample != f"{PREFIX}_adaptive_cost":
+            continue
+        found = dict(labels)
+        rows = grouped[(found.get("model", ""), found.get("endpoint", ""))]
+        rows.extend({} for _ in range(len(values) - len(rows)))  # one row per router scraped
+        for row, value in zip(rows, values, strict=False):
+            row[found.get("term", "")] = value
+    costs = [
+        {"model": model, "endpoint": endpoint, "terms": terms}
+        for (model, endpoint), rows in sorted(grouped.items())
+        for terms in rows
+    ]
+    if not thresholds and not costs:
+        return {}
+    return {"thresholds": thresholds, "costs": costs}
+
+
+def _threshold_text(tokens: float) -> str:
+    if math.isnan(tokens):
+        return "-"
+    return "never (keeps every prompt)" if math.isinf(tokens) else f"{tokens:,.0f} tokens"
+
+
+def _cost_text(model: str, terms: dict[str, float]) -> str:
+    if model == "itl_budget":
+        return (
+            f"{terms.get('recent_gaps', 0):,.0f} recent inter-token gaps, {terms.get('late_gaps', 0):,.1f} late "
+            f"({terms.get('late_share', 0):.2%})"
+        )
+    return (
+        f"{terms.get('overhead_seconds', 0) * 1000:,.1f} ms + {terms.get('seconds_per_token', 0) * 1e6:,.1f} us/token "
+        f"({terms.get('observations', 0):,.0f} observations)"
     )
 
 
@@ -1058,6 +1115,27 @@ def render_text(report: Report) -> str:
             _table(
                 ["path", "reason", "requests"],
                 [[d["path"], d["reason"], _number(d["requests"])] for d in report.decisions],
+            )
+        )
+
+    if report.adaptive:
+        out.append(
+            "\nAdaptive threshold (threshold_mode adaptive), as scraped: the prompt length from which each decoder"
+        )
+        out.append("would disaggregate at its load then, and the costs learned (one row per router)")
+        out.append(
+            _table(
+                ["decoder", "effective threshold"],
+                [[row["decoder"], _threshold_text(row["tokens"])] for row in report.adaptive["thresholds"]],
+            )
+        )
+        out.append(
+            _table(
+                ["model", "endpoint", "learned"],
+                [
+                    [row["model"], row["endpoint"] or "-", _cost_text(row["model"], row["terms"])]
+                    for row in report.adaptive["costs"]
+                ],
             )
         )
 

@@ -325,3 +325,41 @@ def test_warnings_name_what_skews_the_evidence() -> None:
     assert any(w.startswith("5 prefill hops failed") for w in warnings)
     assert any(w.startswith("7 long prompts went direct for another reason") for w in warnings)
     assert analyse(scrape("crossover_2k.prom")).warnings == []
+
+
+def test_adaptive_routers_effective_threshold_and_learned_costs_are_reported() -> None:
+    """The router's own adaptive exposition (its collector over a model that learned a few calls), scraped
+    beside a static fixture: advise reports the effective threshold per decoder and every learned cost."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dpd_router.metrics import _AdaptiveCollector
+    from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy
+
+    model = AdaptiveModel(AdaptivePolicy(), routing_threshold=2048)
+    for tokens in (1000, 3000, 5000):
+        model.learn_prefill("http://p1", tokens, 0.01 + 0.00008 * tokens)
+    model.learn_direct("http://d1", 2000, 0.2)
+    registry = CollectorRegistry()
+    registry.register(_AdaptiveCollector(lambda: [("http://d1", 3100.0), ("http://d2", math.inf)], model.cost_rows))
+    adaptive = Scrape.parse(generate_latest(registry).decode())
+    report = analyse(scrape("crossover_2k.prom").plus(adaptive))
+    assert report.adaptive["thresholds"] == [
+        {"decoder": "http://d1", "tokens": 3100.0},
+        {"decoder": "http://d2", "tokens": math.inf},
+    ]
+    hop = next(c for c in report.adaptive["costs"] if (c["model"], c["endpoint"]) == ("prefill_hop", "http://p1"))
+    assert hop["terms"]["observations"] == 3
+    assert {c["model"] for c in report.adaptive["costs"]} >= {
+        "handoff",
+        "direct_prefill",
+        "prefill_hop",
+        "prefill_hop_slo",
+    }
+    text = render_text(report)
+    assert "Adaptive threshold (threshold_mode adaptive)" in text
+    assert "3,100 tokens" in text and "never (keeps every prompt)" in text
+    assert "(3 observations)" in text
+    assert json.loads(json.dumps(report.to_dict()))["adaptive"]["thresholds"][1]["tokens"] == "+Inf"
+    # A static router's scrape has no adaptive section.
+    static = analyse(scrape("crossover_2k.prom"))
+    assert static.adaptive == {} and "Adaptive threshold" not in render_text(static)
