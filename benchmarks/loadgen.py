@@ -228,7 +228,7 @@ async def run(
     cancelled and recorded as errors. Setting `stop` ends the run early the same way, at once.
     In a closed loop, `ramp` seconds spread the workers' first requests evenly (worker k of n
     starts at k * ramp / n) instead of all at once, and each worker pauses a random think time
-    (exponential, mean `think` seconds, drawn from `seed`) after each of its requests.
+    (exponential, mean `think` seconds, drawn from `seed`) between its requests.
     """
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency and rate")
