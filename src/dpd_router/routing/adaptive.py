@@ -353,8 +353,9 @@ class AdaptiveModel:
         return HopCost(LinearCost(self.policy.prior_overhead + self.routing_threshold * per_token, per_token))
 
     def _neutral_hop(self) -> HopCost:
-        # What the SLOs judge the hop by: the same calls learned on a prior that is not the static rule's.
-        return HopCost(LinearCost(self.policy.prior_overhead, self.policy.prior_prefill_per_token))
+        # What the SLOs judge the hop by: the same calls learned on a prior that is not the static rule's,
+        # a prefiller as fast as the decoders' prior.
+        return HopCost(self._prior_direct())
 
     def _prior_handoff(self) -> LinearCost:
         return LinearCost(self.policy.prior_overhead, 0.0)
