@@ -1304,6 +1304,8 @@ def render(args: argparse.Namespace) -> None:
     import json
 
     results = json.loads((args.out / "results.json").read_text())
+    # Runs from before --ramp and --think started every worker at once, without pauses.
+    args.ramp = args.think = 0.0
     for key, value in results["args"].items():
         if key not in ("out", "render"):
             setattr(args, key, value)
