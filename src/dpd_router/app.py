@@ -19,8 +19,9 @@ from starlette.responses import Response
 from dpd_router import __version__
 from dpd_router.api import admin, openai, ops
 from dpd_router.api.admission import Admission
-from dpd_router.api.auth import KeyRing
+from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.errors import error_response
+from dpd_router.api.guards import ErrorBoundary
 from dpd_router.config import Settings
 from dpd_router.gateway import ENGINE_PATHS, Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.live import LiveConfig
@@ -37,6 +38,7 @@ from dpd_router.routing.kv_events import KVEventSubscriber
 from dpd_router.routing.lmcache import LMCacheController
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.tasks import cancel_and_wait
+from dpd_router.template_sandbox import TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
@@ -63,7 +65,7 @@ class Router:
     gateway: Gateway
     health: HealthChecker
     scraper: LoadScraper
-    keys: KeyRing
+    gatekeeper: Gatekeeper
     admission: Admission
     live: LiveConfig = field(init=False)
     kv_events: KVEventSubscriber | None = None
@@ -184,7 +186,7 @@ class Router:
             gateway=gateway,
             health=health,
             scraper=scraper,
-            keys=keys,
+            gatekeeper=Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute),
             admission=admission,
             kv_events=kv_events,
             lmcache=lmcache,
@@ -236,7 +238,7 @@ class Router:
             await self.kv_events.close()
         if self.connector is not None:
             await self.connector.close()
-        self.tokenizer.close()
+        await self.tokenizer.aclose()
         await self.client.aclose()
 
 
@@ -359,11 +361,19 @@ async def load_tokenizer(settings: Settings, client: httpx.AsyncClient, pool: Po
         log.warning("no tokenizer directory configured: counting tokens with the engines' /tokenize")
         return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
     directory = settings.tokenizer
+    sandbox = (
+        TemplateSandbox(directory, timeout=settings.chat_template_timeout, max_output_chars=settings.max_body_bytes)
+        if settings.trust_request_chat_template
+        else None
+    )
+    if sandbox is not None:
+        await sandbox.start()
     return await asyncio.to_thread(
         LocalTokenizer.load,
         directory,
         inline_max_chars=settings.tokenize_inline_max_chars,
         threads=settings.tokenizer_threads,
+        sandbox=sandbox,
     )
 
 
@@ -378,6 +388,8 @@ def create_app(settings: Settings) -> FastAPI:
             await router.close()
 
     app = FastAPI(title="dpd-router", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # A redirect to the path with or without its trailing slash would be built from the client's Host header.
+    app.router.redirect_slashes = False
     app.include_router(openai.routes)
     app.include_router(ops.routes)
     app.include_router(admin.routes)
@@ -387,9 +399,5 @@ def create_app(settings: Settings) -> FastAPI:
         error_type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
         return error_response(str(exc.detail), error_type, exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error serving %s", request.url.path)
-        return error_response("The router failed to serve this request.", "InternalServerError", 500)
-
+    app.add_middleware(ErrorBoundary)
     return app

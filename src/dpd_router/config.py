@@ -242,12 +242,29 @@ class Settings(BaseSettings):
     max_queued: int = Field(default=1024, ge=0)
     queue_timeout: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # The HTTP listener's own limits (nginx's client_header_timeout / client_body_timeout and
+    # large_client_header_buffers): a request's line and headers must arrive within
+    # client_header_timeout seconds and fit in max_header_bytes and max_headers lines (else 408 / 431);
+    # its body within client_body_timeout seconds of its headers (else 408). Connections closed for
+    # these are counted in dpd_router_connections_refused_total.
+    client_header_timeout: float = Field(default=10.0, gt=0)
+    client_body_timeout: float = Field(default=60.0, gt=0)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_headers: int = Field(default=100, ge=8)
+    # A chat template sent with a request (chat_template, or chat_template_kwargs.chat_template) is
+    # refused with 400, as vLLM refuses it without --trust-request-chat-template. When trusted, it is
+    # rendered in a sandboxed subprocess, stopped after chat_template_timeout seconds.
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = Field(default=5.0, gt=0)
 
     # API keys, as SHA-256 hex digests (`dpd-router hash-key`): plain keys, admin keys, and a YAML
     # file whose entries may add a tenant, admin rights and per-minute limits. No keys: no auth.
     api_key_hashes: UrlList = Field(default_factory=list)
     admin_key_hashes: UrlList = Field(default_factory=list)
     api_keys_file: Path | None = None
+    # Failed authentications a source address may make per minute before its requests get 429
+    # unchecked for a while (0: no limit).
+    auth_failures_per_minute: float = Field(default=60.0, ge=0)
     # Tenants pinned to their own engines: {tenant: {prefill_urls: [...], decode_urls: [...]}}.
     # Their engines serve no one else, and their requests reach no other engine.
     tenants: dict[str, TenantPools] = Field(default_factory=dict)

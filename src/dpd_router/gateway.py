@@ -44,7 +44,7 @@ from dpd_router.pool.models import ServedModel
 from dpd_router.relay import DecodeFailedEarly, EventStream, error_event, failed_before_output, relay_body
 from dpd_router.request import ClientRequest
 from dpd_router.routing.planner import PREFILL_FAILED, Plan, Planner
-from dpd_router.tokenizer import Prompt, TokenCounter
+from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import ENGINE_PATHS as ENGINE_PATHS  # the engine API paths, by request kind
 from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
 
@@ -188,11 +188,12 @@ class Gateway:
             trace.started = arrived
         trace.queue_seconds = queued
         trace.tenant = principal.tenant
+        trace.key_id = principal.key_id
         done = Completion(trace, self._observer, self._metrics, on_finish)
         phase = "tokenize"
         try:
             planner = self.planner_for(principal.tenant)
-            prompt = await self._tokenizer.tokenize(request)
+            prompt = await self._tokenize(request)
             trace.prompt_tokens = prompt.num_tokens
             trace.tokenize_seconds = prompt.seconds
             self._metrics.tokenize.observe(prompt.seconds)
@@ -240,6 +241,17 @@ class Gateway:
             done()
             raise
 
+    async def _tokenize(self, request: ClientRequest) -> Prompt:
+        limit = self._model.max_model_len
+        try:
+            return await self._tokenizer.tokenize(request, max_tokens=limit)
+        except PromptTooLong as exc:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, your request has at least "
+                f"{exc.at_least} input tokens (counted from its size alone). Please reduce the length of the input.",
+                param="input_tokens",
+            ) from None
+
     def _check_servable(self, plan: Plan) -> None:
         """A direct plan is refused when the connector's decoders serve nothing alone (SGLang)."""
         if plan.prefiller is None and not self._connector.serves_direct:
@@ -254,7 +266,9 @@ class Gateway:
         if limit is None:
             return
         longest = prompt.num_tokens if request.batch_size == 1 else max(prompt.num_tokens // request.batch_size, 1)
-        asked = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
+        # Parsing checked these are integers; a completions body's max_completion_tokens is not vLLM's field.
+        names = ("max_completion_tokens", "max_tokens") if request.kind == "chat" else ("max_tokens",)
+        asked = next((request.body[name] for name in names if request.body.get(name) is not None), 0)
         if longest >= limit or longest + asked > limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -218,6 +218,11 @@ class RouterMetrics:
         self.auth_failures = Counter(
             f"{PREFIX}_auth_failures", "Requests refused for a missing, unknown or insufficient API key.", registry=r
         )
+        self.auth_throttled = Counter(
+            f"{PREFIX}_auth_throttled",
+            "Requests refused with 429, unchecked, from addresses that failed to authenticate too often.",
+            registry=r,
+        )
         self.endpoint_in_flight = Gauge(
             f"{PREFIX}_endpoint_in_flight_requests",
             "Calls the router has open to the endpoint now.",

@@ -27,6 +27,8 @@ class RequestTrace:
     queue_seconds: float = 0.0
     decode_started: float | None = None
     tenant: str | None = None
+    # The caller's API key id (the first 12 hex digits of its hash; "anonymous" with auth off).
+    key_id: str | None = None
     path: str = "direct"
     reason: str = ""
     threshold: int | None = None
@@ -172,6 +174,7 @@ class Observer:
         fields: dict[str, Any] = {
             "request_id": trace.request_id,
             "tenant": trace.tenant,
+            "key_id": trace.key_id,
             "kind": trace.kind,
             "stream": trace.stream,
             "path": trace.path,

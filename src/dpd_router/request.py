@@ -17,6 +17,8 @@ from dpd_router.errors import InvalidRequest
 RequestKind = Literal["chat", "completion"]
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# orjson, which encodes every body the router forwards, refuses anything nested deeper.
+MAX_JSON_DEPTH = 254
 
 
 @dataclass
@@ -49,8 +51,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_request(kind: RequestKind, raw: bytes) -> ClientRequest:
-    """Parse and check a chat or text completion body; raise InvalidRequest naming the bad field."""
+def parse_request(kind: RequestKind, raw: bytes, *, trust_chat_template: bool = False) -> ClientRequest:
+    """Parse and check a chat or text completion body; raise InvalidRequest naming the bad field.
+
+    A chat template the client sends is refused unless `trust_chat_template` (as vLLM refuses it
+    unless started with --trust-request-chat-template).
+    """
     if not raw.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
@@ -61,9 +67,11 @@ def parse_request(kind: RequestKind, raw: bytes) -> ClientRequest:
         raise InvalidRequest("The request body must be a JSON object.")
     if kind == "chat":
         _check_messages(body)
+        _check_chat_template(body, trusted=trust_chat_template)
     else:
         _check_prompt(body)
     _check_common(body, kind)
+    _check_depth(body, raw)
     return ClientRequest(kind=kind, body=body, raw=raw, stream=bool(body.get("stream", False)))
 
 
@@ -80,12 +88,59 @@ def _check_messages(body: dict[str, Any]) -> None:
             raise InvalidRequest(
                 f"messages[{index}].role is required and must be a string.", param=f"messages[{index}].role"
             )
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest(f"messages[{index}].name must be a string.", param=f"messages[{index}].name")
         content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
             raise InvalidRequest(
                 f"messages[{index}].content must be a string or an array of content parts.",
                 param=f"messages[{index}].content",
             )
+        for number, part in enumerate(content):
+            _check_content_part(part, f"messages[{index}].content[{number}]")
+
+
+def _check_chat_template(body: dict[str, Any], *, trusted: bool) -> None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object.", param="chat_template_kwargs")
+    given = {"chat_template": body.get("chat_template")}
+    if kwargs:
+        given["chat_template_kwargs.chat_template"] = kwargs.get("chat_template")
+    given = {name: template for name, template in given.items() if template is not None}
+    if not given:
+        return
+    if not trusted:
+        raise InvalidRequest(
+            "Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
+            "with untrusted chat template. (dpd-router: set trust_request_chat_template to accept it.)",
+            param=next(iter(given)),
+        )
+    for name, template in given.items():
+        if not isinstance(template, str):
+            raise InvalidRequest(f"'{name}' must be a string.", param=name)
+
+
+# Part types whose `text` is the part's text (vLLM's chat parser reads these three the same way).
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+
+
+def _check_content_part(part: Any, where: str) -> None:
+    """A content part is a string (plain text, as vLLM accepts) or an object with a string `type`;
+    a text part's `text` is a string."""
+    if isinstance(part, str):
+        return
+    if not isinstance(part, dict):
+        raise InvalidRequest(f"{where} must be a string or a content part object.", param=where)
+    kind = part.get("type")
+    if kind is not None and not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type must be a string.", param=f"{where}.type")
+    text = part.get("text")
+    if (kind in TEXT_PART_TYPES or kind is None) and text is not None and not isinstance(text, str):
+        raise InvalidRequest(f"{where}.text must be a string.", param=f"{where}.text")
 
 
 def _check_prompt(body: dict[str, Any]) -> None:
@@ -115,6 +170,10 @@ def _check_common(body: dict[str, Any], kind: RequestKind) -> None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean.", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    # vLLM's completions API has no max_completion_tokens (it ignores the field): only chat's counts.
     limits = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
     for name in limits:
         value = body.get(name)
@@ -132,6 +191,19 @@ def _check_common(body: dict[str, Any], kind: RequestKind) -> None:
             "'kv_transfer_params' is set by the router and cannot be sent by clients.",
             param="kv_transfer_params",
         )
+
+
+def _check_depth(body: dict[str, Any], raw: bytes) -> None:
+    """Refuse a body nested deeper than the router can encode again (it re-encodes what it forwards).
+
+    Only a body with more brackets than that depth can be that deep, so most are never re-encoded here.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise InvalidRequest(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.") from None
 
 
 def clean_request_id(given: str | None) -> str | None:

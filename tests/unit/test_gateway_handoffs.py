@@ -20,7 +20,7 @@ from starlette.requests import Request as StarletteRequest
 
 from dpd_router.api import openai
 from dpd_router.api.admission import Admission
-from dpd_router.api.auth import KeyRing
+from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.config import load_settings
 from dpd_router.gateway import Gateway, HeadFirstStream, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
@@ -62,10 +62,10 @@ class LandedAtOnce:
 
 
 class Tokens:
-    async def tokenize(self, request: ClientRequest) -> Prompt:
+    async def tokenize(self, request: ClientRequest, *, max_tokens: int | None = None) -> Prompt:
         return Prompt(token_ids=PROMPT_IDS, num_tokens=len(PROMPT_IDS), seconds=0.0)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         pass
 
 
@@ -273,8 +273,10 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
 
     metrics = RouterMetrics()
     router = SimpleNamespace(
-        settings=SimpleNamespace(max_body_bytes=1 << 20),
-        keys=KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[]),
+        settings=SimpleNamespace(max_body_bytes=1 << 20, trust_request_chat_template=False),
+        gatekeeper=Gatekeeper(
+            KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[]), metrics, failures_per_minute=0
+        ),
         admission=Admission(metrics, max_in_flight=10, max_queued=10, queue_timeout=1.0),
         model=SimpleNamespace(name="m"),
         metrics=metrics,

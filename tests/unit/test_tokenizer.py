@@ -60,13 +60,13 @@ async def test_text_prompts_in_every_form(local: LocalTokenizer) -> None:
 async def test_long_prompts_are_tokenized_off_the_event_loop(tokenizer_dir: Path) -> None:
     local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
     seen: list[str] = []
-    original = local._encode_text
+    original = local._encode
 
-    def spy(text: str, threaded: bool = False) -> list[int]:
+    def spy(text: str, *, special: bool, threaded: bool) -> list[int]:
         seen.append(threading.current_thread().name)
-        return original(text, threaded)
+        return original(text, special=special, threaded=threaded)
 
-    local._encode_text = spy  # type: ignore[method-assign]
+    local._encode = spy  # type: ignore[method-assign]
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "short"})))
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "long " * 100})))
     assert seen[0] == threading.current_thread().name

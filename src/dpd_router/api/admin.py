@@ -8,8 +8,9 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from dpd_router.api.auth import source_of
 from dpd_router.api.errors import error_response, response_for
-from dpd_router.errors import RouterError
+from dpd_router.errors import RateLimited, RouterError
 from dpd_router.live import ConfigRejected
 from dpd_router.routing.adaptive import LEARNED_HOPS, LEARNING_EXPLORE_SHARE
 
@@ -28,10 +29,12 @@ def _json(value: object, status: int = 200) -> Response:
 def _authorize(request: Request) -> Router | Response:
     router: Router = request.app.state.router
     try:
-        router.keys.authenticate_admin(request.headers.get("authorization"))
+        router.gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
     except RouterError as exc:
-        router.metrics.auth_failures.inc()
-        return response_for(exc, headers={"WWW-Authenticate": "Bearer"})
+        headers = {"WWW-Authenticate": "Bearer"}
+        if isinstance(exc, RateLimited):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        return response_for(exc, headers=headers)
     return router
 
 

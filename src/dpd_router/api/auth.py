@@ -8,14 +8,28 @@ the first 12 hex digits of its hash.
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from dpd_router.api.limits import KeyLimits, TokenBucket
-from dpd_router.errors import Forbidden, Unauthorized
+from dpd_router.errors import Forbidden, RateLimited, RouterError, Unauthorized
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from dpd_router.metrics import RouterMetrics
+
+log = logging.getLogger("dpd_router.auth")
+
+# Source addresses whose failed attempts are remembered at once; the longest quiet ones are forgotten first.
+MAX_TRACKED_SOURCES = 10_000
 
 
 def hash_key(key: str) -> str:
@@ -103,6 +117,90 @@ class KeyRing:
                     ),
                 )
         return cls(principals)
+
+
+def source_of(request: Request) -> str:
+    """The peer address a request came from (a proxy's, behind one)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+class AuthThrottled(RateLimited):
+    """This source address failed to authenticate too often; its attempts wait."""
+
+
+class Gatekeeper:
+    """Checks each call's key against the key ring, and throttles the addresses that keep failing.
+
+    Failed attempts are counted per source address in a token bucket of `failures_per_minute`;
+    a source that spent it gets 429 before its key is even looked at, until the bucket refills, so
+    guessing keys costs the guesser time and the router nothing. Behind a proxy every client shares
+    the proxy's address: size the budget for that.
+    """
+
+    def __init__(
+        self,
+        keys: KeyRing,
+        metrics: RouterMetrics,
+        *,
+        failures_per_minute: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.keys = keys
+        self._metrics = metrics
+        self._rate = failures_per_minute
+        self._clock = clock
+        self._failures: OrderedDict[str, _FailedSource] = OrderedDict()
+
+    def authenticate(self, authorization: str | None, source: str) -> Principal:
+        """The caller of the OpenAI API (anonymous when no API keys are configured)."""
+        if not self.keys.enabled:
+            return ANONYMOUS
+        return self._checked(lambda: self.keys.authenticate(authorization), source)
+
+    def authenticate_admin(self, authorization: str | None, source: str) -> Principal:
+        """The caller of an admin endpoint: an admin key, always required."""
+        return self._checked(lambda: self.keys.authenticate_admin(authorization), source)
+
+    def _checked(self, check: Callable[[], Principal], source: str) -> Principal:
+        failed = self._failures.get(source)
+        if failed is not None and self._rate > 0:
+            wait = failed.bucket.wait_for(1)
+            if wait:
+                self._metrics.auth_throttled.inc()
+                raise AuthThrottled("Too many failed authentications from this address; retry later.", retry_after=wait)
+        try:
+            return check()
+        except RouterError:
+            self._metrics.auth_failures.inc()
+            self._count_failure(source)
+            raise
+
+    def _count_failure(self, source: str) -> None:
+        if self._rate <= 0:
+            return
+        failed = self._failures.get(source)
+        if failed is None:
+            failed = self._failures[source] = _FailedSource(TokenBucket(self._rate, clock=self._clock))
+            if len(self._failures) > MAX_TRACKED_SOURCES:
+                self._failures.popitem(last=False)
+        else:
+            self._failures.move_to_end(source)
+        failed.bucket.take(1)
+        now = self._clock()
+        if failed.bucket.wait_for(1) and (failed.warned_at is None or now - failed.warned_at >= 60.0):
+            failed.warned_at = now  # one line a minute for a source that keeps failing
+            log.warning(
+                "%s failed to authenticate %g times within a minute: its requests get 429 until it slows down",
+                source,
+                self._rate,
+                extra={"fields": {"event": "auth_throttled", "source": source}},
+            )
+
+
+@dataclass
+class _FailedSource:
+    bucket: TokenBucket
+    warned_at: float | None = None
 
 
 def _bucket(rate: Any) -> TokenBucket | None:

@@ -27,6 +27,13 @@ class TokenBucket:
         self.level = min(self.rate_per_minute, self.level + (now - self.updated) * self.rate_per_minute / 60.0)
         self.updated = now
 
+    def wait_for(self, amount: float) -> float:
+        """The seconds until `amount` could be spent (0: now), spending nothing."""
+        self._refill()
+        if amount <= self.level:
+            return 0.0
+        return (min(amount, self.rate_per_minute) - self.level) * 60.0 / self.rate_per_minute
+
     def take(self, amount: float) -> float:
         """Spend `amount`; returns 0 when allowed, else the seconds until it would be."""
         self._refill()

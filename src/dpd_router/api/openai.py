@@ -15,6 +15,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from dpd_router.api.auth import source_of
 from dpd_router.api.errors import response_for
 from dpd_router.errors import (
     AdmissionRejected,
@@ -48,7 +49,7 @@ async def models(request: Request) -> Response:
     router: Router = request.app.state.router
     request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
     try:
-        router.keys.authenticate(request.headers.get("authorization"))
+        router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
     except RouterError as exc:
         return _error(router, exc, request_id)
     return Response(orjson.dumps(router.model.models_listing()), media_type="application/json")
@@ -59,10 +60,11 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
     router: Router = request.app.state.router
     request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
     try:
-        raw = await _read_body(request, router.settings.max_body_bytes)
-        principal = router.keys.authenticate(request.headers.get("authorization"))
+        # Who is asking, from the headers alone: a body nobody may send is never read.
+        principal = router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
         principal.limits.take_request()
-        client_request = parse_request(kind, raw)
+        raw = await _read_body(request, router.settings.max_body_bytes)
+        client_request = parse_request(kind, raw, trust_chat_template=router.settings.trust_request_chat_template)
         _resolve_model(client_request, router.model.name)
     except RouterError as exc:
         return _error(router, exc, request_id)
@@ -132,7 +134,6 @@ def _error(router: Router, exc: RouterError, request_id: str) -> Response:
     elif exc.status_code == 503:
         headers["Retry-After"] = "1"
     if isinstance(exc, Unauthorized) or exc.status_code == 403:
-        router.metrics.auth_failures.inc()
         headers["WWW-Authenticate"] = "Bearer"
     if isinstance(exc, RateLimited) and "Requests per minute" in exc.message:
         router.metrics.rate_limited.labels("requests").inc()
@@ -148,4 +149,9 @@ def _resolve_model(request: ClientRequest, served: str | None) -> None:
         request.body["model"] = served
         request.body_changed = True
     elif asked != served:
-        raise ModelNotFound(f"The model `{asked}` does not exist.", param="model")
+        raise ModelNotFound(f"The model `{shortened(asked)}` does not exist.", param="model")
+
+
+def shortened(text: str, limit: int = 200) -> str:
+    """A client's string fit to be echoed in an error: at most `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

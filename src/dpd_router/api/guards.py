@@ -1,0 +1,45 @@
+"""ASGI guards around every handler, each about one concern (Starlette's middleware shape)."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dpd_router.api.errors import error_response
+
+log = logging.getLogger("dpd_router.app")
+
+
+class ErrorBoundary:
+    """An exception a handler lets escape becomes an OpenAI-style 500 on a connection that stays open.
+
+    Starlette's outermost error middleware answers 500 and then re-raises, which makes the server
+    drop the connection, and with it the client's next request on it. Here the exception stops:
+    the answer is complete and the connection can be reused. Once an answer has begun there is no
+    honest way to finish it, so the exception goes on and the connection is closed.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            log.exception("unhandled error serving %s", scope.get("path"))
+            if started:
+                raise
+            response = error_response("The router failed to serve this request.", "InternalServerError", 500)
+            await response(scope, receive, send)

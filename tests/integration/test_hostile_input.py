@@ -1,0 +1,461 @@
+"""A hostile client against the router on loopback: thousands of generated bodies, each answered with a
+status below 500 and an OpenAI-shaped error, on one keep-alive connection that is never dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import random
+import re
+import resource
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpd_router.api.auth import hash_key
+from dpd_router.sim.cluster import SimCluster
+from tests.integration.conftest import MODEL, cluster_settings, metric, running_router
+from tests.integration.keepalive import Answer, ConnectionDropped, KeepAliveConnection
+
+THRESHOLD = 48
+FUZZ_EXAMPLES = 2500
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=24)
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+# Numbers where the router and the engine read a count: plausible ones, edge ones and the wrong types.
+counts = st.integers(-3, 6) | st.sampled_from([0, 2**31, 2**63 - 1, 1e308, 1.5, -0.0, True, False, "3", None])
+content_parts = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url", "input_audio", "refusal"]) | json_values},
+        optional={"text": st.text(max_size=30) | json_values, "image_url": json_values},
+    )
+    | json_values,
+    max_size=3,
+)
+contents = st.text(max_size=60) | content_parts | json_values
+messages = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]) | json_values,
+        "content": contents,
+    },
+    optional={"name": st.text(max_size=10) | json_values, "tool_calls": json_values, "tool_call_id": json_values},
+)
+# Every field the router reads, and some it only forwards, each valid, edge or of the wrong type.
+optional_fields: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.sampled_from([MODEL, "other-model", ""]) | json_values,
+    "stream": st.booleans() | json_values,
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": json_values, "continuous_usage_stats": json_values}
+    )
+    | json_values,
+    "max_tokens": counts,
+    "max_completion_tokens": counts,
+    "min_tokens": counts,
+    "n": counts,
+    "temperature": st.floats(0, 2) | json_values,
+    "top_p": json_values,
+    "seed": counts,
+    "stop": json_values,
+    "logprobs": json_values,
+    "top_logprobs": counts,
+    "echo": json_values,
+    "user": json_values,
+    "tools": json_values,
+    "tool_choice": json_values,
+    "response_format": json_values,
+    "add_generation_prompt": json_values,
+    "continue_final_message": json_values,
+    "add_special_tokens": json_values,
+    "chat_template": json_values,
+    "chat_template_kwargs": st.fixed_dictionaries({}, optional={"enable_thinking": json_values}) | json_values,
+    "documents": json_values,
+    "kv_transfer_params": json_values,
+    "truncate_prompt_tokens": counts,
+}
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(messages, max_size=4) | json_values}, optional=optional_fields
+).map(lambda body: {"max_tokens": 3, **body})
+prompts = (
+    st.text(max_size=80)
+    | st.lists(st.integers(-3, 5000), max_size=6)
+    | st.lists(st.text(max_size=20), max_size=3)
+    | st.lists(st.lists(st.integers(0, 5000), max_size=4), max_size=3)
+    | json_values
+)
+completion_bodies = st.fixed_dictionaries({"prompt": prompts}, optional=optional_fields).map(
+    lambda body: {"max_tokens": 3, **body}
+)
+
+
+def nested(depth: int, kind: str) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"a": value}
+    return value
+
+
+deep_bodies = st.builds(
+    lambda depth, kind, where: {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": nested(depth, kind) if where == "content" else "hi"}],
+        **({where: nested(depth, kind)} if where != "content" else {}),
+    },
+    st.integers(50, 1000),
+    st.sampled_from(["list", "dict"]),
+    st.sampled_from(["content", "tools", "response_format", "metadata"]),
+)
+
+
+def encode(body: Any) -> bytes:
+    """JSON a client could send: orjson where it can, the standard library for what is nested past orjson's limit."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        import json
+
+        return json.dumps(body).encode()
+
+
+raw_bodies = (
+    chat_bodies.map(lambda body: ("/v1/chat/completions", encode(body)))
+    | completion_bodies.map(lambda body: ("/v1/completions", encode(body)))
+    | deep_bodies.map(lambda body: ("/v1/chat/completions", encode(body)))
+    | st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), st.binary(max_size=60))
+    | st.tuples(
+        st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+        json_values.map(encode),
+    )
+)
+
+
+@pytest.fixture
+async def fuzzed_router(cluster: SimCluster, tokenizer_dir: Path):
+    async with running_router(
+        **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_strategy="roundrobin")
+    ) as base_url:
+        yield base_url
+
+
+async def test_thousands_of_generated_bodies_get_no_5xx_and_keep_the_connection(fuzzed_router: str) -> None:
+    examples: list[tuple[str, bytes]] = []
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(raw_bodies)
+    def collect(example: tuple[str, bytes]) -> None:
+        examples.append(example)
+
+    collect()
+    random.Random(0).shuffle(examples)  # hypothesis shrinks towards small bodies last: mix them
+    url = urlsplit(fuzzed_router)
+    connection = KeepAliveConnection(url.hostname or "127.0.0.1", url.port or 80)
+    by_status: collections.Counter[int] = collections.Counter()
+    failures: dict[str, tuple[str, bytes, bytes]] = {}  # one example of each distinct failure
+    try:
+        for path, payload in examples:
+            try:
+                answer = await connection.request("POST", path, payload)
+            except ConnectionDropped as exc:
+                failures.setdefault(f"dropped connection: {exc}"[:160], (path, payload[:300], b""))
+                continue
+            by_status[answer.status] += 1
+            problem = answer_problem(answer)
+            if problem is not None:
+                failures.setdefault(f"{answer.status} {problem}", (path, payload[:300], answer.body[:300]))
+    finally:
+        await connection.close()
+    print(f"\nfuzz: {len(examples)} bodies on {connection.opened} connection(s), by status: {dict(by_status)}")
+    assert not failures, "\n".join(f"{key}\n    {example}" for key, example in failures.items())
+    # One connection for the whole run: no answer closed it, announced or not.
+    assert connection.opened == 1
+    assert by_status[200] > 100 and by_status[400] > 100
+
+
+def answer_problem(answer: Answer) -> str | None:
+    """What is wrong with an answer to a hostile body: a 5xx, or an error that is not OpenAI-shaped."""
+    if answer.status < 400 or answer.status == 499:
+        return None
+    try:
+        error = orjson.loads(answer.body)["error"]
+        message = error["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "an error body that is not OpenAI-shaped"
+    if not (isinstance(message, str) and message) or not {"type", "param", "code"} <= set(error):
+        return "an error body that is not OpenAI-shaped"
+    if answer.status >= 500:
+        return re.sub(r"\d+", "N", message)[:120]
+    return None
+
+
+# --- Chat templates sent by clients -------------------------------------------------------------
+
+SLOW_TEMPLATE = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}{{ messages }}"
+GREEDY_TEMPLATE = "{% set a = 'x' * 3000000000 %}{{ a | length }}"
+
+
+def chat(content: str = "Hello there.", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"chat_template": SLOW_TEMPLATE}, "chat_template"),
+        ({"chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}}, "chat_template_kwargs.chat_template"),
+    ],
+)
+async def test_a_client_template_is_refused_unless_trusted_as_vllm_does(
+    fuzzed_router: str, extra: dict[str, Any], param: str
+) -> None:
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=30) as client:
+        answer = await client.post("/v1/chat/completions", json=chat(**extra))
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert "--trust-request-chat-template is not set" in error["message"]
+    assert error["param"] == param
+
+
+async def test_a_trusted_template_renders_off_the_event_loop_within_its_time_and_memory(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    settings = cluster_settings(
+        cluster, tokenizer_dir, threshold=THRESHOLD, trust_request_chat_template=True, chat_template_timeout=2.0
+    )
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        # A benign client template is what counts: this one makes a long prompt of a short message.
+        long_template = "{% for m in messages %}{{ m.content }}{% endfor %}" + " filler words" * 80
+        answer = await client.post("/v1/chat/completions", json=chat(chat_template=long_template))
+        assert answer.status_code == 200, answer.text
+        assert await metric(base_url, "dpd_router_route_decisions_total", {"path": "disaggregated"}) == 1
+
+        answered: list[float] = []
+
+        async def probe_health(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                assert (await client.get("/health")).status_code == 200
+                answered.append(time.perf_counter())
+                await asyncio.sleep(0.02)
+
+        stop = asyncio.Event()
+        probing = asyncio.create_task(probe_health(stop))
+        started = time.perf_counter()
+        slow = await client.post("/v1/chat/completions", json=chat(chat_template=SLOW_TEMPLATE))
+        rendering = time.perf_counter() - started
+        greedy = await client.post("/v1/chat/completions", json=chat(chat_template=GREEDY_TEMPLATE))
+        stop.set()
+        await probing
+
+        assert slow.status_code == 400 and "did not finish rendering within 2 s" in slow.json()["error"]["message"]
+        assert greedy.status_code == 400 and "memory" in greedy.json()["error"]["message"]
+        # The loop kept answering all along: a render on it would leave one gap as long as the render.
+        gaps = [later - earlier for earlier, later in itertools.pairwise(answered)]
+        print(f"\ntemplate render stopped after {rendering:.2f} s; longest /health gap {max(gaps) * 1000:.0f} ms")
+        assert rendering >= 2.0 and max(gaps) < rendering / 2
+        # And the sandbox starts again for the next template.
+        again = await client.post("/v1/chat/completions", json=chat(chat_template=long_template))
+        assert again.status_code == 200, again.text
+
+
+# --- Prompts too large to tokenize ------------------------------------------------------------------
+
+
+async def test_a_32_mb_prompt_is_refused_from_its_size_without_tokenizing(fuzzed_router: str) -> None:
+    huge = "lorem ipsum dolor sit amet " * (32_000_000 // 27)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=60) as client:
+        tokenized_before = await metric(fuzzed_router, "dpd_router_tokenize_seconds_count")
+        for path, body in [
+            ("/v1/chat/completions", chat(huge)),
+            ("/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 2}),
+        ]:
+            answer = await client.post(path, json=body)
+            assert answer.status_code == 400, answer.text[:500]
+            error = answer.json()["error"]
+            assert error["param"] == "input_tokens"
+            assert "maximum context length is 32768 tokens" in error["message"]
+        assert await metric(fuzzed_router, "dpd_router_tokenize_seconds_count") == tokenized_before
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    print(f"\npeak memory of router and client grew {grown_mib:.0f} MiB for two 32 MB prompts")
+    assert grown_mib < 400  # the bodies themselves, twice over; tokenizing them took gigabytes
+
+
+# --- Malformed fields and unexpected errors ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", chat(content=[{"type": "text", "text": 5}]), "messages[0].content[0].text"),
+        ("/v1/chat/completions", chat(content=[[["deep"]]]), "messages[0].content[0]"),
+        ("/v1/chat/completions", chat(n=True), "n"),
+        ("/v1/chat/completions", chat(n=0), "n"),
+        ("/v1/chat/completions", chat(n=1e308), "n"),
+        ("/v1/chat/completions", chat(max_completion_tokens="3"), "max_completion_tokens"),
+        ("/v1/chat/completions", chat(stream_options=[1]), "stream_options"),
+        ("/v1/chat/completions", chat(content=nested(600, "list")), "messages[0].content[0]"),
+        ("/v1/chat/completions", chat(response_format=nested(400, "dict")), None),
+    ],
+)
+async def test_a_malformed_field_gets_a_400_naming_it(
+    fuzzed_router: str, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=30) as client:
+        answer = await client.post(path, content=encode(body), headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text[:300]
+    assert answer.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("value", ["3", [3], {"a": 3}, None])
+async def test_max_completion_tokens_on_text_completions_is_forwarded_as_vllm_ignores_it(
+    fuzzed_router: str, value: Any
+) -> None:
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=30) as client:
+        answer = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "max_completion_tokens": value}
+        )
+    assert answer.status_code == 200, answer.text
+
+
+async def test_a_null_n_is_the_default_one(fuzzed_router: str) -> None:
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=30) as client:
+        answer = await client.post("/v1/chat/completions", json=chat(n=None))
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 1
+
+
+async def test_an_unexpected_error_is_a_clean_500_that_keeps_the_connection() -> None:
+    """Starlette's error middleware answers 500 and then drops the connection; the boundary does not."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from dpd_router.api.guards import ErrorBoundary
+
+    async def broken(request: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    async def fine(request: Any) -> Any:
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/broken", broken, methods=["POST"]), Route("/fine", fine, methods=["POST"])])
+    app.add_middleware(ErrorBoundary)
+    async with serving(app) as (host, port):
+        connection = KeepAliveConnection(host, port)
+        try:
+            failed = await connection.request("POST", "/broken", b"{}")
+            after = await connection.request("POST", "/fine", b"{}")
+        finally:
+            await connection.close()
+    assert failed.status == 500 and not failed.closes
+    assert orjson.loads(failed.body)["error"]["type"] == "InternalServerError"
+    assert after.status == 200 and connection.opened == 1
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[tuple[str, int]]:
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, loop="none", log_level="critical", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:  # noqa: ASYNC110 - uvicorn offers no event to wait on
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+# --- Authentication and what is echoed back ---------------------------------------------------------
+
+KEY = "sk-hostile-test-key"
+
+
+@pytest.fixture
+async def keyed_router(cluster: SimCluster, tokenizer_dir: Path):
+    settings = cluster_settings(
+        cluster, tokenizer_dir, threshold=THRESHOLD, api_key_hashes=[hash_key(KEY)], auth_failures_per_minute=20
+    )
+    async with running_router(**settings) as base_url:
+        yield base_url
+
+
+async def test_a_caller_without_a_key_gets_401_before_sending_its_body(keyed_router: str) -> None:
+    url = urlsplit(keyed_router)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        # Headers that promise 30 MB; none of it is ever sent.
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 30000000\r\n\r\n"
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 401 ")
+
+
+async def test_failed_authentications_are_throttled_per_source_and_counted(keyed_router: str) -> None:
+    async with httpx.AsyncClient(base_url=keyed_router, timeout=30) as client:
+        statuses = [
+            (await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer wrong-{i}"}))
+            for i in range(40)
+        ]
+        assert [s.status_code for s in statuses[:20]] == [401] * 20
+        assert {s.status_code for s in statuses[20:]} == {429}
+        assert int(statuses[-1].headers["retry-after"]) >= 1
+        # Throttled attempts are not even checked: the right key waits too, from this address.
+        right = await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {KEY}"})
+        assert right.status_code == 429
+    assert await metric(keyed_router, "dpd_router_auth_failures_total") == 20
+    assert await metric(keyed_router, "dpd_router_auth_throttled_total") == 21
+
+
+async def test_the_request_log_line_names_the_key(keyed_router: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="dpd_router.request")
+    async with httpx.AsyncClient(base_url=keyed_router, timeout=30) as client:
+        answer = await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 200
+    lines = [r for r in caplog.records if r.name == "dpd_router.request"]
+    assert lines and lines[-1].fields["key_id"] == hash_key(KEY)[:12]  # type: ignore[attr-defined]
+
+
+async def test_no_redirect_is_built_from_the_host_header(fuzzed_router: str) -> None:
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=30) as client:
+        answer = await client.get("/admin/config/", headers={"Host": "evil.example"})
+    assert answer.status_code == 404 and "location" not in answer.headers
+
+
+async def test_a_huge_model_name_is_not_echoed_back_whole(fuzzed_router: str) -> None:
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=30) as client:
+        answer = await client.post("/v1/chat/completions", json={**chat(), "model": "m" * 10_000_000})
+    assert answer.status_code == 404
+    assert len(answer.content) < 1000 and "10000000 characters" in answer.json()["error"]["message"]
