@@ -9,9 +9,11 @@ import logging
 import math
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -37,6 +39,8 @@ from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.kv_events import KVEventSubscriber
 from dpd_router.routing.lmcache import LMCacheController
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
+from dpd_router.server import REASONS as REFUSAL_REASONS
+from dpd_router.server import ListenerLimits, RefusedConnections, guarded_protocol
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.template_sandbox import TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
@@ -377,10 +381,15 @@ async def load_tokenizer(settings: Settings, client: httpx.AsyncClient, pool: Po
     )
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, *, refused_connections: RefusedConnections | None = None) -> FastAPI:
+    """The router's app; `refused_connections` is the listener's count of connections it closed
+    (server.build_server passes it), exported with the other metrics."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router = await Router.start(settings)
+        if refused_connections is not None:
+            router.metrics.watch_refused_connections(refused_connections.counts, REFUSAL_REASONS)
         app.state.router = router
         try:
             yield
@@ -401,3 +410,21 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.add_middleware(ErrorBoundary)
     return app
+
+
+def build_server(settings: Settings, *, loop: str = "uvloop", **config: Any) -> uvicorn.Server:
+    """The router's app behind the guarded listener (server.py), as `dpd-router serve` runs it."""
+    refused = RefusedConnections()
+    return uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, refused_connections=refused),
+            host=settings.host,
+            port=settings.port,
+            loop=loop,  # type: ignore[arg-type]
+            http=guarded_protocol(ListenerLimits.from_settings(settings), refused),
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=settings.client_keepalive_timeout,
+            **config,
+        )
+    )

@@ -149,22 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(settings: Settings) -> int:
-    import uvicorn
-
-    from dpd_router.app import create_app
+    from dpd_router.app import build_server
     from dpd_router.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=settings.client_keepalive_timeout,
-    )
+    build_server(settings).run()
     return 0
 
 
@@ -187,9 +176,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
-    import uvicorn
-
-    from dpd_router.app import create_app
+    from dpd_router.app import build_server
     from dpd_router.logs import configure_logging
     from dpd_router.sim.cluster import SimCluster
 
@@ -233,17 +220,7 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
             **wiring.settings(cluster),
         )
         configure_logging(settings.log_level, settings.log_format)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(settings),
-                host=settings.host,
-                port=settings.port,
-                loop="none",
-                log_level="warning",
-                access_log=False,
-                timeout_keep_alive=settings.client_keepalive_timeout,
-            )
-        )
+        server = build_server(settings, loop="none")
         announce = asyncio.create_task(_announce(server, settings, cluster.prefill_urls, cluster.decode_urls))
         await server.serve()
         await cancel_and_wait([announce])

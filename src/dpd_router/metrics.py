@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -310,6 +310,10 @@ class RouterMetrics:
         present load, and the learned costs (model, endpoint, term -> value)."""
         self.registry.register(_AdaptiveCollector(thresholds, costs))
 
+    def watch_refused_connections(self, counts: Mapping[str, int], reasons: Iterable[str]) -> None:
+        """Export the listener's count of connections it closed, by reason (read at scrape time)."""
+        self.registry.register(_RefusedConnectionsCollector(counts, tuple(reasons)))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -335,6 +339,23 @@ def _load_reader(endpoint: Endpoint, read: Callable[[EngineLoad], float | None])
         return math.nan if value is None else value
 
     return current
+
+
+class _RefusedConnectionsCollector(Collector):
+    def __init__(self, counts: Mapping[str, int], reasons: tuple[str, ...]) -> None:
+        self._counts = counts
+        self._reasons = reasons
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_connections_refused",
+            "Client connections the listener answered 408 or 431 and closed: headers or body not in time "
+            "(header_timeout, body_timeout), headers too large or too many (header_too_large, too_many_headers).",
+            labels=["reason"],
+        )
+        for reason in self._reasons:
+            family.add_metric([reason], self._counts.get(reason, 0))
+        yield family
 
 
 class _AdaptiveCollector(Collector):

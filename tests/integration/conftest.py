@@ -11,10 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
 
-from dpd_router.app import create_app
+from dpd_router.app import build_server
 from dpd_router.config import load_settings
 from dpd_router.sim.cluster import SimCluster
 
@@ -36,9 +35,7 @@ async def running_router(**settings: Any) -> AsyncIterator[str]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = load_settings(host="127.0.0.1", port=port, health_interval=0.5, **settings)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), loop="none", log_level="warning", access_log=False, lifespan="on")
-    )
+    server = build_server(config, loop="none", lifespan="on")
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(30):

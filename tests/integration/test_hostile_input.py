@@ -459,3 +459,74 @@ async def test_a_huge_model_name_is_not_echoed_back_whole(fuzzed_router: str) ->
         answer = await client.post("/v1/chat/completions", json={**chat(), "model": "m" * 10_000_000})
     assert answer.status_code == 404
     assert len(answer.content) < 1000 and "10000000 characters" in answer.json()["error"]["message"]
+
+
+# --- The listener's own limits -----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def strict_listener(cluster: SimCluster, tokenizer_dir: Path):
+    settings = cluster_settings(
+        cluster,
+        tokenizer_dir,
+        threshold=THRESHOLD,
+        client_header_timeout=0.5,
+        client_body_timeout=0.5,
+        max_header_bytes=16 * 1024,
+        max_headers=50,
+    )
+    async with running_router(**settings) as base_url:
+        yield base_url
+
+
+async def answer_and_close(base_url: str, sent: bytes, *, then_wait: bool = True) -> bytes:
+    """Send `sent` on a new connection and return what the router answers before it closes it."""
+    url = urlsplit(base_url)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        async with asyncio.timeout(15):
+            return await reader.read()  # until the router closes the connection
+    finally:
+        writer.close()
+
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize(
+    ("sent", "status", "reason"),
+    [
+        (b"", 408, "header_timeout"),
+        (HEAD, 408, "header_timeout"),
+        (HEAD + b"Content-Length: 100\r\n\r\n" + b'{"messages": ', 408, "body_timeout"),
+        (HEAD + b"X-Big: " + b"a" * 40_000 + b"\r\n\r\n", 431, "header_too_large"),
+        (HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(80)) + b"\r\n", 431, "too_many_headers"),
+    ],
+    ids=["idle", "half_header", "slow_body", "header_too_large", "too_many_headers"],
+)
+async def test_slow_and_oversized_requests_are_answered_closed_and_counted(
+    strict_listener: str, sent: bytes, status: int, reason: str
+) -> None:
+    before = await metric(strict_listener, "dpd_router_connections_refused_total", {"reason": reason})
+    answer = await answer_and_close(strict_listener, sent)
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert b"connection: close" in answer.lower()
+    assert orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == status
+    assert await metric(strict_listener, "dpd_router_connections_refused_total", {"reason": reason}) == before + 1
+
+
+async def test_a_thousand_connections_that_never_finish_are_all_closed(strict_listener: str) -> None:
+    url = urlsplit(strict_listener)
+    opened = [await asyncio.open_connection(url.hostname, url.port) for _ in range(1000)]
+    for i, (_, writer) in enumerate(opened):
+        writer.write(b"" if i % 3 == 0 else HEAD if i % 3 == 1 else HEAD + b"Content-Length: 50\r\n\r\n{")
+    async with asyncio.timeout(30):
+        closed = await asyncio.gather(*(reader.read() for reader, _ in opened))
+    for _, writer in opened:
+        writer.close()
+    assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in closed)
+    # A request that keeps to the limits still gets through.
+    async with httpx.AsyncClient(base_url=strict_listener, timeout=30) as client:
+        assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
