@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import anyio
@@ -101,12 +101,57 @@ class DecodeFailed(Exception):
     prefill's failure may explain it.
     """
 
-    def __init__(self, detail: str, *, kv_consumed: bool, failure: str) -> None:
+    def __init__(self, detail: str, *, kv_consumed: bool, failure: str, answered: bool = False) -> None:
         super().__init__(detail)
         self.detail = detail
         # Whether the decoder may have used (and so released) the staged KV: then it must be staged again.
         self.kv_consumed = kv_consumed
         self.failure = failure
+        # The decoder answered with an error (a 5xx, or an error in-band before any output), which the
+        # request itself may have caused; else it failed to answer (connection, stream broken).
+        self.answered = answered
+
+
+# Prefill failures in which the prefiller answered, with an error the request itself may have caused.
+ANSWERED_PREFILL_FAILURES = frozenset({"status_5xx", "in_band_error"})
+
+
+class FailureJudge:
+    """Tells an engine's failures from a request's own, for one role of one request.
+
+    As Envoy's outlier detection keeps local-origin errors apart from the upstream's answers: an
+    engine that cannot be reached, breaks the connection or does not answer in time has failed,
+    and it counts against its breaker at once. An engine that answers with an error may have been
+    handed a request no engine can serve, so that failure is held until another engine has the
+    same request: served there, the held failure was the engine's and counts; failed there with an
+    error answer too, it was the request's, and no engine is blamed for it. A failure no other
+    engine could judge counts when the request ends (`close`).
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Endpoint, str]] = []
+        self._request_at_fault = False
+
+    def failed(self, endpoint: Endpoint, failure: str, *, answered: bool) -> None:
+        if not answered:
+            endpoint.record_failure(failure)
+        elif self._request_at_fault:
+            return
+        elif any(held is not endpoint for held, _ in self._held):
+            self._request_at_fault = True  # a second engine failed it with an answer too
+            self._held.clear()
+        else:
+            self._held.append((endpoint, failure))
+
+    def succeeded(self, endpoint: Endpoint) -> None:
+        endpoint.record_success()
+        self.close()
+
+    def close(self) -> None:
+        """Count the failures still held: no other engine could say they were the request's."""
+        held, self._held = self._held, []
+        for endpoint, failure in held:
+            endpoint.record_failure(failure)
 
 
 @dataclass(frozen=True)
@@ -121,6 +166,8 @@ class Exchange:
     done: Completion
     # The router asked the stream for a usage chunk the client did not: drop it before the client.
     strip_usage: bool
+    prefill_judge: FailureJudge = field(default_factory=FailureJudge)
+    decode_judge: FailureJudge = field(default_factory=FailureJudge)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -226,6 +273,8 @@ class Gateway:
             trace.prefiller_queue = plan.prefiller_queue
             phase = "serve"
             exchange = Exchange(request, prompt, planner, request_id, trace, done, ask_for_usage(request))
+            done.defer(exchange.prefill_judge.close)
+            done.defer(exchange.decode_judge.close)
             return await self._serve(exchange, plan)
         except RouterError as exc:
             trace.fail("error", exc.message, status=exc.status_code)
@@ -323,7 +372,7 @@ class Gateway:
                     trace.prefill_overlaps_decode = False  # what follows starts after it
                     plan = self._after_prefill_failure(exchange, exc, plan, prefillers_tried)
                 except DecodeFailed as exc:
-                    plan.decoder.record_failure(exc.failure)
+                    exchange.decode_judge.failed(plan.decoder, exc.failure, answered=exc.answered)
                     tried.append(plan.decoder)
                     log.warning(
                         "request %s: decoder %s failed before answering: %s", exchange.request_id, plan.decoder.url, exc
@@ -401,7 +450,7 @@ class Gateway:
             handoff = self._connector.handoff(
                 exchange.request, exchange.prompt, plan.prefiller, plan.decoder, request_id
             )
-            hop = self._prefill(handoff, trace)
+            hop = self._prefill(handoff, trace, exchange.prefill_judge)
             if self._connector.concurrent:
                 trace.prefill_overlaps_decode = True
                 pending = asyncio.create_task(hop, name=f"prefill {request_id}")
@@ -444,7 +493,7 @@ class Gateway:
         elif trace.first_token_at is not None:
             log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)
 
-    async def _prefill(self, handoff: Handoff, trace: RequestTrace) -> StagedKV:
+    async def _prefill(self, handoff: Handoff, trace: RequestTrace, judge: FailureJudge) -> StagedKV:
         prefiller = handoff.prefiller
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
@@ -454,7 +503,7 @@ class Gateway:
         try:
             async with asyncio.timeout(self._timeouts.prefill):
                 staged = await self._connector.stage(handoff)
-            prefiller.record_success()
+            judge.succeeded(prefiller)
             return staged
         except TimeoutError:
             outcome = "timeout"
@@ -463,7 +512,7 @@ class Gateway:
         except PrefillFailed as exc:
             outcome = exc.reason
             if exc.reason != "status_4xx":
-                prefiller.record_failure(str(exc))
+                judge.failed(prefiller, str(exc), answered=exc.reason in ANSWERED_PREFILL_FAILURES)
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"  # the client left, or a concurrent prefill was no longer needed
@@ -535,7 +584,7 @@ class Gateway:
             await stream.prime(deadline)
             primed = True
         except DecodeFailedEarly as exc:
-            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail) from None
+            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True) from None
         except TimeoutError:
             decoder.record_failure("no first token in time")
             raise UpstreamTimeout(f"The decoder produced no token within {self._timeouts.first_token:g} s.") from None
@@ -545,7 +594,7 @@ class Gateway:
         finally:
             if not primed:
                 await stream.discard()  # not handed to the client: close it here, whatever happened
-        decoder.record_success()
+        exchange.decode_judge.succeeded(decoder)
         return stream
 
     async def _answer_from_prefill(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> Response:
@@ -645,7 +694,7 @@ class Gateway:
                     await self._refused_after_head(upstream, decoder)
                 stream = await self._primed_stream(exchange, upstream, decoder, staged, call, deadline)
             except DecodeFailed as exc:
-                decoder.record_failure(exc.failure)
+                exchange.decode_judge.failed(decoder, exc.failure, answered=exc.answered)
                 tried.append(decoder)
                 log.warning("request %s: decoder %s failed before answering: %s", request_id, decoder.url, exc)
                 if exc.kv_consumed:
@@ -712,10 +761,12 @@ class Gateway:
         # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
         failure = failed_before_output(content)
         if failure is not None:
-            raise DecodeFailed(f"the decoder failed the request in-band: {failure}", kv_consumed=True, failure=failure)
+            raise DecodeFailed(
+                f"the decoder failed the request in-band: {failure}", kv_consumed=True, failure=failure, answered=True
+            )
         rewrite = None if call.answer is None else call.answer.body
         content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite)
-        decoder.record_success()
+        exchange.decode_judge.succeeded(decoder)
         exchange.done()
         return Response(content, media_type="application/json", headers=exchange.headers)
 
@@ -740,7 +791,7 @@ async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:
     status = upstream.status_code
     if status >= 500:
         detail = f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}"
-        raise DecodeFailed(detail, kv_consumed=True, failure=f"status {status}")
+        raise DecodeFailed(detail, kv_consumed=True, failure=f"status {status}", answered=True)
     return content
 
 

@@ -380,3 +380,35 @@ async def test_a_thousand_concurrent_streams_complete_without_errors(cluster: Si
         grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
         assert grown_mib < 400, f"router + client grew {grown_mib:.0f} MiB for 1000 streams"
         assert await metric(base_url, "dpd_router_in_flight_requests") == 0
+
+
+async def test_poison_requests_leave_every_breaker_closed(tokenizer_dir: Path) -> None:
+    """A request every engine fails (an engine bug it trips) is the request's fault, not the engines':
+    a failure that a second engine repeats counts against neither, so no client can open the breakers."""
+    async with (
+        SimCluster(prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        for i in range(6):  # twice the breaker's threshold, on both paths
+            content = f"{i} {LONG if i % 2 else SHORT}"
+            poisoned = await client.post("/v1/chat/completions", json={**chat_body(content), "sim_poison": True})
+            assert poisoned.status_code == 502, poisoned.text
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}")) for i in range(10))
+        )
+        assert [a.status_code for a in answers] == [200] * 10
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened") == 0
+
+
+async def test_a_failure_another_engine_does_not_repeat_still_counts(tokenizer_dir: Path) -> None:
+    async with (
+        SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        broken = cluster.decode_urls[0]
+        await client.post(f"{broken}/sim/fault", json={"mode": "error_500"})
+        answers = [await client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}")) for i in range(8)]
+        assert [a.status_code for a in answers] == [200] * 8  # each served by the other after a retry
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened", {"endpoint": broken}) >= 1

@@ -54,6 +54,8 @@ class GenerationRequest:
     # vLLM's stop_token_ids, and min_tokens: no stop token is drawn before that many tokens.
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    # `sim_poison: true` in the body: a request that trips an engine bug, which every engine fails with 500.
+    poisoned: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -103,6 +105,7 @@ class RequestParser:
             bootstraps=bootstraps,
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
+            poisoned=body.get("sim_poison") is True,
         )
 
     def tokenize(self, raw: bytes) -> list[int]:

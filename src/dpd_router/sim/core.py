@@ -115,9 +115,11 @@ class EngineCore:
 
     def refuses(self, request: GenerationRequest) -> str | None:
         """Why this engine aborts the request outright (None: it does not): an SGLang decode-mode
-        server cannot serve a request that names no bootstrap room."""
+        server cannot serve a request that names no bootstrap room; a poisoned request fails anywhere."""
         if self.config.bootstrap_required and self.config.role == "decode" and request.bootstraps is None:
             return "this decode-mode server needs bootstrap_host, bootstrap_port and bootstrap_room"
+        if request.poisoned:
+            return "simulated engine bug: this request fails on every engine"
         return None
 
     def holds_pushed_kv(self, request: GenerationRequest) -> bool:
