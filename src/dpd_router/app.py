@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from dpd_router import __version__
 from dpd_router.api import admin, openai, ops
-from dpd_router.api.admission import Admission
+from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import KeyRing
 from dpd_router.api.errors import error_response
 from dpd_router.config import Settings
@@ -64,7 +64,7 @@ class Router:
     health: HealthChecker
     scraper: LoadScraper
     keys: KeyRing
-    admission: Admission
+    admission: Admissions
     live: LiveConfig = field(init=False)
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
@@ -167,12 +167,7 @@ class Router:
             unhealthy_after=settings.health_unhealthy_threshold,
             healthy_after=settings.health_healthy_threshold,
         )
-        admission = Admission(
-            metrics,
-            max_in_flight=settings.max_in_flight,
-            max_queued=settings.max_queued,
-            queue_timeout=settings.queue_timeout,
-        )
+        admission = Admissions(metrics, settings)
         router = cls(
             settings=settings,
             client=client,

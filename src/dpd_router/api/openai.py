@@ -67,8 +67,9 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
     except RouterError as exc:
         return _error(router, exc, request_id)
     admission_started = time.perf_counter()
+    admission = router.admission.for_tenant(principal.tenant)
     try:
-        await router.admission.enter()
+        await admission.enter()
     except AdmissionRejected as exc:
         return _error(router, exc, request_id)
     serving = asyncio.ensure_future(
@@ -77,7 +78,7 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
             request_id,
             request.headers,
             principal=principal,
-            on_finish=router.admission.leave,
+            on_finish=admission.leave,
             arrived=arrived,
             queued=time.perf_counter() - admission_started,
         )
