@@ -7,7 +7,7 @@ import contextlib
 import ipaddress
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -58,7 +58,8 @@ class Router:
     pool: Pool
     metrics: RouterMetrics
     model: ServedModel
-    tokenizer: TokenCounter
+    # One a pool (None: the shared pool's); the same local tokenizer for all when one is configured.
+    tokenizers: dict[str | None, TokenCounter]
     planner: Planner
     gateway: Gateway
     health: HealthChecker
@@ -107,7 +108,7 @@ class Router:
         discovery = await start_discovery(settings, pool, tenant_pools.values(), metrics)
         metrics.routing_threshold.set(settings.routing_threshold)
         model = ServedModel(settings.model)
-        tokenizer = await load_tokenizer(settings, client, pool, model)
+        tokenizers = await load_tokenizers(settings, client, {None: pool, **tenant_pools}, model)
         kv_events = KVEventSubscriber.from_settings(settings, every_engine, metrics)
         lmcache = LMCacheController.from_settings(settings, client, metrics)
         kv_sources = [kv_events.index] if kv_events else []
@@ -146,7 +147,7 @@ class Router:
             log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
         gateway = Gateway(
             client=client,
-            tokenizer=tokenizer,
+            tokenizers=tokenizers,
             planners=planners,
             connector=connector,
             observer=Observer(
@@ -174,7 +175,7 @@ class Router:
             pool=every_engine,
             metrics=metrics,
             model=model,
-            tokenizer=tokenizer,
+            tokenizers=tokenizers,
             planner=planner,
             gateway=gateway,
             health=health,
@@ -231,7 +232,8 @@ class Router:
             await self.kv_events.close()
         if self.connector is not None:
             await self.connector.close()
-        self.tokenizer.close()
+        for tokenizer in {id(tokenizer): tokenizer for tokenizer in self.tokenizers.values()}.values():
+            tokenizer.close()
         await self.client.aclose()
 
 
@@ -349,17 +351,25 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def load_tokenizer(settings: Settings, client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> TokenCounter:
+async def load_tokenizers(
+    settings: Settings, client: httpx.AsyncClient, pools: Mapping[str | None, Pool], model: ServedModel
+) -> dict[str | None, TokenCounter]:
+    """The token counter of each pool: the local tokenizer for all, or each pool's own decoders'
+    /tokenize, so no prompt of a tenant's reaches an engine not reserved for it."""
     if settings.tokenizer is None:
         log.warning("no tokenizer directory configured: counting tokens with the engines' /tokenize")
-        return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
-    directory = settings.tokenizer
-    return await asyncio.to_thread(
+        return {tenant: engine_tokenizer(client, pool, model) for tenant, pool in pools.items()}
+    local = await asyncio.to_thread(
         LocalTokenizer.load,
-        directory,
+        settings.tokenizer,
         inline_max_chars=settings.tokenize_inline_max_chars,
         threads=settings.tokenizer_threads,
     )
+    return {tenant: local for tenant in pools}
+
+
+def engine_tokenizer(client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> EngineTokenizer:
+    return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -135,7 +135,7 @@ class Gateway:
         self,
         *,
         client: httpx.AsyncClient,
-        tokenizer: TokenCounter,
+        tokenizers: Mapping[str | None, TokenCounter],
         planners: Mapping[str | None, Planner],
         connector: Connector,
         observer: Observer,
@@ -145,7 +145,7 @@ class Gateway:
         retries: RetryPolicy,
     ) -> None:
         self._client = client
-        self._tokenizer = tokenizer
+        self._tokenizers = tokenizers
         self._planners = planners
         self._connector = connector
         self._observer = observer
@@ -166,6 +166,10 @@ class Gateway:
     def planner_for(self, tenant: str | None) -> Planner:
         """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
         return self._planners.get(tenant) or self._planners[None]
+
+    def tokenizer_for(self, tenant: str | None) -> TokenCounter:
+        """Without a local tokenizer, a tenant's prompts are counted by its own engines too."""
+        return self._tokenizers.get(tenant) or self._tokenizers[None]
 
     async def handle(
         self,
@@ -192,7 +196,7 @@ class Gateway:
         phase = "tokenize"
         try:
             planner = self.planner_for(principal.tenant)
-            prompt = await self._tokenizer.tokenize(request)
+            prompt = await self.tokenizer_for(principal.tenant).tokenize(request)
             trace.prompt_tokens = prompt.num_tokens
             trace.tokenize_seconds = prompt.seconds
             self._metrics.tokenize.observe(prompt.seconds)

@@ -1,4 +1,5 @@
-"""Tenants with reserved engines are kept apart: another tenant's burst does not use up their admission budget."""
+"""Tenants with reserved engines are kept apart: their prompts reach only their engines, and another
+tenant's burst does not use up their admission budget."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from dpd_router.api.auth import hash_key
 from dpd_router.sim.cluster import SimCluster
-from tests.integration.conftest import MODEL, chat_body, metric, running_router
+from tests.integration.conftest import MODEL, chat_body, engine_stats, metric, running_router
 
 SHORT = "Hi there."
 
@@ -46,6 +47,32 @@ def tenant_settings(decoders: SimCluster, tmp_path: Path, **extra: Any) -> dict[
 
 def key(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {name}"}
+
+
+async def tokenize_calls(decoders: SimCluster) -> list[int]:
+    return [(await engine_stats(url))["tokenize_requests"] for url in decoders.decode_urls]
+
+
+async def test_without_a_local_tokenizer_a_tenants_prompts_are_tokenized_on_its_own_engines(
+    decoders: SimCluster, tmp_path: Path
+) -> None:
+    async with (
+        running_router(**tenant_settings(decoders, tmp_path)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        before = await tokenize_calls(decoders)
+        for body in (chat_body("acme's confidential plan"), {"model": MODEL, "prompt": "acme's data", "max_tokens": 2}):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            assert (await client.post(path, json=body, headers=key("acme-key"))).status_code == 200
+        after = await tokenize_calls(decoders)
+        shared, acme, beta = (now - then for now, then in zip(after, before, strict=True))
+        assert acme == 2, "acme's prompts were counted by acme's decoder"
+        assert (shared, beta) == (0, 0), "and reached no engine acme does not own"
+
+        public = {"model": MODEL, "prompt": "public", "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=public, headers=key("public-key"))).status_code == 200
+        shared_after = (await tokenize_calls(decoders))[0]
+        assert shared_after - after[0] == 1, "a key without reserved engines is tokenized on the shared pool"
 
 
 async def test_a_tenants_burst_fills_its_own_admission_budget_not_anothers(
