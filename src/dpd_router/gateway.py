@@ -28,8 +28,8 @@ from starlette.types import Receive, Scope, Send
 
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.config import Settings
+from dpd_router.context_window import check_context_length
 from dpd_router.errors import (
-    InvalidRequest,
     PrefillFailed,
     PrefillUnavailable,
     RateLimited,
@@ -253,19 +253,10 @@ class Gateway:
             )
 
     def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
-        """Refuse, before any engine is called, a prompt the model cannot hold (as vLLM would)."""
+        """Refuse, before any engine is called, what vLLM would refuse for the context length."""
         limit = self._model.max_model_len
-        if limit is None:
-            return
-        longest = prompt.num_tokens if request.batch_size == 1 else max(prompt.num_tokens // request.batch_size, 1)
-        asked = request.body.get("max_completion_tokens") or request.body.get("max_tokens") or 0
-        if longest >= limit or longest + asked > limit:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{longest + asked} tokens ({longest} in the prompt, {asked} for the completion). "
-                "Please reduce the length of the prompt or the completion.",
-                param="messages" if request.kind == "chat" else "prompt",
-            )
+        if limit is not None:
+            check_context_length(request, prompt, limit)
 
     def _take_prompt_tokens(self, principal: Principal, prompt: Prompt) -> None:
         try:
