@@ -7,7 +7,7 @@ import contextlib
 import ipaddress
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from dpd_router import __version__
 from dpd_router.api import admin, openai, ops
-from dpd_router.api.admission import Admission
+from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.errors import error_response
 from dpd_router.api.guards import ErrorBoundary
@@ -64,13 +64,14 @@ class Router:
     pool: Pool
     metrics: RouterMetrics
     model: ServedModel
-    tokenizer: TokenCounter
+    # One a pool (None: the shared pool's); the same local tokenizer for all when one is configured.
+    tokenizers: dict[str | None, TokenCounter]
     planner: Planner
     gateway: Gateway
     health: HealthChecker
     scraper: LoadScraper
     gatekeeper: Gatekeeper
-    admission: Admission
+    admission: Admissions
     live: LiveConfig = field(init=False)
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
@@ -113,7 +114,7 @@ class Router:
         discovery = await start_discovery(settings, pool, tenant_pools.values(), metrics)
         metrics.routing_threshold.set(settings.routing_threshold)
         model = ServedModel(settings.model)
-        tokenizer = await load_tokenizer(settings, client, pool, model)
+        tokenizers = await load_tokenizers(settings, client, {None: pool, **tenant_pools}, model)
         kv_events = KVEventSubscriber.from_settings(settings, every_engine, metrics)
         lmcache = LMCacheController.from_settings(settings, client, metrics)
         kv_sources = [kv_events.index] if kv_events else []
@@ -152,7 +153,7 @@ class Router:
             log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
         gateway = Gateway(
             client=client,
-            tokenizer=tokenizer,
+            tokenizers=tokenizers,
             planners=planners,
             connector=connector,
             observer=Observer(
@@ -173,19 +174,14 @@ class Router:
             unhealthy_after=settings.health_unhealthy_threshold,
             healthy_after=settings.health_healthy_threshold,
         )
-        admission = Admission(
-            metrics,
-            max_in_flight=settings.max_in_flight,
-            max_queued=settings.max_queued,
-            queue_timeout=settings.queue_timeout,
-        )
+        admission = Admissions(metrics, settings)
         router = cls(
             settings=settings,
             client=client,
             pool=every_engine,
             metrics=metrics,
             model=model,
-            tokenizer=tokenizer,
+            tokenizers=tokenizers,
             planner=planner,
             gateway=gateway,
             health=health,
@@ -242,7 +238,8 @@ class Router:
             await self.kv_events.close()
         if self.connector is not None:
             await self.connector.close()
-        await self.tokenizer.aclose()
+        for tokenizer in {id(tokenizer): tokenizer for tokenizer in self.tokenizers.values()}.values():
+            await tokenizer.aclose()
         await self.client.aclose()
 
 
@@ -360,25 +357,35 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def load_tokenizer(settings: Settings, client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> TokenCounter:
+async def load_tokenizers(
+    settings: Settings, client: httpx.AsyncClient, pools: Mapping[str | None, Pool], model: ServedModel
+) -> dict[str | None, TokenCounter]:
+    """The token counter of each pool: the local tokenizer for all, or each pool's own decoders'
+    /tokenize, so no prompt of a tenant's reaches an engine not reserved for it."""
     if settings.tokenizer is None:
         log.warning("no tokenizer directory configured: counting tokens with the engines' /tokenize")
-        return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
-    directory = settings.tokenizer
+        return {tenant: engine_tokenizer(client, pool, model) for tenant, pool in pools.items()}
     sandbox = (
-        TemplateSandbox(directory, timeout=settings.chat_template_timeout, max_output_chars=settings.max_body_bytes)
+        TemplateSandbox(
+            settings.tokenizer, timeout=settings.chat_template_timeout, max_output_chars=settings.max_body_bytes
+        )
         if settings.trust_request_chat_template
         else None
     )
     if sandbox is not None:
         await sandbox.start()
-    return await asyncio.to_thread(
+    local = await asyncio.to_thread(
         LocalTokenizer.load,
-        directory,
+        settings.tokenizer,
         inline_max_chars=settings.tokenize_inline_max_chars,
         threads=settings.tokenizer_threads,
         sandbox=sandbox,
     )
+    return {tenant: local for tenant in pools}
+
+
+def engine_tokenizer(client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> EngineTokenizer:
+    return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
 
 
 def create_app(settings: Settings, *, refused_connections: RefusedConnections | None = None) -> FastAPI:

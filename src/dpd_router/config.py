@@ -79,12 +79,15 @@ class LMCacheReceiver(BaseModel):
 
 
 class TenantPools(BaseModel):
-    """The engines reserved for one tenant."""
+    """The engines reserved for one tenant, and its own admission limits (unset: the top-level ones)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prefill_urls: list[str] = Field(default_factory=list)
     decode_urls: list[str] = Field(min_length=1)
+    max_in_flight: int | None = Field(default=None, ge=0)
+    max_queued: int | None = Field(default=None, ge=0)
+    queue_timeout: float | None = Field(default=None, gt=0)
 
     @field_validator("prefill_urls", "decode_urls", mode="before")
     @classmethod
@@ -237,7 +240,9 @@ class Settings(BaseSettings):
     decode_retries: int = Field(default=1, ge=0)
 
     # Admission control: at most max_in_flight requests are served at once (0: no cap); up to
-    # max_queued more wait at most queue_timeout seconds; beyond that, 503 with Retry-After.
+    # max_queued more wait at most queue_timeout seconds; beyond that, 503 with Retry-After. The
+    # shared pool and each tenant with reserved engines have a budget of these limits each (a tenant's
+    # entry in `tenants` may set its own).
     max_in_flight: int = Field(default=4096, ge=0)
     max_queued: int = Field(default=1024, ge=0)
     queue_timeout: float = Field(default=30.0, gt=0)
@@ -265,8 +270,9 @@ class Settings(BaseSettings):
     # Failed authentications a source address may make per minute before its requests get 429
     # unchecked for a while (0: no limit).
     auth_failures_per_minute: float = Field(default=60.0, ge=0)
-    # Tenants pinned to their own engines: {tenant: {prefill_urls: [...], decode_urls: [...]}}.
-    # Their engines serve no one else, and their requests reach no other engine.
+    # Tenants pinned to their own engines: {tenant: {prefill_urls: [...], decode_urls: [...]}}, and
+    # optionally their own max_in_flight, max_queued and queue_timeout. Their engines serve no one else,
+    # and their requests (and prompts to tokenize) reach no other engine.
     tenants: dict[str, TenantPools] = Field(default_factory=dict)
     # Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).
     engine_api_key: SecretStr | None = None

@@ -29,6 +29,13 @@ class ModelNotFound(RouterError):
     error_type = "NotFoundError"
 
 
+class NotSupported(RouterError):
+    """An OpenAI API the engines serve but the router does not (vLLM's own status and type for that)."""
+
+    status_code = 501
+    error_type = "NotImplementedError"
+
+
 class UpstreamError(RouterError):
     """An engine failed in a way the router could not recover from."""
 

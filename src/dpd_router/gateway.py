@@ -28,8 +28,8 @@ from starlette.types import Receive, Scope, Send
 
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.config import Settings
+from dpd_router.context_window import check_context_length, prompt_too_long
 from dpd_router.errors import (
-    InvalidRequest,
     PrefillFailed,
     PrefillUnavailable,
     RateLimited,
@@ -182,7 +182,7 @@ class Gateway:
         self,
         *,
         client: httpx.AsyncClient,
-        tokenizer: TokenCounter,
+        tokenizers: Mapping[str | None, TokenCounter],
         planners: Mapping[str | None, Planner],
         connector: Connector,
         observer: Observer,
@@ -192,7 +192,7 @@ class Gateway:
         retries: RetryPolicy,
     ) -> None:
         self._client = client
-        self._tokenizer = tokenizer
+        self._tokenizers = tokenizers
         self._planners = planners
         self._connector = connector
         self._observer = observer
@@ -213,6 +213,10 @@ class Gateway:
     def planner_for(self, tenant: str | None) -> Planner:
         """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
         return self._planners.get(tenant) or self._planners[None]
+
+    def tokenizer_for(self, tenant: str | None) -> TokenCounter:
+        """Without a local tokenizer, a tenant's prompts are counted by its own engines too."""
+        return self._tokenizers.get(tenant) or self._tokenizers[None]
 
     async def handle(
         self,
@@ -240,7 +244,7 @@ class Gateway:
         phase = "tokenize"
         try:
             planner = self.planner_for(principal.tenant)
-            prompt = await self._tokenize(request)
+            prompt = await self._tokenize(request, principal.tenant)
             trace.prompt_tokens = prompt.num_tokens
             trace.tokenize_seconds = prompt.seconds
             self._metrics.tokenize.observe(prompt.seconds)
@@ -290,16 +294,15 @@ class Gateway:
             done()
             raise
 
-    async def _tokenize(self, request: ClientRequest) -> Prompt:
+    async def _tokenize(self, request: ClientRequest, tenant: str | None) -> Prompt:
+        """The prompt's tokens; one whose size alone shows it cannot fit is refused untokenized, as vLLM
+        refuses a text prompt it stopped counting one token past the limit."""
         limit = self._model.max_model_len
         try:
-            return await self._tokenizer.tokenize(request, max_tokens=limit)
-        except PromptTooLong as exc:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, your request has at least "
-                f"{exc.at_least} input tokens (counted from its size alone). Please reduce the length of the input.",
-                param="input_tokens",
-            ) from None
+            return await self.tokenizer_for(tenant).tokenize(request, max_tokens=limit)
+        except PromptTooLong:
+            assert limit is not None
+            raise prompt_too_long(limit, limit + 1, at_least=True) from None
 
     def _check_servable(self, plan: Plan) -> None:
         """A direct plan is refused when the connector's decoders serve nothing alone (SGLang)."""
@@ -310,21 +313,10 @@ class Gateway:
             )
 
     def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
-        """Refuse, before any engine is called, a prompt the model cannot hold (as vLLM would)."""
+        """Refuse, before any engine is called, what vLLM would refuse for the context length."""
         limit = self._model.max_model_len
-        if limit is None:
-            return
-        longest = prompt.num_tokens if request.batch_size == 1 else max(prompt.num_tokens // request.batch_size, 1)
-        # Parsing checked these are integers; a completions body's max_completion_tokens is not vLLM's field.
-        names = ("max_completion_tokens", "max_tokens") if request.kind == "chat" else ("max_tokens",)
-        asked = next((request.body[name] for name in names if request.body.get(name) is not None), 0)
-        if longest >= limit or longest + asked > limit:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{longest + asked} tokens ({longest} in the prompt, {asked} for the completion). "
-                "Please reduce the length of the prompt or the completion.",
-                param="messages" if request.kind == "chat" else "prompt",
-            )
+        if limit is not None:
+            check_context_length(request, prompt, limit)
 
     def _take_prompt_tokens(self, principal: Principal, prompt: Prompt) -> None:
         try:

@@ -139,9 +139,7 @@ class LiveConfig:
         for planner in router.gateway.planners.values():
             planner.reconfigure(new)
         router.gateway.reconfigure(PhaseTimeouts.from_settings(new), RetryPolicy.from_settings(new))
-        router.admission.reconfigure(
-            max_in_flight=new.max_in_flight, max_queued=new.max_queued, queue_timeout=new.queue_timeout
-        )
+        router.admission.reconfigure(new)
         router.metrics.routing_threshold.set(new.routing_threshold)
         logging.getLogger("dpd_router").setLevel(new.log_level.upper())
         self._count(source, "applied")

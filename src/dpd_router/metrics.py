@@ -195,7 +195,10 @@ class RouterMetrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            f"{PREFIX}_admission_queue_depth", "Requests waiting for an in-flight slot.", registry=r
+            f"{PREFIX}_admission_queue_depth",
+            "Requests waiting for an in-flight slot, by admission budget (pool: shared, or a tenant's).",
+            ["pool"],
+            registry=r,
         )
         self.queue_wait = Histogram(
             f"{PREFIX}_admission_queue_wait_seconds",
@@ -205,8 +208,9 @@ class RouterMetrics:
         )
         self.admission_rejected = Counter(
             f"{PREFIX}_admission_rejected",
-            "Requests refused for capacity, by reason (queue_full, queue_timeout).",
-            ["reason"],
+            "Requests refused for capacity, by reason (queue_full, queue_timeout) and the admission budget "
+            "that refused them (pool: shared, or a tenant's).",
+            ["reason", "pool"],
             registry=r,
         )
         self.rate_limited = Counter(

@@ -52,10 +52,12 @@ def _errored(payload: dict[str, Any]) -> str | None:
 
 
 def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
-    """Record the usage block; report the prefiller's cached tokens instead of the decoder's.
+    """Record the usage block; where the decoder reported cached tokens, report the prefiller's instead.
 
     The decoder's own count is kept as `trace.decoder_cached_tokens`: on the disaggregated path it
-    shows whether the KV really arrived. Returns True when the payload was changed.
+    shows whether the KV really arrived. Only a `cached_tokens` the engine wrote is replaced: a block
+    it left out (continuous usage chunks, an engine without --enable-prompt-tokens-details) stays
+    out, so the client sees the engine's usage shape. Returns True when the payload was changed.
     """
     usage = payload.get("usage")
     if not isinstance(usage, dict):
@@ -71,10 +73,9 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
         trace.cached_tokens = trace.decoder_cached_tokens
         return False
     trace.cached_tokens = cached_tokens
-    if isinstance(details, dict):
-        details["cached_tokens"] = cached_tokens
-    else:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if not isinstance(reported, int) or reported == cached_tokens:
+        return False
+    details["cached_tokens"] = cached_tokens
     return True
 
 

@@ -262,7 +262,13 @@ async def eventually(check: Any, *, within: float = 15.0, every: float = 0.25) -
         await asyncio.sleep(every)
 
 
-_MODULE_ORDER = ("test_protocol", "test_disaggregation", "test_prefill_failure", "test_shared_storage")
+_MODULE_ORDER = (
+    "test_protocol",
+    "test_disaggregation",
+    "test_engine_parity",
+    "test_prefill_failure",
+    "test_shared_storage",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

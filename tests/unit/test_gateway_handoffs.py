@@ -19,7 +19,7 @@ import pytest
 from starlette.requests import Request as StarletteRequest
 
 from dpd_router.api import openai
-from dpd_router.api.admission import Admission
+from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.config import load_settings
 from dpd_router.gateway import Gateway, HeadFirstStream, PhaseTimeouts, RetryPolicy
@@ -141,7 +141,7 @@ def gateway(engines: Engines, *, decoders: tuple[str, ...] = (DECODER,)) -> tupl
     planner = build_planner(settings, pool, metrics)
     built = Gateway(
         client=client,
-        tokenizer=Tokens(),
+        tokenizers={None: Tokens()},
         planners={None: planner},
         connector=connector,
         observer=Observer(metrics),
@@ -277,7 +277,7 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
         gatekeeper=Gatekeeper(
             KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[]), metrics, failures_per_minute=0
         ),
-        admission=Admission(metrics, max_in_flight=10, max_queued=10, queue_timeout=1.0),
+        admission=Admissions(metrics, load_settings(decode_urls=["http://127.0.0.1:9"], max_queued=10)),
         model=SimpleNamespace(name="m"),
         metrics=metrics,
         gateway=StubbornGateway(),

@@ -646,7 +646,7 @@ async def test_a_notification_address_taken_stops_the_router_before_anything_els
     async def no_tokenizer(*args: Any) -> Any:
         raise AssertionError("nothing else is started once the notification socket cannot be bound")
 
-    monkeypatch.setattr(app, "load_tokenizer", no_tokenizer)
+    monkeypatch.setattr(app, "load_tokenizers", no_tokenizer)
     settings = load_settings(decode_urls=["http://127.0.0.1:1"], kv_connector="lmcache", lmcache_notify_address=address)
     try:
         with pytest.raises(zmq.ZMQError):

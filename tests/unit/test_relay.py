@@ -92,6 +92,29 @@ async def test_usage_reports_the_prefillers_cached_tokens() -> None:
     assert trace.cached_tokens == 16
 
 
+async def test_continuous_usage_chunks_pass_as_the_engine_wrote_them() -> None:
+    """stream_options.continuous_usage_stats: vLLM puts a usage block without prompt_tokens_details on
+    every chunk, and the details on the last usage only; the router reconciles that one alone."""
+    running = {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301}
+    token = event({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}], "usage": running})
+    last = event(
+        {"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "length"}], "usage": {**running}}
+    )
+    out, trace, _, _ = await relay([token, last, USAGE, DONE], cached=16)
+    events = out.split(b"\n\n")
+    assert events[0] + b"\n\n" == token and events[1] + b"\n\n" == last, "no block the engine did not send"
+    assert orjson.loads(events[2][len(b"data: ") :])["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert trace.cached_tokens == 16 and trace.decoder_cached_tokens == 300
+
+
+async def test_usage_without_cached_tokens_is_not_given_any() -> None:
+    """An engine run without --enable-prompt-tokens-details reports none: the router adds none."""
+    usage = event({"choices": [], "usage": {"prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302}})
+    out, trace, _, _ = await relay([TOKEN, LAST, usage, DONE], cached=16)
+    assert out == TOKEN + LAST + usage + DONE
+    assert trace.cached_tokens == 16, "the metrics still count the prefiller's view"
+
+
 async def test_stream_cut_before_done_ends_with_an_error_event() -> None:
     out, trace, _, _ = await relay([TOKEN], error=httpx.ReadError("reset"))
     assert out.startswith(TOKEN)

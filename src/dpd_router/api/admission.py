@@ -1,4 +1,8 @@
-"""Admission control: a cap on requests in flight, and a bounded FIFO queue with a wait limit."""
+"""Admission control: a cap on requests in flight, and a bounded FIFO queue with a wait limit.
+
+Each pool of engines has its own budget: the shared pool, and every tenant with reserved engines,
+so one tenant's burst fills its own queue and never another's.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,14 @@ import asyncio
 import collections
 import contextlib
 import time
+from dataclasses import asdict, dataclass
 
+from dpd_router.config import Settings
 from dpd_router.errors import AdmissionRejected
 from dpd_router.metrics import RouterMetrics
+
+# The admission budget (metrics label `pool`) of requests served by the shared pool.
+SHARED = "shared"
 
 
 class Admission:
@@ -18,7 +27,16 @@ class Admission:
     503 and Retry-After. `max_in_flight = 0` admits everything.
     """
 
-    def __init__(self, metrics: RouterMetrics, *, max_in_flight: int, max_queued: int, queue_timeout: float):
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        *,
+        max_in_flight: int,
+        max_queued: int,
+        queue_timeout: float,
+        pool: str = SHARED,
+    ):
+        self.pool = pool
         self.max_in_flight = max_in_flight
         self.max_queued = max_queued
         self.queue_timeout = queue_timeout
@@ -45,11 +63,11 @@ class Admission:
             self.in_flight += 1
             return
         if len(self._waiters) >= self.max_queued:
-            self._metrics.admission_rejected.labels("queue_full").inc()
+            self._metrics.admission_rejected.labels("queue_full", self.pool).inc()
             raise AdmissionRejected("The router is at capacity and its queue is full; retry shortly.")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        self._metrics.queue_depth.set(len(self._waiters))
+        self._metrics.queue_depth.labels(self.pool).set(len(self._waiters))
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.queue_timeout):
@@ -60,7 +78,7 @@ class Admission:
             if isinstance(exc, TimeoutError):
                 if granted:
                     return  # the slot arrived as the wait ran out: admitted after all
-                self._metrics.admission_rejected.labels("queue_timeout").inc()
+                self._metrics.admission_rejected.labels("queue_timeout", self.pool).inc()
                 raise AdmissionRejected(
                     f"The router is at capacity; the request waited {self.queue_timeout:g} s without a slot."
                 ) from None
@@ -68,7 +86,7 @@ class Admission:
                 self.leave()  # cancelled just as the slot arrived: pass it on
             raise
         finally:
-            self._metrics.queue_depth.set(len(self._waiters))
+            self._metrics.queue_depth.labels(self.pool).set(len(self._waiters))
             self._metrics.queue_wait.observe(time.perf_counter() - started)
 
     def leave(self) -> None:
@@ -82,3 +100,48 @@ class Admission:
     def _discard(self, waiter: asyncio.Future[None]) -> None:
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """One budget's limits (the settings of the same names)."""
+
+    max_in_flight: int
+    max_queued: int
+    queue_timeout: float
+
+    @classmethod
+    def for_pool(cls, settings: Settings, tenant: str | None) -> AdmissionLimits:
+        """The shared pool's limits (tenant None), or a tenant's: its own where its entry sets them."""
+        pools = None if tenant is None else settings.tenants.get(tenant)
+        shared = cls(settings.max_in_flight, settings.max_queued, settings.queue_timeout)
+        if pools is None:
+            return shared
+        return cls(
+            max_in_flight=shared.max_in_flight if pools.max_in_flight is None else pools.max_in_flight,
+            max_queued=shared.max_queued if pools.max_queued is None else pools.max_queued,
+            queue_timeout=shared.queue_timeout if pools.queue_timeout is None else pools.queue_timeout,
+        )
+
+
+class Admissions:
+    """One Admission a pool: the shared pool's, and one for each tenant with reserved engines.
+
+    A tenant without reserved engines shares the shared pool's budget, as it shares its engines.
+    """
+
+    def __init__(self, metrics: RouterMetrics, settings: Settings) -> None:
+        self._budgets = {
+            tenant: Admission(
+                metrics, pool=SHARED if tenant is None else tenant, **asdict(AdmissionLimits.for_pool(settings, tenant))
+            )
+            for tenant in [None, *settings.tenants]
+        }
+
+    def for_tenant(self, tenant: str | None) -> Admission:
+        return self._budgets.get(tenant) or self._budgets[None]
+
+    def reconfigure(self, settings: Settings) -> None:
+        """Apply live admission settings; a tenant's own limits change with a restart only (`tenants` is not live)."""
+        for tenant, admission in self._budgets.items():
+            admission.reconfigure(**asdict(AdmissionLimits.for_pool(settings, tenant)))

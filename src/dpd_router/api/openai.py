@@ -20,6 +20,7 @@ from dpd_router.api.errors import response_for
 from dpd_router.errors import (
     AdmissionRejected,
     ModelNotFound,
+    NotSupported,
     PayloadTooLarge,
     RateLimited,
     RouterError,
@@ -55,6 +56,26 @@ async def models(request: Request) -> Response:
     return Response(orjson.dumps(router.model.models_listing()), media_type="application/json")
 
 
+@routes.api_route("/v1/responses", methods=["GET", "POST", "DELETE"])
+@routes.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
+async def responses(request: Request) -> Response:
+    """The Responses API is refused, clearly: vLLM keeps a stored response (`previous_response_id`,
+    background runs, GET/cancel by id) in the memory of the one engine that made it, and a router that
+    spreads requests over decoders would send the follow-ups to engines that never saw it."""
+    router: Router = request.app.state.router
+    request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+    try:
+        router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
+    except RouterError as exc:
+        return _error(router, exc, request_id)
+    refusal = NotSupported(
+        "dpd-router does not serve the Responses API (/v1/responses): a stored response lives in the one "
+        "engine that made it, and the router spreads requests over several. Use /v1/chat/completions."
+    )
+    # Not worth retrying (the openai clients honour this header): the answer will not change.
+    return response_for(refusal, headers={"X-Request-Id": request_id, "x-should-retry": "false"})
+
+
 async def _serve(request: Request, kind: RequestKind) -> Response:
     arrived = time.perf_counter()
     router: Router = request.app.state.router
@@ -69,8 +90,9 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
     except RouterError as exc:
         return _error(router, exc, request_id)
     admission_started = time.perf_counter()
+    admission = router.admission.for_tenant(principal.tenant)
     try:
-        await router.admission.enter()
+        await admission.enter()
     except AdmissionRejected as exc:
         return _error(router, exc, request_id)
     serving = asyncio.ensure_future(
@@ -79,7 +101,7 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
             request_id,
             request.headers,
             principal=principal,
-            on_finish=router.admission.leave,
+            on_finish=admission.leave,
             arrived=arrived,
             queued=time.perf_counter() - admission_started,
         )

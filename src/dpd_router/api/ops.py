@@ -16,6 +16,7 @@ routes = APIRouter()
 
 
 @routes.get("/health")
+@routes.get("/healthcheck")  # the path of vLLM's toy PD proxy, which its accuracy scripts probe
 async def health() -> Response:
     """The router process is up (it says nothing of the engines; see /ready)."""
     return Response(b'{"status":"ok"}', media_type="application/json")

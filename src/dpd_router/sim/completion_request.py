@@ -25,9 +25,11 @@ class InvalidRequest(Exception):
     error_type = "BadRequestError"
     param: str | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if param is not None:
+            self.param = param
 
 
 class ModelNotFound(InvalidRequest):
@@ -56,6 +58,8 @@ class GenerationRequest:
     min_tokens: int = 0
     # `sim_poison: true` in the body: a request that trips an engine bug, which every engine fails with 500.
     poisoned: bool = False
+    # stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far.
+    continuous_usage: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,7 +81,8 @@ class RequestParser:
         self._check_model(body)
         stream = _optional_bool(body, "stream", default=False)
         include_usage = _include_usage(body, stream)
-        max_tokens = _max_tokens(body, api)
+        continuous_usage = include_usage and bool(body["stream_options"].get("continuous_usage_stats"))
+        max_tokens = self._check_output_budget(*_max_tokens(body, api))
         if body.get("n") not in (None, 1):
             raise InvalidRequest("the simulator serves n=1 only")
         seed = body.get("seed")
@@ -88,7 +93,14 @@ class RequestParser:
             raise InvalidRequest("kv_transfer_params must be an object")
         prompts = self._chat_prompt(body) if api == "chat" else self._text_prompts(body)
         for prompt in prompts:
-            self._check_length(len(prompt), max_tokens, api)
+            self._check_length(len(prompt), from_text=api == "chat" or _text_prompt(body["prompt"]))
+        # vLLM caps the output at the room the longest prompt leaves (for each prompt, in fact).
+        max_tokens = min(max_tokens, self.max_model_len - max(len(prompt) for prompt in prompts))
+        if max_tokens < 1:
+            raise InvalidRequest(
+                f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, value={max_tokens})",
+                param="max_tokens",
+            )
         try:
             bootstraps = bootstraps_from_body(body, len(prompts))
         except ValueError as exc:
@@ -106,6 +118,7 @@ class RequestParser:
             stop_token_ids=stop_token_ids,
             min_tokens=min_tokens,
             poisoned=body.get("sim_poison") is True,
+            continuous_usage=continuous_usage,
         )
 
     def tokenize(self, raw: bytes) -> list[int]:
@@ -176,15 +189,26 @@ class RequestParser:
                 raise InvalidRequest(f"Token id {token_id} is out of vocabulary")
         return ids
 
-    def _check_length(self, prompt_tokens: int, max_tokens: int, api: Api) -> None:
-        requested = prompt_tokens + max_tokens
-        if requested > self.max_model_len:
-            where = "messages" if api == "chat" else "prompt"
+    def _check_output_budget(self, name: str, max_tokens: int) -> int:
+        if max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {requested} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion."
+                f"{name}={max_tokens} cannot be greater than max_model_len={self.max_model_len}. Please request "
+                f"fewer output tokens. (parameter={name}, value={max_tokens})",
+                param=name,
             )
+        return max_tokens
+
+    def _check_length(self, prompt_tokens: int, *, from_text: bool) -> None:
+        """vLLM's refusal of a prompt longer than the context; it tokenizes text one token past the limit only."""
+        if prompt_tokens <= self.max_model_len:
+            return
+        counted, qualifier = (self.max_model_len + 1, "at least ") if from_text else (prompt_tokens, "")
+        raise InvalidRequest(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+            f"{qualifier}{counted} input tokens, which exceeds this limit even without any output tokens. Please "
+            f"reduce the length of the input prompt. (parameter=input_tokens, value={counted})",
+            param="input_tokens",
+        )
 
 
 def load_object(raw: bytes) -> dict[str, Any]:
@@ -195,6 +219,11 @@ def load_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
+
+
+def _text_prompt(prompt: Any) -> bool:
+    """Whether a text completion's prompt is text (the engine tokenizes it) rather than token ids."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str))
 
 
 def _is_token_id(value: object) -> bool:
@@ -238,15 +267,16 @@ def _stopping(body: dict[str, Any], max_tokens: int) -> tuple[frozenset[int], in
     return frozenset(stop_ids), int(min_tokens)
 
 
-def _max_tokens(body: dict[str, Any], api: Api) -> int:
+def _max_tokens(body: dict[str, Any], api: Api) -> tuple[str, int]:
+    """The output budget's field and value (text completions have no max_completion_tokens: ignored)."""
     name = "max_tokens"
     value = body.get("max_tokens")
     if api == "chat" and body.get("max_completion_tokens") is not None:
         name, value = "max_completion_tokens", body["max_completion_tokens"]
     if value is None:
-        return DEFAULT_MAX_TOKENS
+        return name, DEFAULT_MAX_TOKENS
     if not _is_token_id(value):
         raise InvalidRequest(f"{name} must be an integer")
     if value < 1:
         raise InvalidRequest(f"{name} must be at least 1, got {value}.")
-    return int(value)
+    return name, int(value)

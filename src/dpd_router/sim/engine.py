@@ -67,6 +67,7 @@ def create_app(config: SimConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
+        core.stats.tokenize_requests += 1
         try:
             tokens = core.parser.tokenize(await request.body())
         except InvalidRequest as exc:

@@ -89,6 +89,16 @@ class ResponseFormat:
         }
         return _sse({**self._chunk_header, "choices": [entry]})
 
+    @staticmethod
+    def with_running_usage(chunk: bytes, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """A chunk with the usage so far, as vLLM adds it with continuous_usage_stats (no details block)."""
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        return chunk.removesuffix(b"}\n\n") + b',"usage":' + orjson.dumps(usage) + b"}\n\n"
+
     def usage_chunk(self, usage: Usage) -> bytes:
         return _sse({**self._chunk_header, "choices": [], "usage": usage.as_dict()})
 

@@ -116,6 +116,12 @@ async def _stream(generation: Generation, response: ResponseFormat, send: Send) 
     chat = response.api == "chat"
     token_json = generation.core.sampler.token_json
     token_text = generation.core.sampler.token_text
+
+    def running_usage(chunk: bytes, completion_tokens: int) -> bytes:
+        if not request.continuous_usage:
+            return chunk
+        return response.with_running_usage(chunk, len(request.prompts[0]), completion_tokens)
+
     with generation:
         await send_start(send, 200, SSE_HEADERS)
         parts: list[bytes] = []
@@ -126,18 +132,21 @@ async def _stream(generation: Generation, response: ResponseFormat, send: Send) 
         else:
             generation.schedule()
             opened = False
+            produced = [0] * generation.choices
             while tokens := await generation.next_tokens():
                 if chat and not opened:
-                    parts.extend(response.role_chunk(choice) for choice in range(generation.choices))
+                    parts.extend(running_usage(response.role_chunk(choice), 0) for choice in range(generation.choices))
                     opened = True
                 for choice, token_id, last in tokens:
+                    produced[choice] += 1
                     if last:
                         stop = generation.stopped_by(choice)
                         text = "" if stop is not None else token_text[token_id]  # a stop token is not output
                         finish = generation.finish_reason(choice)
-                        parts.append(response.final_chunk(choice, text, finish, generation.kv_transfer_params, stop))
+                        chunk = response.final_chunk(choice, text, finish, generation.kv_transfer_params, stop)
                     else:
-                        parts.append(response.token_chunk(choice, token_json[token_id]))
+                        chunk = response.token_chunk(choice, token_json[token_id])
+                    parts.append(running_usage(chunk, produced[choice]))
                 await send_body(send, b"".join(parts), more=True)
                 parts.clear()
             if not await generation.settle():

@@ -31,6 +31,8 @@ class RequestLog:
         self.kv_transfers = 0
         self.local_prefills = 0
         self.failed_transfers = 0
+        # POST /tokenize calls: which engines saw a prompt without serving it.
+        self.tokenize_requests = 0
         self.recent: deque[RequestRecord] = deque(maxlen=recent_size)
 
     def open(self, request_id: str, kind: RequestKind, prompt_tokens: int) -> RequestRecord:
@@ -46,4 +48,5 @@ class RequestLog:
             "kv_transfers": self.kv_transfers,
             "local_prefills": self.local_prefills,
             "failed_transfers": self.failed_transfers,
+            "tokenize_requests": self.tokenize_requests,
         }

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from dpd_router.api.admission import Admission
+from dpd_router.api.admission import Admission, Admissions
+from dpd_router.config import load_settings
 from dpd_router.errors import AdmissionRejected
 from dpd_router.metrics import RouterMetrics
 
@@ -76,3 +77,38 @@ async def test_no_cap_admits_everything() -> None:
     for _ in range(100):
         await gate.enter()
     assert gate.queued == 0
+
+
+def tenant_settings(**shared: float) -> dict[str, object]:
+    return {
+        "decode_urls": ["http://shared:8000"],
+        "tenants": {
+            "acme": {"decode_urls": ["http://acme:8000"]},
+            "beta": {"decode_urls": ["http://beta:8000"], "max_in_flight": 1, "max_queued": 0},
+        },
+        **shared,
+    }
+
+
+async def test_each_tenant_pool_and_the_shared_pool_have_their_own_budget() -> None:
+    metrics = RouterMetrics()
+    budgets = Admissions(metrics, load_settings(**tenant_settings(max_in_flight=2, max_queued=0)))
+    for tenant in ("acme", None, "acme", None):
+        await budgets.for_tenant(tenant).enter()
+    with pytest.raises(AdmissionRejected):
+        await budgets.for_tenant("acme").enter()
+    assert budgets.for_tenant("keys-only-tenant") is budgets.for_tenant(None), "no reserved engines: shared budget"
+    await budgets.for_tenant("beta").enter()
+    with pytest.raises(AdmissionRejected):
+        await budgets.for_tenant("beta").enter()
+    rejected = metrics.registry.get_sample_value
+    assert rejected("dpd_router_admission_rejected_total", {"reason": "queue_full", "pool": "acme"}) == 1
+    assert rejected("dpd_router_admission_rejected_total", {"reason": "queue_full", "pool": "beta"}) == 1
+    assert rejected("dpd_router_admission_rejected_total", {"reason": "queue_full", "pool": "shared"}) is None
+
+
+def test_live_limits_reach_every_budget_a_tenant_did_not_set_itself() -> None:
+    budgets = Admissions(RouterMetrics(), load_settings(**tenant_settings(max_in_flight=2)))
+    budgets.reconfigure(load_settings(**tenant_settings(max_in_flight=5, queue_timeout=1.0)))
+    assert (budgets.for_tenant(None).max_in_flight, budgets.for_tenant("acme").max_in_flight) == (5, 5)
+    assert (budgets.for_tenant("beta").max_in_flight, budgets.for_tenant("beta").queue_timeout) == (1, 1.0)

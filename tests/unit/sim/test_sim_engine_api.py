@@ -177,7 +177,6 @@ async def test_repeated_prompt_hits_the_prefix_cache(engine: EngineFactory) -> N
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream"),
         ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
         ("/v1/completions", {"prompt": [10**9]}, "vocabulary"),
-        ("/v1/completions", {"prompt": "word " * 200, "max_tokens": 16}, "maximum context length"),
     ],
 )
 async def test_invalid_requests_answer_400_like_vllm(
@@ -191,6 +190,44 @@ async def test_invalid_requests_answer_400_like_vllm(
     assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] is None
     assert message in error["message"]
     assert stats["requests_total"] == 0
+
+
+async def test_the_output_is_capped_at_the_room_the_prompt_leaves_like_vllm(engine: EngineFactory) -> None:
+    async with engine(max_model_len=128) as e:
+        capped = await e.client.post("/v1/completions", json={"prompt": [7] * 120, "max_tokens": 100, "min_tokens": 8})
+    usage = capped.json()["usage"]
+    assert capped.status_code == 200 and (usage["prompt_tokens"], usage["completion_tokens"]) == (120, 8)
+    assert capped.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 129}, "max_tokens=129 cannot be greater than", "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_completion_tokens": 129},
+            "max_completion_tokens=129 cannot be greater than max_model_len=128",
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"prompt": [7] * 130}, "your prompt contains 130 input tokens", "input_tokens"),
+        (
+            "/v1/completions",
+            {"prompt": "word " * 200},
+            "your prompt contains at least 129 input tokens",
+            "input_tokens",
+        ),
+        ("/v1/completions", {"prompt": [7] * 128}, "max_tokens must be at least 1, got 0.", "max_tokens"),
+    ],
+)
+async def test_what_the_context_cannot_hold_is_refused_in_vllms_words(
+    engine: EngineFactory, path: str, body: dict[str, Any], message: str, param: str
+) -> None:
+    async with engine(max_model_len=128) as e:
+        response = await e.client.post(path, json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "BadRequestError"
+    assert message in error["message"] and error["param"] == param
 
 
 async def test_bad_json_and_unknown_model(engine: EngineFactory) -> None:
@@ -290,3 +327,14 @@ async def test_fault_no_kv_params_and_reject_kv(engine: EngineFactory) -> None:
     assert params is not None
     assert rejected.json()["choices"][0]["finish_reason"] == "error"
     assert stats["failed_transfers"] == 1 and stats["leases_active"] == 1
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_like_vllm(engine: EngineFactory) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": CHAT, "max_tokens": 3, "min_tokens": 3, "stream": True, "stream_options": options}
+    async with engine() as e:
+        response = await e.client.post("/v1/chat/completions", json=body)
+    *chunks, final, done = sse_events(response.text)
+    assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == [0, 1, 2, 3], "the role chunk counts none"
+    assert all("prompt_tokens_details" not in chunk["usage"] for chunk in chunks)
+    assert final["choices"] == [] and "prompt_tokens_details" in final["usage"] and done == "[DONE]"
