@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from dpd_router import __version__
-from dpd_router.api import admin, openai, ops
+from dpd_router.api import admin, console, openai, ops
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.errors import error_response
@@ -68,6 +68,7 @@ class Router:
     tokenizers: dict[str | None, TokenCounter]
     planner: Planner
     gateway: Gateway
+    observer: Observer
     health: HealthChecker
     scraper: LoadScraper
     gatekeeper: Gatekeeper
@@ -151,16 +152,15 @@ class Router:
         unknown_tenants = keys.tenants() - set(tenant_pools)
         if unknown_tenants:
             log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
+        observer = Observer(
+            metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[adaptive.learn_from]
+        )
         gateway = Gateway(
             client=client,
             tokenizers=tokenizers,
             planners=planners,
             connector=connector,
-            observer=Observer(
-                metrics,
-                SpanExporter.create() if settings.otel_tracing else None,
-                listeners=[adaptive.learn_from],
-            ),
+            observer=observer,
             metrics=metrics,
             model=model,
             timeouts=PhaseTimeouts.from_settings(settings),
@@ -184,6 +184,7 @@ class Router:
             tokenizers=tokenizers,
             planner=planner,
             gateway=gateway,
+            observer=observer,
             health=health,
             scraper=scraper,
             gatekeeper=Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute),
@@ -409,6 +410,7 @@ def create_app(settings: Settings, *, refused_connections: RefusedConnections | 
     app.include_router(openai.routes)
     app.include_router(ops.routes)
     app.include_router(admin.routes)
+    app.include_router(console.routes)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

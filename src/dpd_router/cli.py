@@ -293,6 +293,7 @@ async def _announce(server: Any, settings: Settings, prefill: list[str], decode:
     print(
         f"""
 dpd-router demo is up at {base}
+  console:    {base}/ui  (open it in a browser: long prompts go one way, short ones the other, live)
   prefillers: {", ".join(prefill)}
   decoders:   {", ".join(decode)}
   threshold:  {settings.routing_threshold} tokens (prompts this long or longer go prefiller -> decoder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -89,8 +90,13 @@ class SpanSink(Protocol):
     def export(self, trace: RequestTrace, ended: float) -> None: ...
 
 
+# Finished requests the operator console lists (their log lines' fields, kept as they were logged).
+RECENT_REQUESTS = 300
+
+
 class Observer:
-    """Turns finished traces into metrics, one structured log line each, and optional spans."""
+    """Turns finished traces into metrics, one structured log line each, and optional spans; keeps the
+    last few hundred log lines' fields for the operator console."""
 
     def __init__(
         self,
@@ -101,6 +107,8 @@ class Observer:
         self.metrics = metrics
         self.spans = spans
         self.listeners = list(listeners)
+        # (wall-clock end, the log line's fields) of the last requests.
+        self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
 
     def finish(self, trace: RequestTrace) -> None:
         if trace.finished:
@@ -212,6 +220,7 @@ class Observer:
             trace.path == "disaggregated",
             extra={"fields": fields},
         )
+        self.recent.append((time.time(), fields))
 
 
 # A decoder that reports fewer cached prompt tokens than this share of what the prefiller staged

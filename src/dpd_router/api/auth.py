@@ -63,6 +63,11 @@ class KeyRing:
         """
         return any(not principal.admin for principal in self._by_hash.values())
 
+    @property
+    def configured(self) -> bool:
+        """Whether any key at all is configured (admin keys included)."""
+        return bool(self._by_hash)
+
     def tenants(self) -> set[str]:
         return {p.tenant for p in self._by_hash.values() if p.tenant is not None}
 

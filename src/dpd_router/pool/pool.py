@@ -43,6 +43,11 @@ class Pool:
         return merged
 
     @property
+    def parts(self) -> tuple[Pool, ...]:
+        """The pools a union reads through to (a plain pool: itself)."""
+        return self._parts or (self,)
+
+    @property
     def prefillers(self) -> list[Endpoint]:
         return self.members("prefill")
 

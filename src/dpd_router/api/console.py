@@ -1,0 +1,140 @@
+"""The operator console: `GET /ui`, one self-contained page, and `GET /admin/state`, the JSON it polls.
+
+The state is read from what the router records anyway (its metrics registry, its endpoints, the
+last log lines' fields), only when asked: the console costs the request path nothing. Counters and
+histograms are sent cumulative; the page differences consecutive polls into rates and percentiles.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib.resources import files
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from dpd_router import __version__
+from dpd_router.advise import AdviseError, Scrape, analyse
+from dpd_router.api.auth import source_of
+from dpd_router.api.errors import response_for
+from dpd_router.errors import RateLimited, RouterError
+from dpd_router.metrics import PREFIX
+
+if TYPE_CHECKING:
+    from dpd_router.app import Router
+    from dpd_router.pool.endpoint import Endpoint
+
+routes = APIRouter()
+
+# Histograms the page charts, by their name without the prefix, and the label it splits them by.
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("path",),
+    "inter_token_latency_seconds": ("path",),
+    "phase_seconds": ("path", "phase"),
+    "prompt_tokens": ("path",),
+}
+COUNTERS = {
+    "route_decisions_total": ("path", "reason"),
+    "requests_total": ("path", "outcome"),
+    "prefill_fallbacks_total": ("reason",),
+    "kv_transfer_ineffective_total": (),
+}
+
+
+@routes.get("/ui")
+async def console_page() -> Response:
+    """The page itself holds no data; what it shows comes from /admin/state, under its key."""
+    page = files("dpd_router").joinpath("console/index.html").read_bytes()
+    return Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+
+@routes.get("/admin/state")
+async def state(request: Request) -> Response:
+    """Everything the console shows, at this moment. Open when the router has no API keys at all (as in
+    `make demo`); otherwise it needs an admin key, like every /admin endpoint."""
+    router: Router = request.app.state.router
+    if router.gatekeeper.keys.configured:
+        try:
+            router.gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
+        except RouterError as exc:
+            headers = {"WWW-Authenticate": "Bearer"}
+            if isinstance(exc, RateLimited):
+                headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            return response_for(exc, headers=headers)
+    return Response(orjson.dumps(snapshot(router), default=str), media_type="application/json")
+
+
+def snapshot(router: Router) -> dict[str, Any]:
+    settings = router.live.effective()
+    scrape = Scrape.parse(router.metrics.render().decode())
+    return {
+        "time": time.time(),
+        "router": {
+            "version": __version__,
+            "model": router.model.name,
+            "routing_threshold": settings["routing_threshold"],
+            "threshold_mode": settings["threshold_mode"],
+            "prefill_strategy": settings["prefill_strategy"],
+            "kv_connector": settings["kv_connector"],
+            "admin_key_needed": router.gatekeeper.keys.configured,
+        },
+        "pools": [
+            {"name": pool.name, "endpoints": [_endpoint(e) for e in pool.endpoints()]} for pool in router.pool.parts
+        ],
+        "counters": {name: _counter_rows(scrape, name, labels) for name, labels in COUNTERS.items()},
+        "histograms": {name: _histogram_rows(scrape, name, labels) for name, labels in HISTOGRAMS.items()},
+        "adaptive": router.planner.adaptive_view(),
+        "advice": _advice(scrape),
+        "recent": [{"finished_at": at, **fields} for at, fields in router.observer.recent],
+    }
+
+
+def _endpoint(endpoint: Endpoint) -> dict[str, Any]:
+    load = endpoint.load
+    return {
+        "url": endpoint.url,
+        "role": endpoint.role,
+        "healthy": endpoint.healthy,
+        "available": endpoint.available,
+        "breaker": endpoint.breaker.state,
+        "draining": endpoint.draining,
+        "in_flight": endpoint.in_flight,
+        "queued_tokens": endpoint.queued_tokens,
+        "running": None if load is None else load.running,
+        "waiting": None if load is None else load.waiting,
+        "kv_cache_usage": None if load is None else load.kv_cache_usage,
+        "last_error": endpoint.last_error,
+    }
+
+
+def _counter_rows(scrape: Scrape, name: str, labels: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [
+        {**dict(zip(labels, values, strict=True)), "count": count}
+        for values, count in sorted(scrape.counters(f"{PREFIX}_{name}", labels).items())
+    ]
+
+
+def _histogram_rows(scrape: Scrape, name: str, labels: tuple[str, ...]) -> list[dict[str, Any]]:
+    rows = []
+    for values, histogram in sorted(scrape.histograms(f"{PREFIX}_{name}", labels).items()):
+        rows.append(
+            {
+                **dict(zip(labels, values, strict=True)),
+                "bounds": [bound if bound != float("inf") else None for bound in histogram.bounds],
+                "cumulative": histogram.cumulative,
+                "sum": histogram.sum,
+                "count": histogram.count,
+            }
+        )
+    return rows
+
+
+def _advice(scrape: Scrape) -> dict[str, Any] | None:
+    """`dpd-router advise` on the router's own metrics: the threshold and prefill:decode ratio it recommends."""
+    try:
+        report = analyse(scrape).to_dict()
+    except AdviseError as exc:
+        return {"error": str(exc)}
+    return {key: report[key] for key in ("recommendation", "ratio", "shares", "warnings", "prompt_tokens")}

@@ -1,0 +1,118 @@
+"""The operator console in a real headless Chromium: what it shows is what /metrics says, a dead
+prefiller turns red, and a threshold changed from the page routes the next request."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dpd_router.api.auth import hash_key
+from dpd_router.sim.cluster import SimCluster
+from tests.integration.conftest import MODEL, chat_body, cluster_settings, metric, running_router
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ADMIN_KEY = "console-admin-key"
+THRESHOLD = 64
+LONG = "Every region reported steady growth while costs stayed flat across the whole year. " * 10
+SHORT = "Hi there."
+
+
+@pytest.fixture
+def chromium() -> str:
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the browser test: install Debian's chromium (.ci/run does)")
+        pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    return CHROMIUM
+
+
+async def test_the_console_shows_the_routing_live_and_changes_the_threshold(
+    chromium: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from playwright.async_api import async_playwright, expect
+
+    async with (
+        SimCluster(prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(
+            **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, admin_key_hashes=[hash_key(ADMIN_KEY)])
+        ) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+        async_playwright() as playwright,
+    ):
+        for i in range(8):
+            answer = await client.post("/v1/chat/completions", json=chat_body(f"{i} {LONG if i < 3 else SHORT}"))
+            assert answer.status_code == 200
+        browser = await playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = await browser.new_page(viewport={"width": 1400, "height": 1100})
+        await page.goto(f"{base_url}/ui")
+        # Without the admin key the page says what it needs; with it, it shows the router.
+        await expect(page.locator("#status")).to_contain_text("admin key")
+        await page.fill("#key", ADMIN_KEY)
+        await page.dispatch_event("#key", "change")
+
+        # The decisions the page shows are the router's own counts.
+        long_row = page.locator('#reason-table tr[data-path="disaggregated"][data-reason="long_prompt"] td').nth(2)
+        short_row = page.locator('#reason-table tr[data-path="direct"][data-reason="below_threshold"] td').nth(2)
+        await expect(long_row).to_have_text("3", timeout=15_000)
+        await expect(short_row).to_have_text("5")
+        assert await metric(base_url, "dpd_router_route_decisions_total", {"reason": "long_prompt"}) == 3
+        assert await metric(base_url, "dpd_router_route_decisions_total", {"reason": "below_threshold"}) == 5
+        await expect(page.locator("#recent-table tbody tr")).to_have_count(8)
+        await expect(page.locator("#pool-table tbody tr")).to_have_count(3)
+        # A request clicked shows its phases.
+        first = page.locator("#recent-table tbody tr").first
+        request_id = await first.get_attribute("data-id")
+        await first.click()
+        await expect(page.locator("#detail")).to_contain_text(str(request_id))
+        await expect(page.locator("#detail")).to_contain_text("to first token")
+
+        # A prefiller killed turns red.
+        dead = cluster.engines[0]
+        await cluster.kill(dead)
+        dead_row = page.locator(f'#pool-table tr[data-url="{dead.url}"]')
+        await expect(dead_row).to_have_class("down", timeout=15_000)
+        await page.screenshot(path=str(screenshot_path(tmp_path)), full_page=True)
+
+        # A threshold raised from the page (confirmed) sends the next long prompt direct.
+        page.on("dialog", lambda dialog: dialog.accept())
+        await page.fill("#new-threshold", "100000")
+        await page.click("#apply")
+        await expect(page.locator("#change-outcome")).to_have_text("changed: routing_threshold", timeout=15_000)
+        answer = await client.post("/v1/chat/completions", json=chat_body(f"after {LONG}"))
+        assert answer.status_code == 200
+        assert await metric(base_url, "dpd_router_route_decisions_total", {"reason": "below_threshold"}) == 6
+        await expect(page.locator("#threshold")).to_have_text("100000", timeout=15_000)
+        await browser.close()
+
+
+def screenshot_path(tmp_path: Path) -> Path:
+    """Where the screenshot goes: DPD_TEST_ARTIFACTS when set (CI keeps it), else the test's own folder."""
+    folder = Path(os.environ.get("DPD_TEST_ARTIFACTS", tmp_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "console.png"
+
+
+async def test_the_state_is_open_without_keys_and_needs_an_admin_key_with_them(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    open_settings = cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)
+    async with running_router(**open_settings) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        assert (await client.post("/v1/chat/completions", json=chat_body(SHORT))).status_code == 200
+        state = (await client.get("/admin/state")).json()
+        assert state["router"]["routing_threshold"] == THRESHOLD
+        assert [entry["reason"] for entry in state["recent"]] == ["below_threshold"]
+        assert {e["url"] for pool in state["pools"] for e in pool["endpoints"]} == {
+            *cluster.prefill_urls,
+            *cluster.decode_urls,
+        }
+        page = await client.get("/ui")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    keyed = {**open_settings, "admin_key_hashes": [hash_key(ADMIN_KEY)]}
+    async with running_router(**keyed) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        assert (await client.get("/admin/state")).status_code == 401
+        answer = await client.get("/admin/state", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert answer.status_code == 200
