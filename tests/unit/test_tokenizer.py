@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from transformers import AutoTokenizer
 
 from dpd_router.errors import InvalidRequest
 from dpd_router.request import parse_request
-from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer
+from dpd_router.tokenizer import LARGE_REQUEST_BYTES, EngineTokenizer, LocalTokenizer, PromptTooLong
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,70 @@ async def test_engine_tokenize_fallback_asks_the_next_engine_when_one_fails() ->
         )
     assert prompt.num_tokens == 3
     assert asked == ["e1", "e2"]
+
+
+async def test_a_huge_request_tokenizes_in_its_own_lane(tokenizer_dir: Path) -> None:
+    """Two huge prompts cannot take every tokenizer thread: bodies over LARGE_REQUEST_BYTES have one of their own."""
+    local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
+    seen: list[str] = []
+    original = local._encode
+
+    def spy(text: str, *, special: bool, threaded: bool) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return original(text, special=special, threaded=threaded)
+
+    local._encode = spy  # type: ignore[method-assign]
+    await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "word " * (LARGE_REQUEST_BYTES // 4)})))
+    await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "word " * 100})))
+    assert seen[0].startswith("tokenize-large") and not seen[1].startswith("tokenize-large")
+    local.close()
+
+
+async def test_a_prompt_too_long_by_size_is_refused_before_tokenizing(local: LocalTokenizer) -> None:
+    text = "x" * (local.bytes_per_token * 5000)
+    with pytest.raises(PromptTooLong) as refused:
+        await local.tokenize(parse_request("completion", orjson.dumps({"prompt": text})), max_tokens=4000)
+    assert refused.value.at_least >= 5000
+    # At the bound or under it, the prompt is counted exactly as usual.
+    fits = "x" * (local.bytes_per_token * 100)
+    prompt = await local.tokenize(parse_request("completion", orjson.dumps({"prompt": fits})), max_tokens=4000)
+    assert prompt.num_tokens == len(local._tokenizer.encode(fits))
+
+
+def test_the_size_bound_never_exceeds_a_real_count(local: LocalTokenizer) -> None:
+    """No text of the tokenizer's own tokens has fewer tokens than its bytes over bytes_per_token."""
+    import random
+
+    vocab = list(local._tokenizer.get_vocab())
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.randrange(len(vocab)) for _ in range(rng.randrange(1, 60))]
+        text = local._tokenizer.decode(ids)
+        counted = len(local._tokenizer.encode(text, add_special_tokens=False))
+        assert len(text.encode("utf-8", "surrogatepass")) // local.bytes_per_token <= counted
+
+
+async def test_a_cancelled_request_stops_tokenizing_at_its_next_step(tokenizer_dir: Path) -> None:
+    local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
+    release = threading.Event()
+    encoded: list[str] = []
+    original = local._encode
+
+    def slow(text: str, *, special: bool, threaded: bool) -> list[int]:
+        encoded.append(text[:5])
+        release.wait(10)
+        return original(text, special=special, threaded=threaded)
+
+    local._encode = slow  # type: ignore[method-assign]
+    batch = parse_request("completion", orjson.dumps({"prompt": ["first " * 50, "second " * 50]}))
+    task = asyncio.create_task(local.tokenize(batch))
+    while not encoded:  # noqa: ASYNC110 - waiting on a worker thread
+        await asyncio.sleep(0.01)
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The lane's one thread takes this after the abandoned work is over, however long that took.
+    await asyncio.get_running_loop().run_in_executor(local._executor, lambda: None)
+    assert encoded == ["first"]
+    local.close()
