@@ -60,14 +60,7 @@ async def test_text_prompts_in_every_form(local: LocalTokenizer) -> None:
 
 async def test_long_prompts_are_tokenized_off_the_event_loop(tokenizer_dir: Path) -> None:
     local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
-    seen: list[str] = []
-    original = local._encode
-
-    def spy(text: str, *, special: bool, threaded: bool) -> list[int]:
-        seen.append(threading.current_thread().name)
-        return original(text, special=special, threaded=threaded)
-
-    local._encode = spy  # type: ignore[method-assign]
+    seen = threads_that_encode(local)
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "short"})))
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "long " * 100})))
     assert seen[0] == threading.current_thread().name
@@ -136,14 +129,7 @@ async def test_engine_tokenize_fallback_asks_the_next_engine_when_one_fails() ->
 async def test_a_huge_request_tokenizes_in_its_own_lane(tokenizer_dir: Path) -> None:
     """Two huge prompts cannot take every tokenizer thread: bodies over LARGE_REQUEST_BYTES have one of their own."""
     local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
-    seen: list[str] = []
-    original = local._encode
-
-    def spy(text: str, *, special: bool, threaded: bool) -> list[int]:
-        seen.append(threading.current_thread().name)
-        return original(text, special=special, threaded=threaded)
-
-    local._encode = spy  # type: ignore[method-assign]
+    seen = threads_that_encode(local)
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "word " * (LARGE_REQUEST_BYTES // 4)})))
     await local.tokenize(parse_request("completion", orjson.dumps({"prompt": "word " * 100})))
     assert seen[0].startswith("tokenize-large") and not seen[1].startswith("tokenize-large")
@@ -198,3 +184,16 @@ async def test_a_cancelled_request_stops_tokenizing_at_its_next_step(tokenizer_d
     await asyncio.get_running_loop().run_in_executor(local._executor, lambda: None)
     assert encoded == ["first"]
     local.close()
+
+
+def threads_that_encode(local: LocalTokenizer) -> list[str]:
+    """The names of the threads `local` encodes in from now on, in order."""
+    seen: list[str] = []
+    original = local._encode
+
+    def spy(text: str, *, special: bool, threaded: bool) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return original(text, special=special, threaded=threaded)
+
+    local._encode = spy  # type: ignore[method-assign]
+    return seen

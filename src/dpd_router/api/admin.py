@@ -26,8 +26,12 @@ def _json(value: object, status: int = 200) -> Response:
     return Response(orjson.dumps(value, default=str), status_code=status, media_type="application/json")
 
 
-def _authorize(request: Request) -> Router | Response:
+def authorize(request: Request, *, open_without_keys: bool = False) -> Router | Response:
+    """The router, for a caller with an admin key; else the refusal to send. `open_without_keys`: a
+    router with no keys at all (as in `make demo`) lets anyone read."""
     router: Router = request.app.state.router
+    if open_without_keys and not router.gatekeeper.keys.configured:
+        return router
     try:
         router.gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
     except RouterError as exc:
@@ -40,7 +44,7 @@ def _authorize(request: Request) -> Router | Response:
 
 @routes.get("/config")
 async def get_config(request: Request) -> Response:
-    router = _authorize(request)
+    router = authorize(request)
     if isinstance(router, Response):
         return router
     return _json(router.live.effective())
@@ -49,7 +53,7 @@ async def get_config(request: Request) -> Response:
 @routes.put("/config")
 async def put_config(request: Request) -> Response:
     """Change live settings: a JSON object of setting names and values."""
-    router = _authorize(request)
+    router = authorize(request)
     if isinstance(router, Response):
         return router
     try:
@@ -68,7 +72,7 @@ async def put_config(request: Request) -> Response:
 @routes.post("/reload")
 async def reload(request: Request) -> Response:
     """Re-read flags, environment and the config file, as SIGHUP does."""
-    router = _authorize(request)
+    router = authorize(request)
     if isinstance(router, Response):
         return router
     changed = await router.live.reload("admin")
@@ -79,7 +83,7 @@ async def reload(request: Request) -> Response:
 async def routing(request: Request) -> Response:
     """The routing decision in words: the threshold in force, what the adaptive model learned, and the
     decisions taken so far by reason."""
-    router = _authorize(request)
+    router = authorize(request)
     if isinstance(router, Response):
         return router
     planner = router.planner

@@ -17,9 +17,7 @@ from starlette.responses import Response
 
 from dpd_router import __version__
 from dpd_router.advise import AdviseError, Scrape, analyse
-from dpd_router.api.auth import source_of
-from dpd_router.api.errors import response_for
-from dpd_router.errors import RateLimited, RouterError
+from dpd_router.api.admin import authorize
 from dpd_router.metrics import PREFIX
 
 if TYPE_CHECKING:
@@ -54,15 +52,9 @@ async def console_page() -> Response:
 async def state(request: Request) -> Response:
     """Everything the console shows, at this moment. Open when the router has no API keys at all (as in
     `make demo`); otherwise it needs an admin key, like every /admin endpoint."""
-    router: Router = request.app.state.router
-    if router.gatekeeper.keys.configured:
-        try:
-            router.gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
-        except RouterError as exc:
-            headers = {"WWW-Authenticate": "Bearer"}
-            if isinstance(exc, RateLimited):
-                headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-            return response_for(exc, headers=headers)
+    router = authorize(request, open_without_keys=True)
+    if isinstance(router, Response):
+        return router
     return Response(orjson.dumps(snapshot(router), default=str), media_type="application/json")
 
 

@@ -47,12 +47,9 @@ async def completions(request: Request) -> Response:
 
 @routes.get("/v1/models")
 async def models(request: Request) -> Response:
-    router: Router = request.app.state.router
-    request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
-    try:
-        router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
-    except RouterError as exc:
-        return _error(router, exc, request_id)
+    router, _, refusal = _caller(request)
+    if refusal is not None:
+        return refusal
     return Response(orjson.dumps(router.model.models_listing()), media_type="application/json")
 
 
@@ -62,18 +59,26 @@ async def responses(request: Request) -> Response:
     """The Responses API is refused, clearly: vLLM keeps a stored response (`previous_response_id`,
     background runs, GET/cancel by id) in the memory of the one engine that made it, and a router that
     spreads requests over decoders would send the follow-ups to engines that never saw it."""
+    _, request_id, refusal = _caller(request)
+    if refusal is not None:
+        return refusal
+    unsupported = NotSupported(
+        "dpd-router does not serve the Responses API (/v1/responses): a stored response lives in the one "
+        "engine that made it, and the router spreads requests over several. Use /v1/chat/completions."
+    )
+    # Not worth retrying (the openai clients honour this header): the answer will not change.
+    return response_for(unsupported, headers={"X-Request-Id": request_id, "x-should-retry": "false"})
+
+
+def _caller(request: Request) -> tuple[Router, str, Response | None]:
+    """The router, the request's id, and the refusal to send when the caller's key is not accepted."""
     router: Router = request.app.state.router
     request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
     try:
         router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
     except RouterError as exc:
-        return _error(router, exc, request_id)
-    refusal = NotSupported(
-        "dpd-router does not serve the Responses API (/v1/responses): a stored response lives in the one "
-        "engine that made it, and the router spreads requests over several. Use /v1/chat/completions."
-    )
-    # Not worth retrying (the openai clients honour this header): the answer will not change.
-    return response_for(refusal, headers={"X-Request-Id": request_id, "x-should-retry": "false"})
+        return router, request_id, _error(router, exc, request_id)
+    return router, request_id, None
 
 
 async def _serve(request: Request, kind: RequestKind) -> Response:
