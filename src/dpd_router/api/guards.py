@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpd_router.api.errors import error_response
@@ -37,6 +38,8 @@ class ErrorBoundary:
 
         try:
             await self.app(scope, receive, sending)
+        except ClientDisconnect:
+            return  # the client left (or the listener closed it) while its body was read: nobody to answer
         except Exception:
             log.exception("unhandled error serving %s", scope.get("path"))
             if started:

@@ -28,6 +28,7 @@ from dpd_router.errors import (
 )
 from dpd_router.gateway import ClosingStream
 from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
+from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from dpd_router.app import Router
@@ -90,7 +91,11 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
         principal = router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
         principal.limits.take_request()
         raw = await _read_body(request, router.settings.max_body_bytes)
-        client_request = parse_request(kind, raw, trust_chat_template=router.settings.trust_request_chat_template)
+        trusted = router.settings.trust_request_chat_template
+        if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request
+            client_request = await asyncio.to_thread(parse_request, kind, raw, trust_chat_template=trusted)
+        else:
+            client_request = parse_request(kind, raw, trust_chat_template=trusted)
         _resolve_model(client_request, router.model.name)
     except RouterError as exc:
         return _error(router, exc, request_id)
