@@ -53,6 +53,8 @@ class SlowLink:
                 self._requests(client_reader, engine_writer, completion_asked),
                 self._answers(engine_reader, client_writer, completion_asked),
             )
+        except asyncio.CancelledError:
+            pass  # the link is closing (__aexit__): the connection ends here, nothing waits on it
         finally:
             for writer in (client_writer, engine_writer):
                 writer.close()
