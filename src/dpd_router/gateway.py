@@ -7,9 +7,10 @@ The connector decides the shape of the two hops: a sequential one's decode call 
 prefill hop staged the KV; a concurrent one's starts with it, and a prefill that fails before the
 decoder's first token cancels the decode call and counts as a failed prefill hop. A connector
 whose prefill already produced the first token (LMCache) has it sent to the client at once; one
-that pushes the KV into the chosen decoder (LMCache) has it released when no decode call there
-picks it up. A connector whose decoders serve nothing alone (SGLang) gets every request through a
-prefiller, or refuses it.
+that holds staged KV until a decode call picks it up (NIXL on the prefiller, LMCache in the
+chosen decoder) has it released when no decode call will, also when the client left while the
+prefill call was answering. A connector whose decoders serve nothing alone (SGLang) gets every
+request through a prefiller, or refuses it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ SAME_DECODER_BACKOFF = 0.25
 HANDOFF_GRACE = 2.0
 # The PrefillFailed reason of a hand-off whose decoder failed while its prefill call still ran.
 HANDOFF_FAILED = "handoff_failed"
+# Seconds a prefill call whose client left may still take to answer. An engine that finished it
+# holds the KV for a decoder, and only the answer names it (it is then released); an engine still
+# computing answers later, and cutting the call makes vLLM abort it, which frees its blocks at once.
+ORPHANED_PREFILL_GRACE = 1.0
 
 T = TypeVar("T")
 
@@ -200,6 +205,8 @@ class Gateway:
         self._model = model
         self._timeouts = timeouts
         self._retries = retries
+        # Prefill calls whose client left, given a moment to answer so that what they staged is released.
+        self._orphaned_prefills: set[asyncio.Task[None]] = set()
 
     def reconfigure(self, timeouts: PhaseTimeouts, retries: RetryPolicy) -> None:
         """Apply live timeout and retry settings to the requests that start from now on."""
@@ -371,6 +378,8 @@ class Gateway:
                     )
                     if exc.kv_consumed:
                         done.kv_taken_by(plan.decoder)
+                    else:
+                        done.kv_not_delivered()  # held for the next decoder, or released
                     if staged is not None and (exc.kv_consumed or staged.pending is not None):
                         # Used (and so released) by the failed decoder, or bound to its call: stage again.
                         abandon(staged)
@@ -413,8 +422,8 @@ class Gateway:
             trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
         if staged.pending is not None:
             done.defer(staged.pending.cancel)  # the request is over: a prefill still running is not needed
-        if self._connector.pushes_to_decoder and staged.handoff is not None:
-            done.hold_kv(PushedKV(staged, self._connector))
+        if self._connector.holds_kv and staged.handoff is not None:
+            done.hold_kv(HeldKV(staged, self._connector, self._metrics))
 
     async def _next_decoder(
         self, exchange: Exchange, exc: DecodeFailed, plan: Plan, tried: list[Endpoint], attempt: int
@@ -449,11 +458,33 @@ class Gateway:
                 pending.add_done_callback(lambda task: self._prefill_settled(task, trace))
                 return StagedKV(params={}, prompt_tokens=None, cached_tokens=0, pending=pending, handoff=handoff), plan
             try:
-                staged = await hop
+                staged = await (self._finished_even_if_left(hop, handoff) if self._connector.holds_kv else hop)
                 return replace(staged, handoff=handoff), plan
             except PrefillFailed as exc:
                 plan = self._after_prefill_failure(exchange, exc, plan, tried)
         return None, plan
+
+    async def _finished_even_if_left(self, hop: Coroutine[Any, Any, StagedKV], handoff: Handoff) -> StagedKV:
+        """The prefill call; when its client leaves, the call gets `ORPHANED_PREFILL_GRACE` seconds to
+        answer before it is cut (see there), and what it staged is released."""
+        task = asyncio.create_task(hop, name=f"prefill {handoff.request_id}")
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            orphan = asyncio.create_task(self._release_orphaned(task, handoff), name=f"orphan {handoff.request_id}")
+            self._orphaned_prefills.add(orphan)
+            orphan.add_done_callback(self._orphaned_prefills.discard)
+            raise
+
+    async def _release_orphaned(self, task: asyncio.Task[StagedKV], handoff: Handoff) -> None:
+        await asyncio.wait({task}, timeout=ORPHANED_PREFILL_GRACE)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            return
+        if task.cancelled() or task.exception() is not None:
+            return
+        HeldKV(replace(task.result(), handoff=handoff), self._connector, self._metrics).release()
 
     def _after_prefill_failure(
         self, exchange: Exchange, failure: PrefillFailed, plan: Plan, tried: list[Endpoint]
@@ -546,6 +577,7 @@ class Gateway:
             return await self._answer_from_prefill(exchange, call, staged)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeouts.first_token if request.stream else self._timeouts.total)
+        exchange.done.kv_sent_to(decoder)
         upstream = await self._open(decoder, call, exchange.request_id, deadline)
         if upstream.status_code != 200:
             return await self._engine_refusal(exchange, upstream, decoder)
@@ -874,31 +906,46 @@ def abandon(staged: StagedKV) -> None:
         staged.pending.cancel()
 
 
-class PushedKV:
-    """KV a prefill pushed into one decoder (LMCache), which keeps it until a decode call there
-    retrieves it. Taken once that decoder answered a decode call for it; else released (the
-    connector drains it), once."""
+class HeldKV:
+    """KV a prefill staged, held until a decode call picks it up; else released (once).
 
-    def __init__(self, staged: StagedKV, connector: Connector) -> None:
+    Pushed into one decoder (LMCache): taken once that decoder answered a decode call for it.
+    Held on the prefiller (NIXL): the decoder's from the moment a decode call for it is sent to
+    one, since vLLM's decoder frees the prefiller's blocks itself when it refuses or aborts it.
+    """
+
+    def __init__(self, staged: StagedKV, connector: Connector, metrics: RouterMetrics) -> None:
         assert staged.handoff is not None
         self.staged = staged
         self.decoder = staged.handoff.decoder
         self._connector = connector
+        self._metrics = metrics
         self._settled = False
+
+    def sent_to(self, decoder: Endpoint) -> None:
+        """A decode call for this KV is being sent to `decoder`."""
+        if not self._connector.pushes_to_decoder:
+            self._settled = True
+
+    def not_delivered(self) -> None:
+        """The decode call never reached its decoder (it could not be reached)."""
+        if not self._connector.pushes_to_decoder:
+            self._settled = False
 
     def taken_by(self, decoder: Endpoint) -> None:
         """`decoder` answered a decode call for this KV (a token, a whole answer or an error)."""
-        if decoder is self.decoder:
+        if decoder is self.decoder or not self._connector.pushes_to_decoder:
             self._settled = True
 
     def release(self) -> None:
         if not self._settled:
             self._settled = True
+            self._metrics.kv_released.labels(self._connector.name).inc()
             self._connector.release_unused(self.staged)
 
 
 class Completion:
-    """Releases what a request holds, exactly once: its decoder slot, KV pushed for it that no
+    """Releases what a request holds, exactly once: its decoder slot, KV staged for it that no
     decode call took, the in-flight gauge, its trace, and the caller's `on_finish` (the admission slot)."""
 
     def __init__(
@@ -913,7 +960,7 @@ class Completion:
         self._metrics = metrics
         self._on_finish = on_finish
         self._decoder: Endpoint | None = None
-        self._kv: PushedKV | None = None
+        self._kv: HeldKV | None = None
         self._deferred: list[Callable[[], object]] = []
         self._done = False
         metrics.in_flight.inc()
@@ -931,17 +978,25 @@ class Completion:
         decoder.start()
         self._decoder = decoder
 
-    def hold_kv(self, kv: PushedKV) -> None:
-        """Hold KV pushed for this request until a decode call takes it (KV held before is released)."""
+    def hold_kv(self, kv: HeldKV) -> None:
+        """Hold KV staged for this request until a decode call takes it (KV held before is released)."""
         self.release_kv()
         self._kv = kv
+
+    def kv_sent_to(self, decoder: Endpoint) -> None:
+        if self._kv is not None:
+            self._kv.sent_to(decoder)
+
+    def kv_not_delivered(self) -> None:
+        if self._kv is not None:
+            self._kv.not_delivered()
 
     def kv_taken_by(self, decoder: Endpoint) -> None:
         if self._kv is not None:
             self._kv.taken_by(decoder)
 
     def release_kv(self) -> None:
-        """Release the pushed KV unless a decode call took it."""
+        """Release the staged KV unless a decode call took it."""
         kv, self._kv = self._kv, None
         if kv is not None:
             kv.release()

@@ -106,6 +106,15 @@ class RouterMetrics:
             "prompt tokens than the prefiller staged): a KV connector misconfiguration.",
             registry=r,
         )
+        self.kv_released = Counter(
+            f"{PREFIX}_kv_released",
+            "Staged KV that no decode call picked up (its client left between the hops, or its decoder was "
+            "replaced), released by the router instead of waiting out the engine's hold on it, by connector "
+            "(nixl: a decoder refuses the parameters and frees the prefiller's blocks; lmcache: the pushed KV "
+            "is drained).",
+            ["connector"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             f"{PREFIX}_config_reloads",
             "Live configuration changes, by source (file, sighup, admin) and outcome (applied, unchanged, rejected).",

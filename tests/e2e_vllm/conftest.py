@@ -210,20 +210,20 @@ async def router(nixl_pair: VllmPair) -> AsyncIterator[str]:
 
 def router_for(pair: VllmPair, **settings: Any) -> AbstractAsyncContextManager[str]:
     """dpd-router in front of `pair`: static threshold of THRESHOLD tokens, round robin; `settings` on top."""
-    return running_router(
-        prefill_urls=[pair.prefill.url],
-        decode_urls=[pair.decode.url],
-        tokenizer=str(pair.tokenizer_dir),
-        model=MODEL_NAME,
-        routing_threshold=THRESHOLD,
-        threshold_mode="static",
-        prefill_strategy="roundrobin",
-        log_format="text",
+    defaults: dict[str, Any] = {
+        "prefill_urls": [pair.prefill.url],
+        "decode_urls": [pair.decode.url],
+        "tokenizer": str(pair.tokenizer_dir),
+        "model": MODEL_NAME,
+        "routing_threshold": THRESHOLD,
+        "threshold_mode": "static",
+        "prefill_strategy": "roundrobin",
+        "log_format": "text",
         # The engines busy both cores of a CI machine: give a starved connect room (the router also
         # resends a request its only decoder could not be reached for, see test_reliability).
-        connect_timeout=30.0,
-        **settings,
-    )
+        "connect_timeout": 30.0,
+    }
+    return running_router(**{**defaults, **settings})
 
 
 async def ask(base_url: str, kind: str, prompt: str, *, stream: bool, **extra: Any) -> tuple[str, Any]:
@@ -266,6 +266,7 @@ _MODULE_ORDER = (
     "test_protocol",
     "test_disaggregation",
     "test_engine_parity",
+    "test_nixl_leases",
     "test_prefill_failure",
     "test_shared_storage",
 )

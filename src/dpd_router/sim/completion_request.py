@@ -60,6 +60,8 @@ class GenerationRequest:
     poisoned: bool = False
     # stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far.
     continuous_usage: bool = False
+    # Choices per prompt (vLLM's parallel sampling: n child requests of one prompt).
+    n: int = 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -83,8 +85,11 @@ class RequestParser:
         include_usage = _include_usage(body, stream)
         continuous_usage = include_usage and bool(body["stream_options"].get("continuous_usage_stats"))
         max_tokens = self._check_output_budget(*_max_tokens(body, api))
-        if body.get("n") not in (None, 1):
-            raise InvalidRequest("the simulator serves n=1 only")
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequest("n must be at least 1.", param="n")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise InvalidRequest("seed must be an integer")
@@ -105,6 +110,8 @@ class RequestParser:
             bootstraps = bootstraps_from_body(body, len(prompts))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if bootstraps is not None and n > 1:
+            raise InvalidRequest("the simulator serves n > 1 without bootstrap fields only", param="n")
         stop_token_ids, min_tokens = _stopping(body, max_tokens)
         return GenerationRequest(
             api=api,
@@ -119,6 +126,7 @@ class RequestParser:
             min_tokens=min_tokens,
             poisoned=body.get("sim_poison") is True,
             continuous_usage=continuous_usage,
+            n=n,
         )
 
     def tokenize(self, raw: bytes) -> list[int]:

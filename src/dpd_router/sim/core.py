@@ -196,6 +196,7 @@ class EngineCore:
             "running": scheduler.running,
             "waiting": scheduler.waiting,
             "leases_active": self.leases.active,
+            "leases_released": self.leases.released,
             "in_flight": self.in_flight,
             "prefill_steps": scheduler.prefill_steps,
             "decode_steps": scheduler.decode_steps,

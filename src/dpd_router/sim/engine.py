@@ -23,7 +23,7 @@ from dpd_router.sim.core import EngineCore
 from dpd_router.sim.faults import FAULT_MODES, FaultMode
 from dpd_router.sim.gpu import TimingModel
 from dpd_router.sim.kv_events import EVENT_FORMATS, EventFormat
-from dpd_router.sim.nixl import TRANSFER_PATH
+from dpd_router.sim.nixl import NOTIFY_PATH, TRANSFER_PATH
 from dpd_router.sim.openai_format import error_body
 from dpd_router.sim.serving import CompletionsEndpoint
 from dpd_router.sim.tokenizer_kit import ensure_tokenizer
@@ -119,6 +119,17 @@ def create_app(config: SimConfig) -> FastAPI:
         except InvalidRequest as exc:
             return _json({"error": exc.message}, status_code=400)
         status, answer = await core.side_channel.transfer(body)
+        return _json(answer, status_code=status)
+
+    @app.post(NOTIFY_PATH)
+    async def nixl_notify(request: Request) -> Response:
+        if core.faults.dead:
+            return _json({"error": "the engine is dead"}, status_code=503)
+        try:
+            body = load_object(await request.body())
+        except InvalidRequest as exc:
+            return _json({"error": exc.message}, status_code=400)
+        status, answer = core.side_channel.notified(body)
         return _json(answer, status_code=status)
 
     for path, api in (("/v1/completions", "text"), ("/v1/chat/completions", "chat")):

@@ -54,6 +54,8 @@ class Generation:
         self.core = core
         self.request = request
         self.protocol = core.protocol(request)
+        # One entry per choice: each prompt n times, in vLLM's order (prompt i's children are i*n .. i*n+n-1).
+        self.prompts = [prompt for prompt in request.prompts for _ in range(request.n)]
         # A decoder whose connector is misconfigured drops the transfer parameters and recomputes.
         self.kind: RequestKind = "local" if ignore_kv and kind == "kv_decode" else kind
         self.request_id = request_id
@@ -70,15 +72,18 @@ class Generation:
         self.failed = False
         self.record: RequestRecord | None = None
         self._sink: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-        self._streams = [core.sampler.stream(prompt, request.seed) for prompt in request.prompts]
-        self._hashes: list[list[bytes]] = [[] for _ in request.prompts]
+        # As vLLM's children of a seeded request: child j samples with seed + j.
+        self._streams = [
+            core.sampler.stream(prompt, request.seed + choice % request.n) for choice, prompt in enumerate(self.prompts)
+        ]
+        self._hashes: list[list[bytes]] = [[] for _ in self.prompts]
         # Prompt tokens of each choice whose KV came from elsewhere (all of them for NIXL and SGLang).
-        self._loaded = [0] * len(request.prompts)
-        self._generated = [0] * len(request.prompts)
+        self._loaded = [0] * len(self.prompts)
+        self._generated = [0] * len(self.prompts)
         # The stop token that ended each choice early (vLLM's stop_token_ids), if one did.
-        self._stopped_by: list[int | None] = [None] * len(request.prompts)
-        self._ended = [False] * len(request.prompts)
-        self._unfinished = len(request.prompts)
+        self._stopped_by: list[int | None] = [None] * len(self.prompts)
+        self._ended = [False] * len(self.prompts)
+        self._unfinished = len(self.prompts)
         self._sequences: list[Sequence] = []
         self._arrived = time.perf_counter()
         self._first_token_seen = False
@@ -117,7 +122,7 @@ class Generation:
 
     @property
     def choices(self) -> int:
-        return len(self.request.prompts)
+        return len(self.prompts)
 
     @property
     def usage(self) -> Usage:
@@ -138,7 +143,7 @@ class Generation:
         if self.kind != "kv_decode":
             return True
         core = self.core
-        prompts = self.request.prompts
+        prompts = self.prompts
         started = time.perf_counter()
         try:
             if self.reject_kv:
@@ -147,7 +152,11 @@ class Generation:
                 await self._fetch_from_rooms()
             else:
                 remote = RemotePrefill.from_params(self.request.kv_transfer_params or {})
-                await core.kv_puller.pull(remote, prompt_digest(prompts[0]))
+                # vLLM's n children each pull the same remote blocks, which the prefiller frees after
+                # the first read (it logs "Potentially invalid KV blocks" for the next): the
+                # simulator fails the later pulls instead.
+                for _ in range(self.request.n):
+                    await core.kv_puller.pull(remote, prompt_digest(prompts[0]))
         except KvTransferFailed as exc:
             self._transfer_failed(exc)
             return False
@@ -175,7 +184,7 @@ class Generation:
         core = self.core
         if core.lmcache_receiver is None or self.ignore_kv:
             return True
-        loaded = [core.lmcache_buffer.take(prompt) for prompt in self.request.prompts]
+        loaded = [core.lmcache_buffer.take(prompt) for prompt in self.prompts]
         if not any(loaded):
             return True
         self.kind = "kv_decode"
@@ -192,7 +201,7 @@ class Generation:
         core = self.core
         core.metrics.kv_transfers.inc()
         core.stats.kv_transfers += 1
-        for choice, (prompt, tokens) in enumerate(zip(self.request.prompts, loaded, strict=True)):
+        for choice, (prompt, tokens) in enumerate(zip(self.prompts, loaded, strict=True)):
             self._loaded[choice] = tokens
             if tokens == len(prompt):
                 self._hashes[choice] = block_hashes(prompt)
@@ -203,7 +212,7 @@ class Generation:
     def schedule(self) -> None:
         """Put every prompt on the GPU; only prompt tokens neither cached nor transferred cost prefill time."""
         core = self.core
-        for choice, prompt in enumerate(self.request.prompts):
+        for choice, prompt in enumerate(self.prompts):
             hashes = self._hashes[choice] or block_hashes(prompt)
             self._hashes[choice] = hashes
             local_hit = core.prefix_cache.cached_tokens(hashes, len(prompt))
@@ -274,14 +283,14 @@ class Generation:
             elif self.kind == "remote_prefill":
                 core.stats.remote_prefills += 1
                 core.metrics.remote_prefills.inc()
-        if self._loaded[choice] < len(self.request.prompts[choice]):  # else its KV came whole, and is cached
-            core.prefix_cache.insert(self._hashes[choice], self.request.prompts[choice])
+        if self._loaded[choice] < len(self.prompts[choice]):  # else its KV came whole, and is cached
+            core.prefix_cache.insert(self._hashes[choice], self.prompts[choice])
 
     def _finished(self, choice: int, last_token: int) -> None:
         self._unfinished -= 1
         if self.kind != "remote_prefill":
             return
-        prompt = self.request.prompts[choice]
+        prompt = self.prompts[choice]
         if self.protocol == "lmcache":
             self._push_kv(prompt, last_token)
         elif self.protocol == "sglang":

@@ -170,6 +170,7 @@ class LeaseTable:
         self._remembered_expiries = remembered_expiries
         self._next_block_id = 1
         self._leased_tokens = 0
+        self.released = 0
 
     @property
     def active(self) -> int:
@@ -213,6 +214,15 @@ class LeaseTable:
         del self._leases[remote_request_id]
         self._leased_tokens -= lease.num_tokens
         return lease
+
+    def release(self, remote_request_id: str) -> bool:
+        """Free a lease no decoder will read (a decoder gave its request up); False if there is none."""
+        lease = self._leases.pop(remote_request_id, None)
+        if lease is None:
+            return False
+        self._leased_tokens -= lease.num_tokens
+        self.released += 1
+        return True
 
     def reap(self) -> int:
         """Free every lease past its expiry; return how many ended unread."""

@@ -3,11 +3,17 @@
 The side channel is the prefiller's own HTTP server (`POST /sim/nixl/transfer`), so a decoder
 proves the KV moved with a real call over a real socket, and fails the way vLLM's decoder does
 when the blocks are gone, expired, or belong to another prompt.
+
+A decoder that refuses a request carrying remote-prefill parameters before admitting it tells the
+prefiller to free the blocks (`POST /sim/nixl/notify`), as vLLM's serving layer has its NIXL
+connector send the prefiller a completion notification without reading
+(`_with_kv_transfer_rejection_cleanup`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +24,7 @@ from dpd_router.sim.gpu import TimingModel
 from dpd_router.sim.kv import KvLease, LeaseError, LeaseTable
 
 TRANSFER_PATH = "/sim/nixl/transfer"
+NOTIFY_PATH = "/sim/nixl/notify"
 
 
 class KvTransferFailed(Exception):
@@ -84,8 +91,15 @@ class RemotePrefill:
 
     @property
     def url(self) -> str:
+        return self._url(TRANSFER_PATH)
+
+    @property
+    def notify_url(self) -> str:
+        return self._url(NOTIFY_PATH)
+
+    def _url(self, path: str) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{TRANSFER_PATH}"
+        return f"http://{host}:{self.port}{path}"
 
 
 class NixlSideChannel:
@@ -116,6 +130,17 @@ class NixlSideChannel:
         await asyncio.sleep(self.timing.kv_transfer_seconds(lease.num_tokens))
         return 200, {"num_tokens": lease.num_tokens}
 
+    def notified(self, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A decoder is done with a lease it never read: free the blocks now; answer (status, body)."""
+        request_id = body.get("remote_request_id")
+        if not isinstance(request_id, str):
+            return 400, {"error": "remote_request_id is required"}
+        if body.get("remote_engine_id") != self.engine_id:
+            return 404, {"error": f"engine {body.get('remote_engine_id')} is not this engine ({self.engine_id})"}
+        if not self.leases.release(request_id):
+            return 404, {"error": f"no lease {request_id}"}  # vLLM logs it ("unrecognized request")
+        return 200, {}
+
 
 class KvPuller:
     """The decoder's end: reads the staged KV from the prefiller named in the params."""
@@ -142,6 +167,19 @@ class KvPuller:
         if not isinstance(num_tokens, int):
             raise KvTransferFailed("prefiller answered without num_tokens")
         return num_tokens
+
+    async def give_up(self, params: Mapping[str, Any]) -> None:
+        """A request refused before admission named remote blocks: have their prefiller free them
+        (best effort, as vLLM's decoder only logs a notification that fails)."""
+        if not params.get("do_remote_prefill"):
+            return
+        try:
+            remote = RemotePrefill.from_params(params)
+        except KvTransferFailed:
+            return
+        payload = {"remote_engine_id": remote.engine_id, "remote_request_id": remote.request_id}
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.post(remote.notify_url, json=payload)
 
 
 def _reason(response: httpx.Response) -> str:

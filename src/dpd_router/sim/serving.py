@@ -18,7 +18,7 @@ from dpd_router.sim.asgi import (
     send_json,
     send_start,
 )
-from dpd_router.sim.completion_request import Api, GenerationRequest, InvalidRequest
+from dpd_router.sim.completion_request import Api, GenerationRequest, InvalidRequest, ModelNotFound, load_object
 from dpd_router.sim.core import EngineCore, Protocol
 from dpd_router.sim.faults import FaultMode
 from dpd_router.sim.generation import Generation
@@ -47,6 +47,8 @@ class CompletionsEndpoint:
             request = await self._parse(raw)
             kind = core.classify(request)
         except InvalidRequest as exc:
+            if isinstance(exc, ModelNotFound):
+                await _give_up_remote_kv(core, raw)
             body = error_body(exc.message, exc.error_type, exc.status_code, exc.param)
             await send_json(send, exc.status_code, body)
             return
@@ -90,6 +92,14 @@ class CompletionsEndpoint:
         if len(raw) >= _LARGE_BODY:
             return await asyncio.to_thread(self.core.parser.parse, self.api, raw)
         return self.core.parser.parse(self.api, raw)
+
+
+async def _give_up_remote_kv(core: EngineCore, raw: bytes) -> None:
+    """vLLM's serving layer frees the remote blocks of a request it refuses past validation (the model
+    check among them; a malformed body never gets that far, and neither does the simulator here)."""
+    params = load_object(raw).get("kv_transfer_params")
+    if isinstance(params, dict):
+        await core.kv_puller.give_up(params)
 
 
 def _faults_for(kind: RequestKind, protocol: Protocol, pushed_kv: bool) -> tuple[FaultMode, ...]:

@@ -114,6 +114,9 @@ class Connector(Protocol):
     # Whether the prefill pushes the KV into the chosen decoder (LMCache): then the staged KV serves
     # that decoder only, and stays in its buffer until a decode call there picks it up.
     pushes_to_decoder: bool
+    # Whether staged KV is held (on the prefiller, or pushed into a decoder) until a decode call picks
+    # it up: the gateway then has `release_unused` free what no decode call will (NIXL, LMCache).
+    holds_kv: bool
 
     async def start(self) -> None:
         """Open what the connector listens on (LMCache's notification socket)."""
@@ -142,8 +145,8 @@ class Connector(Protocol):
         ...
 
     def release_unused(self, staged: StagedKV) -> None:
-        """No decode call will pick up `staged` on `staged.handoff.decoder`: free what it holds there
-        (in the background; LMCache drains the pushed KV). Nothing to do for KV a decoder pulls."""
+        """No decode call will pick up `staged`: free what it holds, in the background (LMCache
+        drains the KV pushed to `staged.handoff.decoder`; NIXL has a decoder free the prefiller's blocks)."""
         ...
 
 
@@ -227,6 +230,7 @@ class SequentialConnector:
     batches = False
     serves_direct = True
     pushes_to_decoder = False
+    holds_kv = False
 
     def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
         self._client = client
@@ -243,7 +247,7 @@ class SequentialConnector:
         return None
 
     def release_unused(self, staged: StagedKV) -> None:
-        pass  # the decoder pulls the KV: nothing of it waits on a decoder
+        pass  # nothing is held for a decoder (shared storage: the files stay for any engine)
 
     def handoff(
         self, request: ClientRequest, prompt: Prompt, prefiller: Endpoint, decoder: Endpoint, request_id: str

@@ -526,6 +526,7 @@ class LMCacheConnector:
     serves_direct = True
     # The KV lands in the chosen decoder's buffer: it serves that decoder only.
     pushes_to_decoder = True
+    holds_kv = True
 
     def __init__(
         self,

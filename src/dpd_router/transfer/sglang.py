@@ -95,6 +95,7 @@ class SGLangConnector:
     # A decode-mode SGLang server aborts a request without bootstrap fields: nothing is served direct.
     serves_direct = False
     pushes_to_decoder = False
+    holds_kv = False
 
     def __init__(
         self,

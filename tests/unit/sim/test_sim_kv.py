@@ -54,6 +54,17 @@ def test_leases_expire_and_say_so() -> None:
     assert leases.active == 0
 
 
+def test_a_released_lease_frees_its_blocks_without_expiring() -> None:
+    expired: list[KvLease] = []
+    leases = LeaseTable(30.0, on_expire=expired.append)
+    lease = leases.grant("cmpl-1", prompt_digest([1, 2, 3]), 3)
+    assert leases.release("cmpl-1") is True
+    assert (leases.active, leases.leased_tokens, leases.released, expired) == (0, 0, 1, [])
+    assert leases.release("cmpl-1") is False  # vLLM: a notification for an unknown request is only logged
+    with pytest.raises(LeaseUnknown):
+        leases.claim("cmpl-1", lease.block_ids, lease.prompt_digest)
+
+
 def test_lease_table_is_bounded() -> None:
     leases = LeaseTable(30.0, max_leases=2)
     for index in range(5):
