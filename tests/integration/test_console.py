@@ -111,6 +111,11 @@ async def test_the_state_is_open_without_keys_and_needs_an_admin_key_with_them(
         }
         page = await client.get("/ui")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    adaptive = {**open_settings, "threshold_mode": "adaptive"}
+    async with running_router(**adaptive) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        state = (await client.get("/admin/state")).json()
+        assert {cost["model"] for cost in state["adaptive_costs"]} >= {"handoff"}
+        assert [entry["decoder"] for entry in state["adaptive"]] == cluster.decode_urls
     keyed = {**open_settings, "admin_key_hashes": [hash_key(ADMIN_KEY)]}
     async with running_router(**keyed) as base_url, httpx.AsyncClient(base_url=base_url) as client:
         assert (await client.get("/admin/state")).status_code == 401

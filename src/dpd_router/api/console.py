@@ -78,6 +78,7 @@ def snapshot(router: Router) -> dict[str, Any]:
         "counters": {name: _counter_rows(scrape, name, labels) for name, labels in COUNTERS.items()},
         "histograms": {name: _histogram_rows(scrape, name, labels) for name, labels in HISTOGRAMS.items()},
         "adaptive": router.planner.adaptive_view(),
+        "adaptive_costs": _adaptive_costs(scrape) if settings["threshold_mode"] == "adaptive" else [],
         "advice": _advice(scrape),
         "recent": [{"finished_at": at, **fields} for at, fields in router.observer.recent],
     }
@@ -121,6 +122,14 @@ def _histogram_rows(scrape: Scrape, name: str, labels: tuple[str, ...]) -> list[
             }
         )
     return rows
+
+
+def _adaptive_costs(scrape: Scrape) -> list[dict[str, Any]]:
+    """What adaptive mode learned: each model's terms per endpoint (dpd_router_adaptive_cost)."""
+    return [
+        {"model": labels.get("model"), "endpoint": labels.get("endpoint"), "term": labels.get("term"), "value": value}
+        for labels, value in scrape.gauge_values(f"{PREFIX}_adaptive_cost")
+    ]
 
 
 def _advice(scrape: Scrape) -> dict[str, Any] | None:
