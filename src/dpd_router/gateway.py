@@ -44,7 +44,7 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.models import ServedModel
 from dpd_router.relay import DecodeFailedEarly, EventStream, error_event, failed_before_output, relay_body
 from dpd_router.request import ClientRequest
-from dpd_router.routing.planner import PREFILL_FAILED, Plan, Planner
+from dpd_router.routing.planner import KV_REJECTED, PREFILL_FAILED, Plan, Planner
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import ENGINE_PATHS as ENGINE_PATHS  # the engine API paths, by request kind
 from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
@@ -115,7 +115,9 @@ class DecodeFailed(Exception):
     prefill's failure may explain it.
     """
 
-    def __init__(self, detail: str, *, kv_consumed: bool, failure: str, answered: bool = False) -> None:
+    def __init__(
+        self, detail: str, *, kv_consumed: bool, failure: str, answered: bool = False, in_band: bool = False
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         # Whether the decoder may have used (and so released) the staged KV: then it must be staged again.
@@ -124,6 +126,9 @@ class DecodeFailed(Exception):
         # The decoder answered with an error (a 5xx, or an error in-band before any output), which the
         # request itself may have caused; else it failed to answer (connection, stream broken).
         self.answered = answered
+        # The error came in the answer, before any output: on a call carrying staged KV, the decoder
+        # could not load it (vLLM ends such a request with finish_reason "error").
+        self.in_band = in_band
 
 
 # Prefill failures in which the prefiller answered, with an error the request itself may have caused.
@@ -394,6 +399,11 @@ class Gateway:
                     trace.prefill_overlaps_decode = False  # what follows starts after it
                     plan = self._after_prefill_failure(exchange, exc, plan, prefillers_tried)
                 except DecodeFailed as exc:
+                    if staged is not None and exc.in_band and self._decodes_alone(staged):
+                        abandon(staged)
+                        staged = None
+                        plan = self._after_kv_rejected(exchange, exc, plan)
+                        continue
                     exchange.decode_judge.failed(plan.decoder, exc.failure, answered=exc.answered)
                     tried.append(plan.decoder)
                     log.warning(
@@ -425,6 +435,23 @@ class Gateway:
         release = plan.decoder.queue_prefill(plan.uncached_tokens)
         trace.on_first_token = release
         exchange.done.defer(release)
+
+    def _decodes_alone(self, staged: StagedKV) -> bool:
+        """Whether a decoder that could not load `staged` may compute the prompt itself instead: a
+        sequential hop's KV (not one still running beside the call, nor KV pushed into the decoder)."""
+        return staged.pending is None and self._connector.serves_direct and not self._connector.pushes_to_decoder
+
+    def _after_kv_rejected(self, exchange: Exchange, failure: DecodeFailed, plan: Plan) -> Plan:
+        """The decoder failed to load the staged KV: it computes the prompt itself (the transfer was
+        ineffective). Not its failure, nor a retry: the decoder answered, the transfer did not work."""
+        self._metrics.kv_transfer_ineffective.inc()
+        log.warning(
+            "request %s: decoder %s could not load the staged KV (%s); it computes the prompt itself",
+            exchange.request_id,
+            plan.decoder.url,
+            failure.detail,
+        )
+        return plan.direct(KV_REJECTED)
 
     def _decode_call(self, request: ClientRequest, staged: StagedKV | None) -> DecodeCall:
         if staged is None or staged.handoff is None:
@@ -688,7 +715,7 @@ class Gateway:
             await stream.prime(deadline.at)
             primed = True
         except DecodeFailedEarly as exc:
-            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True) from None
+            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True, in_band=True) from None
         except TimeoutError:
             if deadline.learned is not None:
                 raise missed_learned_deadline(deadline.learned) from None
@@ -875,7 +902,11 @@ class Gateway:
         failure = failed_before_output(content)
         if failure is not None:
             raise DecodeFailed(
-                f"the decoder failed the request in-band: {failure}", kv_consumed=True, failure=failure, answered=True
+                f"the decoder failed the request in-band: {failure}",
+                kv_consumed=True,
+                failure=failure,
+                answered=True,
+                in_band=True,
             )
         rewrite = None if call.answer is None else call.answer.body
         content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite)

@@ -40,6 +40,8 @@ PREFILL_POOL_DOWN = "prefill_pool_down"
 PREFILL_POOL_BUSY = "prefill_pool_busy"
 BATCHED_PROMPT = "batched_prompt"
 PREFILL_FAILED = "prefill_failed"
+# The decoder could not load the staged KV, so it computes the prompt itself.
+KV_REJECTED = "kv_rejected"
 # The KV connector cannot disaggregate this request exactly (LMCache: tools, logprobs, n > 1, ...).
 CONNECTOR_UNSUPPORTED = "connector_unsupported"
 # The KV connector's decoders serve nothing alone (SGLang): every request takes the prefill hop.
