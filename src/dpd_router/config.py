@@ -227,7 +227,8 @@ class Settings(BaseSettings):
     health_healthy_threshold: int = Field(default=1, ge=1)
 
     # Passive outlier detection: this many failed calls in a row open an engine's circuit breaker;
-    # it half-opens (one trial call) after the cool-down, which doubles after each failed trial.
+    # it half-opens (one trial call at a time, unless no other engine is up) after the cool-down, which
+    # doubles after each failed trial.
     breaker_failures: int = Field(default=3, ge=1)
     breaker_cooldown: float = Field(default=5.0, gt=0)
     breaker_max_cooldown: float = Field(default=60.0, gt=0)

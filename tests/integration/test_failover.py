@@ -1,4 +1,4 @@
-"""Fail over instead of waiting: hung engines are left at learned deadlines."""
+"""Fail over instead of waiting: hung engines are left at learned deadlines, a recovering pool takes a burst."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 
 from dpd_router.sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, cluster_settings, engine_stats, metric, running_router
-from tests.integration.test_reliability import LONG, SHORT, THRESHOLD, sse_events
+from tests.integration.test_reliability import LONG, SHORT, SLOW_DECODE, THRESHOLD, sse_events, wait_until
 
 # Hang guard of each request once engines hang: far below the timeouts the settings give them, so a
 # request still waiting for a timeout fails the test.
@@ -81,3 +81,42 @@ async def test_a_hung_decoder_is_replaced_before_the_first_byte(tokenizer_dir: P
         assert all(served(answer) for answer in answers), [answer.text for answer in answers]
         assert (await engine_stats(hung))["requests_total"] > seen_before, "some went to the hung decoder"
         assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) >= 1
+
+
+async def test_a_burst_while_every_decoder_recovers_is_served_not_refused(tokenizer_dir: Path) -> None:
+    """Both decoders' breakers opened (each hung once), and both are fine again: once half-open, a
+    burst of 24 is served whole, not refused but for the one trial each breaker lets through."""
+    async with (
+        SimCluster(prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=SLOW_DECODE) as cluster,
+        running_router(
+            **cluster_settings(
+                cluster,
+                tokenizer_dir,
+                threshold=THRESHOLD,
+                breaker_failures=1,
+                breaker_cooldown=1,
+                first_token_timeout=1,
+            )
+        ) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+    ):
+        for decoder in cluster.decode_urls:
+            await client.post(f"{decoder}/sim/fault", json={"mode": "hang", "count": 1})
+        for i in range(2):  # the first hangs on one decoder and opens its breaker, the second the other's
+            timed_out = await client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}", stream=True))
+            assert timed_out.status_code == 504
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened") == 2
+
+        async def both_half_open() -> bool:
+            return await metric(base_url, "dpd_router_endpoint_circuit_open") == 0
+
+        await wait_until(both_half_open)
+        # Whole answers of 40 tokens: a trial lasts until its answer is complete.
+        burst = await asyncio.gather(
+            *(
+                client.post("/v1/chat/completions", json=chat_body(f"burst {i} {SHORT}", max_tokens=40))
+                for i in range(24)
+            )
+        )
+        assert [answer.status_code for answer in burst] == [200] * 24
+        assert all(served(answer) for answer in burst)
