@@ -391,7 +391,8 @@ class Gateway:
                 if request.stream and call.head:
                     return self._stream_after_head(exchange, plan, call, staged)
                 try:
-                    return await self._decode(exchange, plan.decoder, call, staged)
+                    replaceable = attempt < self._retries.decode_retries
+                    return await self._decode(exchange, plan.decoder, call, staged, replaceable=replaceable)
                 except PrefillFailed as exc:  # a concurrent prefill failed before the decoder's first token
                     if staged is not None:
                         abandon(staged)  # still running when the decoder failed first (a failed hand-off)
@@ -610,15 +611,17 @@ class Gateway:
         trace.uncached_tokens = plan.uncached_tokens
 
     async def _decode(
-        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
     ) -> Response:
         """The decode call, until its first token (or whole answer); while a concurrent prefill still
         runs, that prefill failing first cancels the call and raises its PrefillFailed, and a decode
         call failing while the prefill cannot be shown to have done its part is a failed hand-off,
         counted against the prefiller."""
-        answer = self._decode_answer(exchange, decoder, call, staged)
         if staged is None or staged.pending is None:
-            return await answer
+            return await self._decode_answer(exchange, decoder, call, staged, replaceable=replaceable)
+        # Its first token waits for the prefill running beside it: a slow one is that prefill's, and
+        # no learned deadline judges the decoder for it.
+        answer = self._decode_answer(exchange, decoder, call, staged, replaceable=False)
         try:
             return await unless_prefill_fails(answer, staged.pending)
         except PrefillFailed as exc:
@@ -627,12 +630,12 @@ class Gateway:
             raise
 
     async def _decode_answer(
-        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
     ) -> Response:
         request = exchange.request
         if call.answered is not None:
             return await self._answer_from_prefill(exchange, call, staged)
-        deadline = self._decode_deadline(exchange, decoder, with_kv=staged is not None)
+        deadline = self._decode_deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
         upstream = await self._open(decoder, call, exchange.request_id, deadline)
         if upstream.status_code != 200:
             return await self._engine_refusal(exchange, upstream, decoder)
@@ -642,18 +645,20 @@ class Gateway:
         exchange.done.kv_taken_by(decoder)
         return RelayedStream(stream, media_type=stream.media_type, headers=exchange.headers)
 
-    def _decode_deadline(self, exchange: Exchange, decoder: Endpoint, *, with_kv: bool) -> Deadline:
+    def _decode_deadline(self, exchange: Exchange, decoder: Endpoint, *, with_kv: bool, replaceable: bool) -> Deadline:
         """When the decoder must have answered: its first token (streams) or its whole answer.
 
         The learned deadline, where one is known and shorter than the phase's timeout, judges a
         non-streamed answer by its `max_tokens` (vLLM sends nothing before the whole answer), so a
         long answer still has the time an answer that long takes. It applies only while another
-        decoder could take the request: the only one, merely slower than usual, keeps its timeout.
+        decoder could take the request (a retry left, a decoder to take it): the last attempt, or
+        the only decoder, merely slower than usual, keeps the timeout rather than fail for nothing.
         """
         request, timeouts = exchange.request, self._timeouts
         started = asyncio.get_running_loop().time()
         tokens = exchange.trace.uncached_tokens or 0
-        if not any(other is not decoder for other in exchange.planner.pool.healthy("decode")):
+        others = exchange.planner.pool.healthy("decode")
+        if not replaceable or not any(other is not decoder for other in others):
             return Deadline(started, started + (timeouts.first_token if request.stream else timeouts.total))
         if request.stream:
             cap = timeouts.first_token
