@@ -227,7 +227,8 @@ class Settings(BaseSettings):
     health_healthy_threshold: int = Field(default=1, ge=1)
 
     # Passive outlier detection: this many failed calls in a row open an engine's circuit breaker;
-    # it half-opens (one trial call) after the cool-down, which doubles after each failed trial.
+    # it half-opens (one trial call at a time, unless no other engine is up) after the cool-down, which
+    # doubles after each failed trial.
     breaker_failures: int = Field(default=3, ge=1)
     breaker_cooldown: float = Field(default=5.0, gt=0)
     breaker_max_cooldown: float = Field(default=60.0, gt=0)
@@ -238,6 +239,14 @@ class Settings(BaseSettings):
     prefill_failure_policy: Literal["fallback", "fail"] = "fallback"
     # A decoder that fails before the first byte reaches the client is replaced this many times.
     decode_retries: int = Field(default=1, ge=0)
+    # Learned deadlines (deadlines.py): a prefill hop, a decoder's first token or a non-streamed answer
+    # taking hop_deadline_factor times what recent ones of its size took (at least hop_deadline_floor
+    # seconds; the phase's timeout at most) is abandoned: the prefill for another prefiller or the
+    # decoder alone, a decoder that the client has no byte from yet for another decoder. Until
+    # hop_deadline_samples hops of a kind are learned, the timeouts alone apply; factor 0 turns it off.
+    hop_deadline_factor: float = Field(default=4.0, ge=0)
+    hop_deadline_floor: float = Field(default=2.0, gt=0)
+    hop_deadline_samples: int = Field(default=20, ge=1)
 
     # Admission control: at most max_in_flight requests are served at once (0: no cap); up to
     # max_queued more wait at most queue_timeout seconds; beyond that, 503 with Retry-After. The

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.config import Settings
 from dpd_router.context_window import check_context_length, prompt_too_long
+from dpd_router.deadlines import DeadlinePolicy, HopDeadlines
 from dpd_router.errors import (
     PrefillFailed,
     PrefillUnavailable,
@@ -44,7 +45,7 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.models import ServedModel
 from dpd_router.relay import DecodeFailedEarly, EventStream, error_event, failed_before_output, relay_body
 from dpd_router.request import ClientRequest
-from dpd_router.routing.planner import PREFILL_FAILED, Plan, Planner
+from dpd_router.routing.planner import KV_REJECTED, PREFILL_FAILED, Plan, Planner
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import ENGINE_PATHS as ENGINE_PATHS  # the engine API paths, by request kind
 from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
@@ -74,6 +75,8 @@ class PhaseTimeouts:
     first_token: float = 120.0
     idle: float = 120.0
     total: float = 600.0
+    # Shorter, learned bounds on the prefill hop and on a decoder's first byte (deadlines.py).
+    learned: DeadlinePolicy = field(default_factory=DeadlinePolicy)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PhaseTimeouts:
@@ -83,7 +86,18 @@ class PhaseTimeouts:
             first_token=settings.first_token_timeout,
             idle=settings.idle_timeout,
             total=settings.request_timeout,
+            learned=DeadlinePolicy.from_settings(settings),
         )
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a decode call must have answered (a loop time), and whether that is a learned deadline
+    (missed: the decoder is replaced) or the phase's timeout (missed: the client gets 504)."""
+
+    started: float
+    at: float
+    learned: float | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,9 @@ class DecodeFailed(Exception):
     prefill's failure may explain it.
     """
 
-    def __init__(self, detail: str, *, kv_consumed: bool, failure: str, answered: bool = False) -> None:
+    def __init__(
+        self, detail: str, *, kv_consumed: bool, failure: str, answered: bool = False, in_band: bool = False
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         # Whether the decoder may have used (and so released) the staged KV: then it must be staged again.
@@ -115,6 +131,9 @@ class DecodeFailed(Exception):
         # The decoder answered with an error (a 5xx, or an error in-band before any output), which the
         # request itself may have caused; else it failed to answer (connection, stream broken).
         self.answered = answered
+        # The error came in the answer, before any output: on a call carrying staged KV, the decoder
+        # could not load it (vLLM ends such a request with finish_reason "error").
+        self.in_band = in_band
 
 
 # Prefill failures in which the prefiller answered, with an error the request itself may have caused.
@@ -171,6 +190,8 @@ class Exchange:
     done: Completion
     # The router asked the stream for a usage chunk the client did not: drop it before the client.
     strip_usage: bool
+    # What this pool's hops have been taking: the learned deadlines of this request's hops.
+    deadlines: HopDeadlines
     prefill_judge: FailureJudge = field(default_factory=FailureJudge)
     decode_judge: FailureJudge = field(default_factory=FailureJudge)
 
@@ -207,6 +228,8 @@ class Gateway:
         self._retries = retries
         # Prefill calls whose client left, given a moment to answer so that what they staged is released.
         self._orphaned_prefills: set[asyncio.Task[None]] = set()
+        # One per pool, as planners: a tenant's engines may be faster or slower than the shared ones.
+        self._deadlines = {tenant: HopDeadlines() for tenant in planners}
 
     def reconfigure(self, timeouts: PhaseTimeouts, retries: RetryPolicy) -> None:
         """Apply live timeout and retry settings to the requests that start from now on."""
@@ -220,6 +243,9 @@ class Gateway:
     def planner_for(self, tenant: str | None) -> Planner:
         """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
         return self._planners.get(tenant) or self._planners[None]
+
+    def deadlines_for(self, tenant: str | None) -> HopDeadlines:
+        return self._deadlines.get(tenant) or self._deadlines[None]
 
     def tokenizer_for(self, tenant: str | None) -> TokenCounter:
         """Without a local tokenizer, a tenant's prompts are counted by its own engines too."""
@@ -283,7 +309,16 @@ class Gateway:
             trace.decoder_queue = plan.decoder_queue
             trace.prefiller_queue = plan.prefiller_queue
             phase = "serve"
-            exchange = Exchange(request, prompt, planner, request_id, trace, done, ask_for_usage(request))
+            exchange = Exchange(
+                request,
+                prompt,
+                planner,
+                request_id,
+                trace,
+                done,
+                ask_for_usage(request),
+                self.deadlines_for(principal.tenant),
+            )
             done.defer(exchange.prefill_judge.close)
             done.defer(exchange.decode_judge.close)
             return await self._serve(exchange, plan)
@@ -363,7 +398,8 @@ class Gateway:
                 if request.stream and call.head:
                     return self._stream_after_head(exchange, plan, call, staged)
                 try:
-                    return await self._decode(exchange, plan.decoder, call, staged)
+                    replaceable = attempt < self._retries.decode_retries
+                    return await self._decode(exchange, plan.decoder, call, staged, replaceable=replaceable)
                 except PrefillFailed as exc:  # a concurrent prefill failed before the decoder's first token
                     if staged is not None:
                         abandon(staged)  # still running when the decoder failed first (a failed hand-off)
@@ -371,6 +407,11 @@ class Gateway:
                     trace.prefill_overlaps_decode = False  # what follows starts after it
                     plan = self._after_prefill_failure(exchange, exc, plan, prefillers_tried)
                 except DecodeFailed as exc:
+                    if staged is not None and exc.in_band and self._decodes_alone(staged):
+                        abandon(staged)
+                        staged = None
+                        plan = self._after_kv_rejected(exchange, exc, plan)
+                        continue
                     exchange.decode_judge.failed(plan.decoder, exc.failure, answered=exc.answered)
                     tried.append(plan.decoder)
                     log.warning(
@@ -404,6 +445,23 @@ class Gateway:
         release = plan.decoder.queue_prefill(plan.uncached_tokens)
         trace.on_first_token = release
         exchange.done.defer(release)
+
+    def _decodes_alone(self, staged: StagedKV) -> bool:
+        """Whether a decoder that could not load `staged` may compute the prompt itself instead: a
+        sequential hop's KV (not one still running beside the call, nor KV pushed into the decoder)."""
+        return staged.pending is None and self._connector.serves_direct and not self._connector.pushes_to_decoder
+
+    def _after_kv_rejected(self, exchange: Exchange, failure: DecodeFailed, plan: Plan) -> Plan:
+        """The decoder failed to load the staged KV: it computes the prompt itself (the transfer was
+        ineffective). Not its failure, nor a retry: the decoder answered, the transfer did not work."""
+        self._metrics.kv_transfer_ineffective.inc()
+        log.warning(
+            "request %s: decoder %s could not load the staged KV (%s); it computes the prompt itself",
+            exchange.request_id,
+            plan.decoder.url,
+            failure.detail,
+        )
+        return plan.direct(KV_REJECTED)
 
     def _decode_call(self, request: ClientRequest, staged: StagedKV | None) -> DecodeCall:
         if staged is None or staged.handoff is None:
@@ -451,7 +509,7 @@ class Gateway:
             handoff = self._connector.handoff(
                 exchange.request, exchange.prompt, plan.prefiller, plan.decoder, request_id
             )
-            hop = self._prefill(handoff, trace, exchange.prefill_judge)
+            hop = self._prefill(handoff, exchange)
             if self._connector.concurrent:
                 trace.prefill_overlaps_decode = True
                 pending = asyncio.create_task(hop, name=f"prefill {request_id}")
@@ -516,22 +574,53 @@ class Gateway:
         elif trace.first_token_at is not None:
             log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)
 
-    async def _prefill(self, handoff: Handoff, trace: RequestTrace, judge: FailureJudge) -> StagedKV:
+    def _prefill_deadline(self, exchange: Exchange, prefiller: Endpoint) -> float | None:
+        """The learned deadline of this request's prefill hop (None: prefill_timeout alone applies).
+
+        Only where an abandoned hop has somewhere to go (the decoder alone, or another prefiller):
+        else a prefiller merely slower than usual would fail requests it would have served. And not
+        for a concurrent connector, whose prefill call lasts as long as its decoder takes to fetch
+        the KV, however long other prefills took.
+        """
+        if self._connector.concurrent:
+            return None
+        falls_back = self._retries.prefill_failure_policy == "fallback" and self._connector.serves_direct
+        if not falls_back and not any(other is not prefiller for other in exchange.planner.pool.healthy("prefill")):
+            return None
+        tokens = exchange.trace.uncached_tokens or 0
+        timeouts = self._timeouts
+        return exchange.deadlines.deadline("prefill", (tokens,), timeouts.learned, timeouts.prefill)
+
+    async def _prefill(self, handoff: Handoff, exchange: Exchange) -> StagedKV:
+        """One prefill hop. One past its learned deadline, far longer than prefills of its size have
+        been taking, is abandoned as "slow"; the caller retries it elsewhere or falls back, so a
+        request waits at most (1 + prefill_retries) learned deadlines for hung prefillers."""
+        trace, judge = exchange.trace, exchange.prefill_judge
         prefiller = handoff.prefiller
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
+        tokens = trace.uncached_tokens or 0
+        learned = self._prefill_deadline(exchange, prefiller)
+        limit = self._timeouts.prefill if learned is None else learned
         prefiller.start()
-        dequeue = prefiller.queue_prefill(trace.uncached_tokens or 0)
+        dequeue = prefiller.queue_prefill(tokens)
         outcome = "ok"
         try:
-            async with asyncio.timeout(self._timeouts.prefill):
+            async with asyncio.timeout(limit):
                 staged = await self._connector.stage(handoff)
             judge.succeeded(prefiller)
+            exchange.deadlines.learn("prefill", (tokens,), time.perf_counter() - started)
             return staged
         except TimeoutError:
-            outcome = "timeout"
-            prefiller.record_failure("prefill timed out")
-            raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {self._timeouts.prefill:g} s") from None
+            # No answer in time is the engine's failure whatever the request: it counts at once.
+            if learned is None:
+                outcome = "timeout"
+                prefiller.record_failure("prefill timed out")
+                raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {limit:g} s") from None
+            outcome = "slow"
+            prefiller.record_failure("prefill far slower than learned")
+            detail = f"{prefiller.url}: no answer within its learned deadline of {limit:.3g} s"
+            raise PrefillFailed("slow", detail) from None
         except PrefillFailed as exc:
             outcome = exc.reason
             if exc.reason != "status_4xx":
@@ -553,15 +642,17 @@ class Gateway:
         trace.uncached_tokens = plan.uncached_tokens
 
     async def _decode(
-        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
     ) -> Response:
         """The decode call, until its first token (or whole answer); while a concurrent prefill still
         runs, that prefill failing first cancels the call and raises its PrefillFailed, and a decode
         call failing while the prefill cannot be shown to have done its part is a failed hand-off,
         counted against the prefiller."""
-        answer = self._decode_answer(exchange, decoder, call, staged)
         if staged is None or staged.pending is None:
-            return await answer
+            return await self._decode_answer(exchange, decoder, call, staged, replaceable=replaceable)
+        # Its first token waits for the prefill running beside it: a slow one is that prefill's, and
+        # no learned deadline judges the decoder for it.
+        answer = self._decode_answer(exchange, decoder, call, staged, replaceable=False)
         try:
             return await unless_prefill_fails(answer, staged.pending)
         except PrefillFailed as exc:
@@ -570,13 +661,12 @@ class Gateway:
             raise
 
     async def _decode_answer(
-        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
     ) -> Response:
         request = exchange.request
         if call.answered is not None:
             return await self._answer_from_prefill(exchange, call, staged)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self._timeouts.first_token if request.stream else self._timeouts.total)
+        deadline = self._decode_deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
         exchange.done.kv_sent_to(decoder)
         upstream = await self._open(decoder, call, exchange.request_id, deadline)
         if upstream.status_code != 200:
@@ -587,6 +677,60 @@ class Gateway:
         exchange.done.kv_taken_by(decoder)
         return RelayedStream(stream, media_type=stream.media_type, headers=exchange.headers)
 
+    def _decode_deadline(self, exchange: Exchange, decoder: Endpoint, *, with_kv: bool, replaceable: bool) -> Deadline:
+        """When the decoder must have answered: its first token (streams) or its whole answer.
+
+        The learned deadline, where one is known and shorter than the phase's timeout, judges a
+        non-streamed answer by its `max_tokens` (vLLM sends nothing before the whole answer), so a
+        long answer still has the time an answer that long takes. It applies only while another
+        decoder could take the request (a retry left, a decoder to take it): the last attempt, or
+        the only decoder, merely slower than usual, keeps the timeout rather than fail for nothing.
+        """
+        request, timeouts = exchange.request, self._timeouts
+        started = asyncio.get_running_loop().time()
+        tokens = exchange.trace.uncached_tokens or 0
+        others = exchange.planner.pool.healthy("decode")
+        if not replaceable or not any(other is not decoder for other in others):
+            return Deadline(started, started + (timeouts.first_token if request.stream else timeouts.total))
+        if request.stream:
+            cap = timeouts.first_token
+            learned = exchange.deadlines.deadline("first_token", (tokens,), timeouts.learned, cap, with_kv=with_kv)
+        else:
+            cap = timeouts.total
+            output = self._most_output(exchange)
+            learned = (
+                None
+                if output is None
+                else exchange.deadlines.deadline("answer", (tokens, output), timeouts.learned, cap, with_kv=with_kv)
+            )
+        return Deadline(started, started + (cap if learned is None else learned), learned)
+
+    def _most_output(self, exchange: Exchange) -> int | None:
+        """The most output tokens the answer may have (None: not known, so no learned deadline)."""
+        body, prompt = exchange.request.body, exchange.prompt
+        limit = body.get("max_completion_tokens")
+        if not isinstance(limit, int):
+            limit = body.get("max_tokens")
+        if not isinstance(limit, int):
+            # Unset, vLLM lets the answer run to the end of the context window.
+            if self._model.max_model_len is None:
+                return None
+            limit = self._model.max_model_len - prompt.num_tokens
+        choices = body.get("n")
+        sequences = (choices if isinstance(choices, int) and choices > 1 else 1) * exchange.request.batch_size
+        return max(limit, 1) * sequences
+
+    def _learn_decode(self, exchange: Exchange, deadline: Deadline, staged: StagedKV | None) -> None:
+        """Learn from a decoder that answered in time: its first token, or its whole answer."""
+        seconds = asyncio.get_running_loop().time() - deadline.started
+        tokens = exchange.trace.uncached_tokens or 0
+        with_kv = staged is not None
+        if exchange.request.stream:
+            exchange.deadlines.learn("first_token", (tokens,), seconds, with_kv=with_kv)
+        elif exchange.trace.completion_tokens is not None:
+            size = (tokens, exchange.trace.completion_tokens)
+            exchange.deadlines.learn("answer", size, seconds, with_kv=with_kv)
+
     async def _primed_stream(
         self,
         exchange: Exchange,
@@ -594,7 +738,7 @@ class Gateway:
         decoder: Endpoint,
         staged: StagedKV | None,
         call: DecodeCall,
-        deadline: float,
+        deadline: Deadline,
     ) -> EventStream:
         """The decoder's stream, read up to its first token (so a failing decoder can still be replaced)."""
         stream = self._event_stream(exchange, upstream, call, staged)
@@ -605,11 +749,13 @@ class Gateway:
             )
         primed = False
         try:
-            await stream.prime(deadline)
+            await stream.prime(deadline.at)
             primed = True
         except DecodeFailedEarly as exc:
-            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True) from None
+            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True, in_band=True) from None
         except TimeoutError:
+            if deadline.learned is not None:
+                raise missed_learned_deadline(deadline.learned) from None
             decoder.record_failure("no first token in time")
             raise UpstreamTimeout(f"The decoder produced no token within {self._timeouts.first_token:g} s.") from None
         except httpx.HTTPError as exc:
@@ -619,6 +765,7 @@ class Gateway:
             if not primed:
                 await stream.discard()  # not handed to the client: close it here, whatever happened
         exchange.decode_judge.succeeded(decoder)
+        self._learn_decode(exchange, deadline, staged)
         return stream
 
     async def _answer_from_prefill(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> Response:
@@ -711,7 +858,9 @@ class Gateway:
             decoder = plan.decoder
             done.hold(decoder)
             trace.decoder = decoder.url
-            deadline = asyncio.get_running_loop().time() + self._timeouts.first_token
+            now = asyncio.get_running_loop().time()
+            # The client already has the head: the continuation keeps the phase's timeout.
+            deadline = Deadline(now, now + self._timeouts.first_token)
             try:
                 upstream = await self._open(decoder, call, request_id, deadline)
                 if upstream.status_code != 200:
@@ -737,7 +886,7 @@ class Gateway:
         detail = f"{decoder.url} answered {upstream.status_code}: {content[:300].decode(errors='replace')}"
         raise UpstreamError(f"The decoder refused the continuation: {detail}")
 
-    async def _open(self, decoder: Endpoint, call: DecodeCall, request_id: str, deadline: float) -> httpx.Response:
+    async def _open(self, decoder: Endpoint, call: DecodeCall, request_id: str, deadline: Deadline) -> httpx.Response:
         """Send the decode call and wait for its status line (reads are timed by the caller)."""
         outgoing = self._client.build_request(
             "POST",
@@ -747,9 +896,11 @@ class Gateway:
             timeout=httpx.Timeout(None, connect=self._timeouts.connect, pool=self._timeouts.connect),
         )
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline.at):
                 return await self._client.send(outgoing, stream=True)
         except TimeoutError:
+            if deadline.learned is not None:
+                raise missed_learned_deadline(deadline.learned) from None
             decoder.record_failure("timeout")
             raise UpstreamTimeout("The decoder did not answer in time.") from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -768,12 +919,14 @@ class Gateway:
         decoder: Endpoint,
         staged: StagedKV | None,
         call: DecodeCall,
-        deadline: float,
+        deadline: Deadline,
     ) -> Response:
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline.at):
                 content = await upstream.aread()
         except TimeoutError:
+            if deadline.learned is not None:
+                raise missed_learned_deadline(deadline.learned) from None
             decoder.record_failure("timeout")
             raise UpstreamTimeout(f"The decoder did not finish within {self._timeouts.total:g} s.") from None
         except httpx.HTTPError as exc:
@@ -786,11 +939,16 @@ class Gateway:
         failure = failed_before_output(content)
         if failure is not None:
             raise DecodeFailed(
-                f"the decoder failed the request in-band: {failure}", kv_consumed=True, failure=failure, answered=True
+                f"the decoder failed the request in-band: {failure}",
+                kv_consumed=True,
+                failure=failure,
+                answered=True,
+                in_band=True,
             )
         rewrite = None if call.answer is None else call.answer.body
         content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite)
         exchange.decode_judge.succeeded(decoder)
+        self._learn_decode(exchange, deadline, staged)
         exchange.done()
         return Response(content, media_type="application/json", headers=exchange.headers)
 
@@ -802,6 +960,14 @@ class Gateway:
         exchange.done()
         media_type = upstream.headers.get("content-type", "application/json")
         return Response(content, status_code=status, media_type=media_type, headers=exchange.headers)
+
+
+def missed_learned_deadline(seconds: float) -> DecodeFailed:
+    """A decoder silent far longer than decoders have been for calls of this size: not an answer,
+    so it counts against the decoder at once, and another decoder takes the request. It may have
+    begun pulling the staged KV, so that is staged again for the next one."""
+    detail = f"no answer within its learned deadline of {seconds:.3g} s"
+    return DecodeFailed(detail, kv_consumed=True, failure="timeout")
 
 
 async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:

@@ -103,7 +103,8 @@ class RouterMetrics:
         self.kv_transfer_ineffective = Counter(
             f"{PREFIX}_kv_transfer_ineffective",
             "Disaggregated requests whose decoder recomputed the prompt anyway (it reported far fewer cached "
-            "prompt tokens than the prefiller staged): a KV connector misconfiguration.",
+            "prompt tokens than the prefiller staged, or could not load the KV and was asked to compute the "
+            "prompt): a KV connector misconfiguration.",
             registry=r,
         )
         self.kv_released = Counter(

@@ -129,25 +129,32 @@ async def test_prefill_failure_policy_fail_answers_503(tokenizer_dir: Path) -> N
         assert (await engine_stats(cluster.decode_urls[0]))["requests_total"] == 0
 
 
-async def test_a_kv_load_failure_on_the_decoder_is_retried_with_fresh_kv(tokenizer_dir: Path) -> None:
+async def test_a_decoder_that_cannot_load_the_kv_computes_the_prompt_itself(tokenizer_dir: Path) -> None:
+    """The decoder rejects every transferred KV (in-band, finish_reason "error"): staging it again would
+    be rejected again, so the decode call is sent without kv_transfer_params, counted as ineffective."""
     async with (
         SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
+        await client.post(f"{cluster.decode_urls[0]}/sim/fault", json={"mode": "reject_kv"})
         for stream in (True, False):
             request_id = f"kvfail-{uuid.uuid4().hex[:8]}"
-            await client.post(f"{cluster.decode_urls[0]}/sim/fault", json={"mode": "reject_kv", "count": 1})
             answer = await client.post(
                 "/v1/chat/completions",
                 json=chat_body(LONG, stream=stream),
                 headers={"X-Request-Id": request_id},
             )
-            assert answer.status_code == 200
+            assert answer.status_code == 200, answer.text
             assert b'"error"' not in answer.content
-            kinds = [e["kind"] for e in await requests_seen(cluster.prefill_urls[0], request_id)]
-            assert kinds == ["remote_prefill", "remote_prefill"], "the KV was staged again for the retry"
-        assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 2
+            staged = [e["kind"] for e in await requests_seen(cluster.prefill_urls[0], request_id)]
+            assert staged == ["remote_prefill"], "staged once, not again for a decoder that rejects it"
+            decoded = [e["kind"] for e in await requests_seen(cluster.decode_urls[0], request_id)]
+            assert decoded == ["kv_decode", "local"]
+        assert await metric(base_url, "dpd_router_kv_transfer_ineffective_total") == 2
+        assert await metric(base_url, "dpd_router_route_decisions_total", {"reason": "kv_rejected"}) == 2
+        assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 0
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened") == 0
 
 
 class RefusesFirstConnects(httpx.AsyncBaseTransport):

@@ -1,7 +1,8 @@
 """Per-endpoint circuit breaker: passive outlier detection from the request path.
 
 closed -> (consecutive failures) -> open -> (cool-down) -> half-open -> (a trial succeeds) -> closed,
-or back to open with a longer cool-down when the trial fails. Half-open lets one call through at a time.
+or back to open with a longer cool-down when the trial fails. Half-open lets one call through at a time
+(when no engine of its role is up, `Pool.recovering` sends it the calls that would be refused).
 """
 
 from __future__ import annotations

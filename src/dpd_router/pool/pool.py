@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dpd_router.pool.breaker import BreakerPolicy, CircuitBreaker
+from dpd_router.pool.breaker import HALF_OPEN, BreakerPolicy, CircuitBreaker
 from dpd_router.pool.endpoint import Endpoint, Role
 
 
@@ -67,6 +67,21 @@ class Pool:
     def healthy(self, role: Role) -> list[Endpoint]:
         """The endpoints of `role` that may take new calls now (probes pass, breaker not open, not draining)."""
         return [endpoint for endpoint in self.members(role) if endpoint.available]
+
+    def recovering(self, role: Role) -> list[Endpoint]:
+        """When no endpoint of `role` is available: those whose breaker is half-open with its trial
+        call still running (probes passing, not draining).
+
+        A half-open breaker lets one trial through at a time so that a healthy pool sends a
+        recovering engine a trickle. With nothing else up, refusing a burst because one call is
+        on trial would turn away requests an engine can take: they go to the recovering engines,
+        whose first failure opens the breaker again (and a hung one misses its learned deadline).
+        """
+        return [
+            endpoint
+            for endpoint in self.members(role)
+            if endpoint.healthy and not endpoint.draining and endpoint.breaker.state == HALF_OPEN
+        ]
 
     def last_resort(self, role: Role) -> list[Endpoint]:
         """When no endpoint of `role` is available: those failing nothing but their health probes.

@@ -40,6 +40,8 @@ PREFILL_POOL_DOWN = "prefill_pool_down"
 PREFILL_POOL_BUSY = "prefill_pool_busy"
 BATCHED_PROMPT = "batched_prompt"
 PREFILL_FAILED = "prefill_failed"
+# The decoder could not load the staged KV, so it computes the prompt itself.
+KV_REJECTED = "kv_rejected"
 # The KV connector cannot disaggregate this request exactly (LMCache: tools, logprobs, n > 1, ...).
 CONNECTOR_UNSUPPORTED = "connector_unsupported"
 # The KV connector's decoders serve nothing alone (SGLang): every request takes the prefill hop.
@@ -175,10 +177,11 @@ class Planner:
         self, role: Role, prompt: Prompt, *, exclude: Collection[Endpoint], session_key: str | None = None
     ) -> Endpoint | None:
         """Another endpoint of `role` for a retry, chosen by the same strategy; None if none is left.
-        Decoders failing only their probes count when none passes them, as in choose_decoder."""
+        With no decoder available, recovering ones count, then those failing only their probes, as in
+        choose_decoder."""
         healthy = self.pool.healthy(role)
         if role == "decode" and not healthy:
-            healthy = self.pool.last_resort(role)
+            healthy = self.pool.recovering(role) or self.pool.last_resort(role)
         candidates = [endpoint for endpoint in healthy if endpoint not in exclude]
         if not candidates:
             return None
@@ -186,7 +189,8 @@ class Planner:
         return strategy.select(candidates, RoutingRequest(prompt, session_key=session_key))
 
     def choose_decoder(self, request: RoutingRequest) -> Endpoint:
-        decoders = self.pool.healthy("decode") or self.pool.last_resort("decode")
+        pool = self.pool
+        decoders = pool.healthy("decode") or pool.recovering("decode") or pool.last_resort("decode")
         if not decoders:
             raise NoHealthyDecoder("No decoder is available to serve this request; try again shortly.")
         return self.decode_strategy.select(decoders, request)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dpd_router.pool.breaker import CLOSED, HALF_OPEN, OPEN, BreakerPolicy, CircuitBreaker
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.pool import Pool
 
 
 class Clock:
@@ -83,3 +84,21 @@ def test_endpoint_is_available_only_when_probes_pass_and_breaker_allows() -> Non
     assert not endpoint.available, "needs two passing probes"
     endpoint.record_probe(True, None, unhealthy_after=2, healthy_after=2)
     assert endpoint.available
+
+
+def test_with_every_decoder_on_trial_the_recovering_ones_take_calls_else_only_healthy_ones_do() -> None:
+    clock = Clock()
+    pool = Pool([], ["http://d1", "http://d2"], breaker=BreakerPolicy(failures=1, cooldown=5.0))
+    first, second = pool.decoders
+    for endpoint in (first, second):
+        endpoint.breaker.clock = clock
+        endpoint.record_failure("timeout")
+    clock.now += 5.0
+    first.start()
+    second.start()  # each breaker's one trial is running
+    assert pool.healthy("decode") == []
+    assert pool.recovering("decode") == [first, second]
+    first.finish()
+    first.record_success()
+    assert pool.healthy("decode") == [first]
+    assert pool.recovering("decode") == [second], "the planner asks for these only when none is healthy"

@@ -1,0 +1,109 @@
+"""Learned deadlines: how long a hop may take, judged by how long hops of its size have been taking.
+
+A fixed timeout must allow for the longest legitimate call (minutes), so a hung engine holds every
+request sent to it that long. A hop's learned deadline is `factor` times the time recent hops of
+its size took (never below `floor`), capped by the fixed timeout; a hop past it is abandoned for
+another engine, or for the decoder alone, long before the fixed timeout. Until `samples` hops of a
+kind have completed, the fixed timeout alone applies.
+
+What a hop's size is, per kind of hop:
+- a prefill hop: its uncached prompt tokens;
+- a decode call's first token (streams): its uncached prompt tokens, learned apart for calls that
+  carry staged KV (the decoder pulls it) and calls that compute the prompt (a prompt the decoder
+  computes costs far more a token than one whose KV it pulls);
+- a whole non-streamed answer: its uncached prompt tokens and its output tokens. vLLM sends the
+  status line of a non-streamed answer only once the whole answer is ready, so that wait grows
+  with the output; an answer in progress is judged by its `max_tokens`, the most it may produce.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from dpd_router.config import Settings
+
+# Completed hops each estimate is drawn from: enough for the median to shrug off a few odd ones,
+# few enough to follow the engines when their load changes.
+WINDOW = 64
+
+HopKind = Literal["prefill", "first_token", "answer"]
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """How far past its expected time a hop may run; `factor` 0 turns learned deadlines off."""
+
+    factor: float = 4.0
+    floor: float = 2.0
+    samples: int = 20
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DeadlinePolicy:
+        return cls(settings.hop_deadline_factor, settings.hop_deadline_floor, settings.hop_deadline_samples)
+
+
+class CostBound:
+    """The expected seconds of a hop of a given size, from the recent completed hops of its kind.
+
+    Each completed hop (size s_i, seconds t_i) bounds a hop of size S from above by
+    t_i * max(1, S_j / s_ij over the size's dimensions): if a hop costs a fixed overhead plus a
+    cost per unit of each dimension, scaling every part by that factor covers the new hop. The
+    estimate is the median of these bounds, so a few hops slowed by something else do not move it.
+    Scaling the overhead along errs long for hops larger than those seen, never short.
+    """
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._seen: deque[tuple[tuple[int, ...], float]] = deque(maxlen=window)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def learn(self, size: Sequence[int], seconds: float) -> None:
+        if seconds >= 0:
+            self._seen.append((tuple(max(part, 1) for part in size), seconds))
+
+    def expected(self, size: Sequence[int]) -> float | None:
+        """The expected seconds of a hop of `size`; None before any hop was learned."""
+        if not self._seen:
+            return None
+        wanted = [max(part, 1) for part in size]
+        return statistics.median(
+            seconds * max(1.0, *(want / have for want, have in zip(wanted, seen, strict=True)))
+            for seen, seconds in self._seen
+        )
+
+
+class HopDeadlines:
+    """The learned deadlines of one pool's hops, by kind (decode hops also by whether they carry KV)."""
+
+    def __init__(self) -> None:
+        self._bounds: dict[tuple[HopKind, bool], CostBound] = {}
+
+    def learn(self, kind: HopKind, size: Sequence[int], seconds: float, *, with_kv: bool = False) -> None:
+        self._bound(kind, with_kv).learn(size, seconds)
+
+    def deadline(
+        self, kind: HopKind, size: Sequence[int], policy: DeadlinePolicy, cap: float, *, with_kv: bool = False
+    ) -> float | None:
+        """Seconds a hop of `size` may take before it is abandoned, when that is below `cap`; None
+        while too few hops are learned (or learned deadlines are off): then `cap` alone applies."""
+        bound = self._bound(kind, with_kv)
+        if policy.factor <= 0 or len(bound) < policy.samples:
+            return None
+        expected = bound.expected(size)
+        if expected is None:
+            return None
+        seconds = max(policy.floor, policy.factor * expected)
+        return seconds if seconds < cap else None
+
+    def _bound(self, kind: HopKind, with_kv: bool) -> CostBound:
+        key = (kind, with_kv)
+        bound = self._bounds.get(key)
+        if bound is None:
+            bound = self._bounds[key] = CostBound()
+        return bound
