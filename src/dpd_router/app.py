@@ -237,6 +237,7 @@ class Router:
         await cancel_and_wait(task for task in (self._maintenance, self._scraping) if task is not None)
         if self.kv_events is not None:
             await self.kv_events.close()
+        await self.gateway.close()
         if self.connector is not None:
             await self.connector.close()
         for tokenizer in {id(tokenizer): tokenizer for tokenizer in self.tokenizers.values()}.values():

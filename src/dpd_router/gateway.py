@@ -46,6 +46,7 @@ from dpd_router.pool.models import ServedModel
 from dpd_router.relay import DecodeFailedEarly, EventStream, error_event, failed_before_output, relay_body
 from dpd_router.request import ClientRequest
 from dpd_router.routing.planner import KV_REJECTED, PREFILL_FAILED, Plan, Planner
+from dpd_router.tasks import cancel_and_wait
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import ENGINE_PATHS as ENGINE_PATHS  # the engine API paths, by request kind
 from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
@@ -230,6 +231,10 @@ class Gateway:
         self._orphaned_prefills: set[asyncio.Task[None]] = set()
         # One per pool, as planners: a tenant's engines may be faster or slower than the shared ones.
         self._deadlines = {tenant: HopDeadlines() for tenant in planners}
+
+    async def close(self) -> None:
+        """Stop prefill calls whose clients left (before the connector that would release their KV closes)."""
+        await cancel_and_wait(self._orphaned_prefills)
 
     def reconfigure(self, timeouts: PhaseTimeouts, retries: RetryPolicy) -> None:
         """Apply live timeout and retry settings to the requests that start from now on."""
@@ -509,7 +514,7 @@ class Gateway:
             handoff = self._connector.handoff(
                 exchange.request, exchange.prompt, plan.prefiller, plan.decoder, request_id
             )
-            hop = self._prefill(handoff, exchange)
+            hop = self._prefill(handoff, exchange, tried)
             if self._connector.concurrent:
                 trace.prefill_overlaps_decode = True
                 pending = asyncio.create_task(hop, name=f"prefill {request_id}")
@@ -574,24 +579,29 @@ class Gateway:
         elif trace.first_token_at is not None:
             log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)
 
-    def _prefill_deadline(self, exchange: Exchange, prefiller: Endpoint) -> float | None:
+    def _prefill_deadline(
+        self, exchange: Exchange, prefiller: Endpoint, tried: list[Endpoint], queued_ahead: int
+    ) -> float | None:
         """The learned deadline of this request's prefill hop (None: prefill_timeout alone applies).
 
-        Only where an abandoned hop has somewhere to go (the decoder alone, or another prefiller):
-        else a prefiller merely slower than usual would fail requests it would have served. And not
+        Only where an abandoned hop has somewhere to go (the decoder alone, or another prefiller not
+        tried yet): else a prefiller merely slower than usual would fail requests it would have served.
+        A hop is judged as if the prefiller cached none of the prompt, behind the prompt tokens this
+        router has queued there already, so a cold prompt or a burst is not taken for a hang. And not
         for a concurrent connector, whose prefill call lasts as long as its decoder takes to fetch
         the KV, however long other prefills took.
         """
         if self._connector.concurrent:
             return None
         falls_back = self._retries.prefill_failure_policy == "fallback" and self._connector.serves_direct
-        if not falls_back and not any(other is not prefiller for other in exchange.planner.pool.healthy("prefill")):
+        untried = [other for other in exchange.planner.pool.healthy("prefill") if other not in (*tried, prefiller)]
+        if not falls_back and not (untried and len(tried) < self._retries.prefill_retries):
             return None
-        tokens = exchange.trace.uncached_tokens or 0
         timeouts = self._timeouts
-        return exchange.deadlines.deadline("prefill", (tokens,), timeouts.learned, timeouts.prefill)
+        size = (queued_ahead + exchange.prompt.num_tokens,)  # the worst case: the prefiller caches nothing
+        return exchange.deadlines.deadline("prefill", size, timeouts.learned, timeouts.prefill)
 
-    async def _prefill(self, handoff: Handoff, exchange: Exchange) -> StagedKV:
+    async def _prefill(self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint]) -> StagedKV:
         """One prefill hop. One past its learned deadline, far longer than prefills of its size have
         been taking, is abandoned as "slow"; the caller retries it elsewhere or falls back, so a
         request waits at most (1 + prefill_retries) learned deadlines for hung prefillers."""
@@ -600,7 +610,8 @@ class Gateway:
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
         tokens = trace.uncached_tokens or 0
-        learned = self._prefill_deadline(exchange, prefiller)
+        queued_ahead = prefiller.queued_tokens
+        learned = self._prefill_deadline(exchange, prefiller, tried, queued_ahead)
         limit = self._timeouts.prefill if learned is None else learned
         prefiller.start()
         dequeue = prefiller.queue_prefill(tokens)
@@ -609,14 +620,18 @@ class Gateway:
             async with asyncio.timeout(limit):
                 staged = await self._connector.stage(handoff)
             judge.succeeded(prefiller)
-            exchange.deadlines.learn("prefill", (tokens,), time.perf_counter() - started)
+            # Learned by what the prefiller computed: a prefix-cache hit's speed would make cold prompts look hung.
+            computed = (staged.prompt_tokens or exchange.prompt.num_tokens) - staged.cached_tokens
+            exchange.deadlines.learn("prefill", (queued_ahead + max(computed, 1),), time.perf_counter() - started)
             return staged
         except TimeoutError:
-            # No answer in time is the engine's failure whatever the request: it counts at once.
             if learned is None:
+                # No answer within the fixed timeout is the engine's failure whatever the request.
                 outcome = "timeout"
                 prefiller.record_failure("prefill timed out")
                 raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {limit:g} s") from None
+            # Far slower than the worst case of its size, queue included: taken for a hang, which
+            # must open the breaker of an engine that hangs while it passes its health probes.
             outcome = "slow"
             prefiller.record_failure("prefill far slower than learned")
             detail = f"{prefiller.url}: no answer within its learned deadline of {limit:.3g} s"
@@ -688,7 +703,9 @@ class Gateway:
         """
         request, timeouts = exchange.request, self._timeouts
         started = asyncio.get_running_loop().time()
-        tokens = exchange.trace.uncached_tokens or 0
+        # Judged as if the decoder held none of the prompt it is to compute (it may have evicted what
+        # the router believes it caches); learned by the router's estimate of what it computed.
+        tokens = exchange.prompt.num_tokens if not with_kv else (exchange.trace.uncached_tokens or 0)
         others = exchange.planner.pool.healthy("decode")
         if not replaceable or not any(other is not decoder for other in others):
             return Deadline(started, started + (timeouts.first_token if request.stream else timeouts.total))
@@ -963,9 +980,10 @@ class Gateway:
 
 
 def missed_learned_deadline(seconds: float) -> DecodeFailed:
-    """A decoder silent far longer than decoders have been for calls of this size: not an answer,
-    so it counts against the decoder at once, and another decoder takes the request. It may have
-    begun pulling the staged KV, so that is staged again for the next one."""
+    """A decoder silent far longer than decoders have been for calls of this size: taken for a hang,
+    so it counts against the decoder at once (a hung engine may still pass its health probes), and
+    another decoder takes the request. It may have begun pulling the staged KV, so that is staged
+    again for the next one."""
     detail = f"no answer within its learned deadline of {seconds:.3g} s"
     return DecodeFailed(detail, kv_consumed=True, failure="timeout")
 
