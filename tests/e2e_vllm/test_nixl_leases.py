@@ -26,6 +26,7 @@ from tests.e2e_vllm.conftest import (
     post,
     router_for,
 )
+from tests.integration.conftest import settled
 from tests.integration.slow_link import SlowLink
 
 LEASE_SECONDS = 30  # vLLM's kv_lease_duration default
@@ -102,10 +103,12 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
             request.cancel()
             await asyncio.gather(request, return_exceptions=True)
 
-        async def both_released() -> bool:
-            return await metric_total(router, "dpd_router_kv_released_total", connector="nixl") == 2
-
-        await eventually(both_released)
+        # Each left KV for nobody: released by the router (its answer arrived after the client left), or,
+        # where the router saw the client leave only once it had sent the decode call, freed by the
+        # decoder aborting that call. Which of the two depends on timing; the lease check below is the proof.
+        await settled(router, within=30)
+        released = await metric_total(router, "dpd_router_kv_released_total", connector="nixl")
+        _say(f"clients that left as the prefill answered: 2; KV released by the router: {released:g}")
 
     # Past the lease, the prefiller has expired the control's blocks and nothing else.
     await asyncio.sleep(LEASE_SECONDS + 3)
