@@ -62,7 +62,9 @@ HANDOFF_FAILED = "handoff_failed"
 # Seconds a prefill call whose client left may still take to answer. An engine that finished it
 # holds the KV for a decoder, and only the answer names it (it is then released); an engine still
 # computing answers later, and cutting the call makes vLLM abort it, which frees its blocks at once.
-ORPHANED_PREFILL_GRACE = 1.0
+# Cutting a call whose answer is already on its way strands its blocks for the whole lease, and on a
+# loaded machine an answer can take more than a second to arrive: the grace errs long.
+ORPHANED_PREFILL_GRACE = 10.0
 
 T = TypeVar("T")
 
