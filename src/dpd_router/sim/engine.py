@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -110,27 +110,29 @@ def create_app(config: SimConfig) -> FastAPI:
     app.add_api_route("/sim/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
     app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
 
-    @app.post(TRANSFER_PATH)
-    async def nixl_transfer(request: Request) -> Response:
+    async def side_channel(
+        request: Request, handle: Callable[[dict[str, Any]], Awaitable[tuple[int, Any]]]
+    ) -> Response:
+        """A NIXL side-channel call (a transfer or a notification): refused while dead, its body an object."""
         if core.faults.dead:
             return _json({"error": "the engine is dead"}, status_code=503)
         try:
             body = load_object(await request.body())
         except InvalidRequest as exc:
             return _json({"error": exc.message}, status_code=400)
-        status, answer = await core.side_channel.transfer(body)
+        status, answer = await handle(body)
         return _json(answer, status_code=status)
+
+    async def notified(body: dict[str, Any]) -> tuple[int, Any]:
+        return core.side_channel.notified(body)
+
+    @app.post(TRANSFER_PATH)
+    async def nixl_transfer(request: Request) -> Response:
+        return await side_channel(request, core.side_channel.transfer)
 
     @app.post(NOTIFY_PATH)
     async def nixl_notify(request: Request) -> Response:
-        if core.faults.dead:
-            return _json({"error": "the engine is dead"}, status_code=503)
-        try:
-            body = load_object(await request.body())
-        except InvalidRequest as exc:
-            return _json({"error": exc.message}, status_code=400)
-        status, answer = core.side_channel.notified(body)
-        return _json(answer, status_code=status)
+        return await side_channel(request, notified)
 
     for path, api in (("/v1/completions", "text"), ("/v1/chat/completions", "chat")):
         app.router.routes.append(Route(path, CompletionsEndpoint(core, cast(Api, api)), methods=["POST"]))
