@@ -117,22 +117,24 @@ class Planner:
         self.adaptive = adaptive
 
     def reconfigure(self, settings: Settings) -> None:
-        """Apply live routing settings (threshold, mode, strategy, balance, busy gate, session header).
+        """Apply live routing settings (threshold, mode, strategy, balance, busy gate, session header),
+        built by the same factory as at startup (`routing_rules`).
 
         The prefix index and KV sources are kept, so affinity survives the change.
         """
-        self.threshold = settings.routing_threshold
-        self._threshold = Threshold(settings.routing_threshold, settings.threshold_mode)
-        self._busy_gate = busy_gate(settings)
-        self._session_header = settings.session_header
+        self._follow(routing_rules(settings, self.cache))
         if self.adaptive is not None:
             self.adaptive.policy = adaptive_policy(settings)
             self.adaptive.reprior(settings.routing_threshold)
-        if self.cache is not None:
-            balance = Balance(settings.balance_abs_threshold, settings.balance_rel_threshold)
-            self.prefill_strategy = prefill_strategy(settings.prefill_strategy, cache=self.cache, balance=balance)
-            kvaware = settings.prefill_strategy == "kvaware"
-            self.decode_strategy = KVAware(self.cache, balance) if kvaware else PrefixAware(self.cache, balance)
+
+    def _follow(self, rules: RoutingRules) -> None:
+        self.threshold = rules.threshold
+        self._threshold = Threshold(rules.threshold, rules.threshold_mode)
+        self._busy_gate = rules.busy_gate
+        self._session_header = rules.session_header
+        if rules.prefill is not None and rules.decode is not None:
+            self.prefill_strategy = rules.prefill
+            self.decode_strategy = rules.decode
 
     @property
     def threshold_mode(self) -> ThresholdMode:
@@ -329,30 +331,65 @@ def build_planner(
     batches: bool = False,
     serves_direct: bool = True,
 ) -> Planner:
-    """The planner the settings describe. `kv_sources` and `kv_lookup` feed `kvaware` routing only."""
+    """The planner the settings describe. `kv_sources` and `kv_lookup` feed `kvaware` routing only.
+
+    What is built here once (the prefix index, the KV sources) lives as long as the process; the live
+    part comes from `routing_rules`, which `Planner.reconfigure` calls again on a change.
+    """
     index = PrefixIndex(block_size=settings.block_size, capacity=settings.prefix_index_capacity)
     metrics.watch_cache_index(index.name, lambda: len(index))
-    balance = Balance(settings.balance_abs_threshold, settings.balance_rel_threshold)
     kvaware = settings.prefill_strategy == "kvaware"
     if kvaware and not kv_sources and kv_lookup is None:
         log.warning("prefill_strategy kvaware has no KV source configured: it routes as prefixaware")
     sources: list[CacheSource] = [KVHintSource(), *kv_sources] if kvaware else []
     cache = CacheLocator(index, sources)
-    # Decoders always follow prefix affinity; with `kvaware`, as the engines report it.
-    decode: Strategy = KVAware(cache, balance) if kvaware else PrefixAware(cache, balance)
+    rules = routing_rules(settings, cache)
+    assert rules.prefill is not None and rules.decode is not None  # a cache gives every strategy
     return Planner(
         pool,
-        threshold=settings.routing_threshold,
-        prefill=prefill_strategy(settings.prefill_strategy, cache=cache, balance=balance),
-        decode=decode,
-        threshold_mode=settings.threshold_mode,
+        threshold=rules.threshold,
+        prefill=rules.prefill,
+        decode=rules.decode,
+        threshold_mode=rules.threshold_mode,
         cache=cache,
-        busy_gate=busy_gate(settings),
+        busy_gate=rules.busy_gate,
         kv_lookup=kv_lookup if kvaware else None,
-        session_header=settings.session_header,
+        session_header=rules.session_header,
         adaptive=adaptive,
         batches=batches,
         serves_direct=serves_direct,
+    )
+
+
+@dataclass(frozen=True)
+class RoutingRules:
+    """The part of a planner that live settings change. No strategies (None) for a planner without a
+    cache: the cache-following ones need one, so it keeps those it was built with."""
+
+    threshold: int
+    threshold_mode: ThresholdMode
+    busy_gate: PrefillBusyGate
+    session_header: str | None
+    prefill: Strategy | None
+    decode: Strategy | None
+
+
+def routing_rules(settings: Settings, cache: CacheLocator | None) -> RoutingRules:
+    """The planner's live part, at startup (`build_planner`) and on every change (`Planner.reconfigure`)."""
+    prefill: Strategy | None = None
+    decode: Strategy | None = None
+    if cache is not None:
+        balance = Balance(settings.balance_abs_threshold, settings.balance_rel_threshold)
+        prefill = prefill_strategy(settings.prefill_strategy, cache=cache, balance=balance)
+        # Decoders always follow prefix affinity; with `kvaware`, as the engines report it.
+        decode = KVAware(cache, balance) if settings.prefill_strategy == "kvaware" else PrefixAware(cache, balance)
+    return RoutingRules(
+        threshold=settings.routing_threshold,
+        threshold_mode=settings.threshold_mode,
+        busy_gate=busy_gate(settings),
+        session_header=settings.session_header,
+        prefill=prefill,
+        decode=decode,
     )
 
 
