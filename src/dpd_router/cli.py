@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return advise(args)
         if args.command == "hash-key":
-            from dpd_router.api.auth import hash_key
+            from dpd_router.keys import hash_key
 
             key = args.key if args.key is not None else sys.stdin.readline().strip()
             if not key:

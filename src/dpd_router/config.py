@@ -29,6 +29,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from dpd_router.keys import checked_digest
+
 PrefillStrategy = Literal["roundrobin", "session", "prefixaware", "kvaware", "leastloaded"]
 ThresholdMode = Literal["static", "cache_aware", "adaptive"]
 KVConnectorName = Literal["nixl", "shared_storage", "lmcache", "sglang"]
@@ -388,11 +390,7 @@ class Settings(BaseSettings):
     @field_validator("api_key_hashes", "admin_key_hashes")
     @classmethod
     def _check_hashes(cls, value: list[str]) -> list[str]:
-        digests = [digest.strip().lower().removeprefix("sha256:") for digest in value]
-        for digest in digests:
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise ValueError("expected SHA-256 hex digests of the keys (see `dpd-router hash-key`)")
-        return digests
+        return [checked_digest(digest) for digest in value]
 
     @field_validator("kubernetes_api_url")
     @classmethod

@@ -7,7 +7,6 @@ the first 12 hex digits of its hash.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -20,6 +19,8 @@ import yaml
 
 from dpd_router.api.limits import KeyLimits, TokenBucket
 from dpd_router.errors import Forbidden, RateLimited, RouterError, Unauthorized
+from dpd_router.keys import checked_digest
+from dpd_router.keys import hash_key as hash_key  # where tests and scripts have imported it from
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -30,10 +31,6 @@ log = logging.getLogger("dpd_router.auth")
 
 # Source addresses whose failed attempts are remembered at once; the longest quiet ones are forgotten first.
 MAX_TRACKED_SOURCES = 10_000
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass
@@ -106,12 +103,12 @@ class KeyRing:
     ) -> KeyRing:
         principals: dict[str, Principal] = {}
         for digest in key_hashes:
-            principals[_checked_hash(digest)] = Principal(key_id=digest[:12])
+            principals[checked_digest(digest)] = Principal(key_id=digest[:12])
         for digest in admin_key_hashes:
-            principals[_checked_hash(digest)] = Principal(key_id=digest[:12], admin=True)
+            principals[checked_digest(digest)] = Principal(key_id=digest[:12], admin=True)
         if keys_file is not None:
             for entry in _read_keys_file(keys_file):
-                digest = _checked_hash(str(entry["sha256"]))
+                digest = checked_digest(str(entry["sha256"]))
                 principals[digest] = Principal(
                     key_id=digest[:12],
                     tenant=entry.get("tenant"),
@@ -131,6 +128,9 @@ def source_of(request: Request) -> str:
 
 class AuthThrottled(RateLimited):
     """This source address failed to authenticate too often; its attempts wait."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message, kind="auth_failures", retry_after=retry_after)
 
 
 class Gatekeeper:
@@ -214,13 +214,6 @@ def _bucket(rate: Any) -> TokenBucket | None:
     if not isinstance(rate, int | float) or rate <= 0:
         raise ValueError(f"a rate limit must be a positive number, got {rate!r}")
     return TokenBucket(float(rate))
-
-
-def _checked_hash(digest: str) -> str:
-    digest = digest.strip().lower().removeprefix("sha256:")
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError("API keys are configured as SHA-256 hex digests (see `dpd-router hash-key`)")
-    return digest
 
 
 def _read_keys_file(path: Path) -> list[dict[str, Any]]:
