@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+# Which limit refused a request: an API key's requests or prompt tokens per minute, or a source
+# address's failed authentications.
+RateLimit = Literal["requests", "prompt_tokens", "auth_failures"]
+
 
 class RouterError(Exception):
     """Base of every error the router turns into an OpenAI-style error body."""
@@ -91,13 +97,14 @@ class PayloadTooLarge(RouterError):
 
 
 class RateLimited(RouterError):
-    """The API key spent its requests or prompt tokens for now; retry after `retry_after` seconds."""
+    """A limit (`kind`) is spent for now; retry after `retry_after` seconds."""
 
     status_code = 429
     error_type = "RateLimitError"
 
-    def __init__(self, message: str, *, retry_after: float) -> None:
+    def __init__(self, message: str, *, kind: RateLimit, retry_after: float) -> None:
         super().__init__(message)
+        self.kind: RateLimit = kind
         self.retry_after = retry_after
 
 

@@ -5,8 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from dpd_router.errors import RateLimited
+from dpd_router.errors import RateLimit, RateLimited
+
+if TYPE_CHECKING:
+    from dpd_router.metrics import RouterMetrics
+
+# Refusals counted where they happen, not by `count_refusal`: the gatekeeper counts its throttled
+# addresses (auth_throttled); gateway.py counts the prompt-token refusals it raises, until it leaves that
+# to `count_refusal` (remove "prompt_tokens" here then).
+COUNTED_ELSEWHERE: frozenset[RateLimit] = frozenset({"auth_failures", "prompt_tokens"})
 
 
 @dataclass
@@ -60,7 +69,7 @@ class KeyLimits:
         if self.requests is not None:
             wait = self.requests.take(1)
             if wait:
-                raise RateLimited("Requests per minute exceeded for this API key.", retry_after=wait)
+                raise RateLimited("Requests per minute exceeded for this API key.", kind="requests", retry_after=wait)
 
     def take_prompt_tokens(self, tokens: int) -> None:
         if self.prompt_tokens is not None:
@@ -68,5 +77,12 @@ class KeyLimits:
             if wait:
                 raise RateLimited(
                     f"Prompt tokens per minute exceeded for this API key ({tokens} tokens asked).",
+                    kind="prompt_tokens",
                     retry_after=wait,
                 )
+
+
+def count_refusal(metrics: RouterMetrics, refusal: RateLimited) -> None:
+    """The one place a per-key limit's refusal is counted (rate_limited, by the limit it names)."""
+    if refusal.kind not in COUNTED_ELSEWHERE:
+        metrics.rate_limited.labels(refusal.kind).inc()

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from dpd_router.api.auth import source_of
 from dpd_router.api.errors import response_for
+from dpd_router.api.limits import count_refusal
 from dpd_router.errors import (
     AdmissionRejected,
     ModelNotFound,
@@ -167,8 +168,8 @@ def _error(router: Router, exc: RouterError, request_id: str) -> Response:
         headers["Retry-After"] = "1"
     if isinstance(exc, Unauthorized) or exc.status_code == 403:
         headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(exc, RateLimited) and "Requests per minute" in exc.message:
-        router.metrics.rate_limited.labels("requests").inc()
+    if isinstance(exc, RateLimited):
+        count_refusal(router.metrics, exc)
     return response_for(exc, headers=headers)
 
 
