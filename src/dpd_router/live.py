@@ -2,8 +2,9 @@
 
 Changes arrive three ways: the config file changes (watched), the process gets SIGHUP (re-read
 flags, env and file), or an operator sends `PUT /admin/config`. Each is validated as a whole
-Settings, applied to the objects that use it, logged and counted. Settings outside LIVE_SETTINGS
-(engines, listeners, tokenizer, keys) need a restart: a reload reports them; a PUT refuses them.
+Settings, handed to every part that declared itself `Reconfigurable`, logged and counted. Settings
+outside LIVE_SETTINGS (engines, listeners, tokenizer, keys) need a restart: a reload reports them;
+a PUT refuses them.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dpd_router.config import Settings, SettingsError, load_settings, updated_settings
-from dpd_router.gateway import PhaseTimeouts, RetryPolicy
 from dpd_router.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from dpd_router.app import Router
+    from dpd_router.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.config")
 
@@ -68,11 +69,21 @@ class ConfigRejected(ValueError):
     """A requested change is invalid, or names settings that need a restart."""
 
 
-class LiveConfig:
-    """Owns the router's current Settings and applies changes to the running objects."""
+class Reconfigurable(Protocol):
+    """A part of the running router with live settings: it takes the new Settings whole and applies
+    what concerns it, to the requests that start from now on."""
 
-    def __init__(self, router: Router) -> None:
-        self._router = router
+    def reconfigure(self, settings: Settings) -> None: ...
+
+
+class LiveConfig:
+    """Owns the router's current Settings and hands each change to the parts that declared themselves
+    reconfigurable, in the order given."""
+
+    def __init__(self, settings: Settings, parts: Sequence[Reconfigurable], metrics: RouterMetrics) -> None:
+        self._settings = settings
+        self._parts = tuple(parts)
+        self._metrics = metrics
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
         self._seen_mtime: float | None = None
@@ -80,7 +91,8 @@ class LiveConfig:
 
     @property
     def settings(self) -> Settings:
-        return self._router.settings
+        """The settings in force now (those the router started with, and every live change since)."""
+        return self._settings
 
     def effective(self) -> dict[str, Any]:
         """The settings in force, secrets redacted (key hashes are counted, not shown)."""
@@ -137,21 +149,16 @@ class LiveConfig:
         if not changed:
             self._count(source, "unchanged")
             return {}
-        router = self._router
-        router.settings = new
-        for planner in router.gateway.planners.values():
-            planner.reconfigure(new)
-        router.gateway.reconfigure(PhaseTimeouts.from_settings(new), RetryPolicy.from_settings(new))
-        router.admission.reconfigure(new)
-        router.metrics.routing_threshold.set(new.routing_threshold)
-        logging.getLogger("dpd_router").setLevel(new.log_level.upper())
+        self._settings = new
+        for part in self._parts:
+            part.reconfigure(new)
         self._count(source, "applied")
         summary = ", ".join(f"{name} {change['from']} -> {change['to']}" for name, change in changed.items())
         log.warning("config changed via %s: %s", source, summary, extra={"fields": {"source": source}})
         return changed
 
     def _count(self, source: str, outcome: str) -> None:
-        self._router.metrics.config_reloads.labels(source, outcome).inc()
+        self._metrics.config_reloads.labels(source, outcome).inc()
 
     def start(self) -> None:
         """Watch the config file and listen for SIGHUP."""

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from dpd_router.api.auth import hash_key
-from dpd_router.app import build_client
 from dpd_router.sim.cluster import SimCluster
+from dpd_router.startup.families import build_client
 from tests.integration.conftest import (
     MODEL,
     chat_body,
@@ -186,7 +186,7 @@ async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
             client._transport = RefusesFirstConnects(client._transport, decoder, count=1)
             return client
 
-        monkeypatch.setattr("dpd_router.app.build_client", flaky_client)
+        monkeypatch.setattr("dpd_router.startup.components.build_client", flaky_client)
         async with (
             running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
             httpx.AsyncClient(base_url=base_url, timeout=30) as client,

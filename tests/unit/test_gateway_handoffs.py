@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -272,15 +272,17 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
             return HeadFirstStream(events(), released.set, media_type="text/event-stream", headers={})
 
     metrics = RouterMetrics()
-    router = SimpleNamespace(
-        settings=SimpleNamespace(max_body_bytes=1 << 20, trust_request_chat_template=False),
+    api = openai.OpenAIApi(
+        live=cast(
+            Any, SimpleNamespace(settings=SimpleNamespace(max_body_bytes=1 << 20, trust_request_chat_template=False))
+        ),
         gatekeeper=Gatekeeper(
             KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[]), metrics, failures_per_minute=0
         ),
         admission=Admissions(metrics, load_settings(decode_urls=["http://127.0.0.1:9"], max_queued=10)),
-        model=SimpleNamespace(name="m"),
+        model=cast(Any, SimpleNamespace(name="m")),
         metrics=metrics,
-        gateway=StubbornGateway(),
+        gateway=cast(Any, StubbornGateway()),
     )
     messages = [
         {"type": "http.request", "body": orjson.dumps({"messages": [{"role": "user", "content": "x"}]})},
@@ -296,8 +298,7 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
         "method": "POST",
         "path": "/v1/chat/completions",
         "headers": [],
-        "app": SimpleNamespace(state=SimpleNamespace(router=router)),
     }
-    response = await openai._serve(StarletteRequest(scope, receive), "chat")
+    response = await api.chat_completions(StarletteRequest(scope, receive))
     assert response.status_code == 499
     assert released.is_set(), "its stream was closed and the request released"

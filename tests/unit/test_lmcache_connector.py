@@ -15,11 +15,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dpd_router.app import build_connector
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.request import parse_request
+from dpd_router.startup.connectors import build_connector
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import Handoff, StagedKV
@@ -633,24 +633,24 @@ async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_
 async def test_a_notification_address_taken_stops_the_router_before_anything_else_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dpd_router import app
+    from dpd_router.startup import components
 
     address = f"tcp://127.0.0.1:{free_port()}"
     context = zmq.asyncio.Context()
     holder = context.socket(zmq.PULL)
     holder.bind(address)
     clients: list[httpx.AsyncClient] = []
-    built = app.build_client
-    monkeypatch.setattr(app, "build_client", lambda settings: clients.append(built(settings)) or clients[-1])
+    built = components.build_client
+    monkeypatch.setattr(components, "build_client", lambda settings: clients.append(built(settings)) or clients[-1])
 
     async def no_tokenizer(*args: Any) -> Any:
         raise AssertionError("nothing else is started once the notification socket cannot be bound")
 
-    monkeypatch.setattr(app, "load_tokenizers", no_tokenizer)
+    monkeypatch.setattr(components, "load_tokenizers", no_tokenizer)
     settings = load_settings(decode_urls=["http://127.0.0.1:1"], kv_connector="lmcache", lmcache_notify_address=address)
     try:
         with pytest.raises(zmq.ZMQError):
-            await app.Router.start(settings)
+            await components.Components.start(settings)
     finally:
         holder.close(linger=0)
         context.term()
@@ -670,7 +670,7 @@ async def test_a_notification_address_taken_stops_the_router_before_anything_els
 def test_a_loopback_notification_address_with_remote_prefillers_is_warned_about(
     caplog: pytest.LogCaptureFixture, address: str, prefillers: list[str], warned: bool
 ) -> None:
-    from dpd_router.app import warn_about_connector
+    from dpd_router.startup.connectors import warn_about_connector
 
     settings = load_settings(
         prefill_urls=prefillers,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -15,86 +15,110 @@ from dpd_router.live import ConfigRejected
 from dpd_router.routing.adaptive import LEARNED_HOPS, LEARNING_EXPLORE_SHARE
 
 if TYPE_CHECKING:
-    from dpd_router.app import Router
+    from dpd_router.api.auth import Gatekeeper
     from dpd_router.config import Settings
+    from dpd_router.live import LiveConfig
+    from dpd_router.metrics import RouterMetrics
     from dpd_router.routing.adaptive import AdaptiveModel
-
-routes = APIRouter(prefix="/admin")
+    from dpd_router.routing.planner import Planner
 
 
 def _json(value: object, status: int = 200) -> Response:
     return Response(orjson.dumps(value, default=str), status_code=status, media_type="application/json")
 
 
-def authorize(request: Request, *, open_without_keys: bool = False) -> Router | Response:
-    """The router, for a caller with an admin key; else the refusal to send. `open_without_keys`: a
-    router with no keys at all (as in `make demo`) lets anyone read."""
-    router: Router = request.app.state.router
-    if open_without_keys and not router.gatekeeper.keys.configured:
-        return router
+def authorize(request: Request, gatekeeper: Gatekeeper, *, open_without_keys: bool = False) -> Response | None:
+    """None for a caller with an admin key; else the refusal to send. `open_without_keys`: a router
+    with no keys at all (as in `make demo`) lets anyone read."""
+    if open_without_keys and not gatekeeper.keys.configured:
+        return None
     try:
-        router.gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
+        gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
     except RouterError as exc:
         headers = {"WWW-Authenticate": "Bearer"}
         if isinstance(exc, RateLimited):
             headers["Retry-After"] = str(max(1, round(exc.retry_after)))
         return response_for(exc, headers=headers)
-    return router
+    return None
 
 
-@routes.get("/config")
-async def get_config(request: Request) -> Response:
-    router = authorize(request)
-    if isinstance(router, Response):
-        return router
-    return _json(router.live.effective())
+class AdminApi:
+    """The admin routes, over the key check, the live configuration and the shared pool's planner."""
+
+    def __init__(self, *, gatekeeper: Gatekeeper, live: LiveConfig, planner: Planner, metrics: RouterMetrics) -> None:
+        self._gatekeeper = gatekeeper
+        self._live = live
+        self._planner = planner
+        self._metrics = metrics
+
+    def routes(self) -> APIRouter:
+        routes = APIRouter(prefix="/admin")
+        routes.add_api_route("/config", self.get_config, methods=["GET"])
+        routes.add_api_route("/config", self.put_config, methods=["PUT"])
+        routes.add_api_route("/reload", self.reload, methods=["POST"])
+        routes.add_api_route("/routing", self.routing, methods=["GET"])
+        return routes
+
+    async def get_config(self, request: Request) -> Response:
+        refusal = authorize(request, self._gatekeeper)
+        if refusal is not None:
+            return refusal
+        return _json(self._live.effective())
+
+    async def put_config(self, request: Request) -> Response:
+        """Change live settings: a JSON object of setting names and values."""
+        refusal = authorize(request, self._gatekeeper)
+        if refusal is not None:
+            return refusal
+        try:
+            changes = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            return error_response(f"The body is not valid JSON: {exc}", "BadRequestError", 400)
+        if not isinstance(changes, dict) or not changes:
+            return error_response("Send a JSON object of settings to change.", "BadRequestError", 400)
+        try:
+            changed = await self._live.update(changes, source="admin")
+        except ConfigRejected as exc:
+            return error_response(str(exc), "BadRequestError", 400)
+        return _json({"changed": changed, "config": self._live.effective()})
+
+    async def reload(self, request: Request) -> Response:
+        """Re-read flags, environment and the config file, as SIGHUP does."""
+        refusal = authorize(request, self._gatekeeper)
+        if refusal is not None:
+            return refusal
+        changed = await self._live.reload("admin")
+        return _json({"changed": changed, "config": self._live.effective()})
+
+    async def routing(self, request: Request) -> Response:
+        """The routing decision in words: the threshold in force, what the adaptive model learned, and the
+        decisions taken so far by reason."""
+        refusal = authorize(request, self._gatekeeper)
+        if refusal is not None:
+            return refusal
+        planner = self._planner
+        settings = self._live.settings
+        decisions = {
+            f"{sample.labels['path']}/{sample.labels['reason']}": int(sample.value)
+            for metric in self._metrics.route_decisions.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
+        view = planner.adaptive_view()
+        summary = _routing_summary(planner, settings, view)
+        body = {
+            "threshold_mode": settings.threshold_mode,
+            "routing_threshold": settings.routing_threshold,
+            "summary": summary,
+            "decoders": view,
+            "learned": planner.adaptive.describe() if planner.adaptive is not None else None,
+            "decisions": decisions,
+        }
+        return _json(body)
 
 
-@routes.put("/config")
-async def put_config(request: Request) -> Response:
-    """Change live settings: a JSON object of setting names and values."""
-    router = authorize(request)
-    if isinstance(router, Response):
-        return router
-    try:
-        changes = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        return error_response(f"The body is not valid JSON: {exc}", "BadRequestError", 400)
-    if not isinstance(changes, dict) or not changes:
-        return error_response("Send a JSON object of settings to change.", "BadRequestError", 400)
-    try:
-        changed = await router.live.update(changes, source="admin")
-    except ConfigRejected as exc:
-        return error_response(str(exc), "BadRequestError", 400)
-    return _json({"changed": changed, "config": router.live.effective()})
-
-
-@routes.post("/reload")
-async def reload(request: Request) -> Response:
-    """Re-read flags, environment and the config file, as SIGHUP does."""
-    router = authorize(request)
-    if isinstance(router, Response):
-        return router
-    changed = await router.live.reload("admin")
-    return _json({"changed": changed, "config": router.live.effective()})
-
-
-@routes.get("/routing")
-async def routing(request: Request) -> Response:
-    """The routing decision in words: the threshold in force, what the adaptive model learned, and the
-    decisions taken so far by reason."""
-    router = authorize(request)
-    if isinstance(router, Response):
-        return router
-    planner = router.planner
-    settings = router.settings
-    decisions = {
-        f"{sample.labels['path']}/{sample.labels['reason']}": int(sample.value)
-        for metric in router.metrics.route_decisions.collect()
-        for sample in metric.samples
-        if sample.name.endswith("_total")
-    }
-    view = planner.adaptive_view()
+def _routing_summary(planner: Planner, settings: Settings, view: list[dict[str, Any]]) -> list[str]:
+    """The routing decision in words: the settings in force, and each decoder's adaptive view."""
     summary = [
         f"threshold_mode {settings.threshold_mode}, routing_threshold {settings.routing_threshold} tokens, "
         f"prefill_strategy {settings.prefill_strategy}."
@@ -126,15 +150,7 @@ async def routing(request: Request) -> Response:
             )
     if planner.adaptive is not None:
         summary += _unlearned_summary(planner.adaptive, [e["prefiller"] for e in view if "prefiller" in e], settings)
-    body = {
-        "threshold_mode": settings.threshold_mode,
-        "routing_threshold": settings.routing_threshold,
-        "summary": summary,
-        "decoders": view,
-        "learned": planner.adaptive.describe() if planner.adaptive is not None else None,
-        "decisions": decisions,
-    }
-    return _json(body)
+    return summary
 
 
 def _unlearned_summary(adaptive: AdaptiveModel, prefillers: list[str], settings: Settings) -> list[str]:

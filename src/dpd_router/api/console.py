@@ -21,10 +21,14 @@ from dpd_router.api.admin import authorize
 from dpd_router.metrics import PREFIX
 
 if TYPE_CHECKING:
-    from dpd_router.app import Router
+    from dpd_router.api.auth import Gatekeeper
+    from dpd_router.live import LiveConfig
+    from dpd_router.metrics import RouterMetrics
+    from dpd_router.observe import Observer
     from dpd_router.pool.endpoint import Endpoint
-
-routes = APIRouter()
+    from dpd_router.pool.models import ServedModel
+    from dpd_router.pool.pool import Pool
+    from dpd_router.routing.planner import Planner
 
 # Histograms the page charts, by their name without the prefix, and the label it splits them by.
 HISTOGRAMS = {
@@ -41,47 +45,73 @@ COUNTERS = {
 }
 
 
-@routes.get("/ui")
+class ConsoleApi:
+    """The console's routes, over what the page shows: endpoints, metrics, settings, the adaptive view
+    of the shared pool's planner and the last requests."""
+
+    def __init__(
+        self,
+        *,
+        gatekeeper: Gatekeeper,
+        live: LiveConfig,
+        metrics: RouterMetrics,
+        model: ServedModel,
+        pool: Pool,
+        planner: Planner,
+        observer: Observer,
+    ) -> None:
+        self._gatekeeper = gatekeeper
+        self._live = live
+        self._metrics = metrics
+        self._model = model
+        self._pool = pool
+        self._planner = planner
+        self._observer = observer
+
+    def routes(self) -> APIRouter:
+        routes = APIRouter()
+        routes.add_api_route("/ui", console_page, methods=["GET"])
+        routes.add_api_route("/admin/state", self.state, methods=["GET"])
+        return routes
+
+    async def state(self, request: Request) -> Response:
+        """Everything the console shows, at this moment. Open when the router has no API keys at all (as in
+        `make demo`); otherwise it needs an admin key, like every /admin endpoint."""
+        refusal = authorize(request, self._gatekeeper, open_without_keys=True)
+        if refusal is not None:
+            return refusal
+        return Response(orjson.dumps(self.snapshot(), default=str), media_type="application/json")
+
+    def snapshot(self) -> dict[str, Any]:
+        settings = self._live.effective()
+        scrape = Scrape.parse(self._metrics.render().decode())
+        return {
+            "time": time.time(),
+            "router": {
+                "version": __version__,
+                "model": self._model.name,
+                "routing_threshold": settings["routing_threshold"],
+                "threshold_mode": settings["threshold_mode"],
+                "prefill_strategy": settings["prefill_strategy"],
+                "kv_connector": settings["kv_connector"],
+                "admin_key_needed": self._gatekeeper.keys.configured,
+            },
+            "pools": [
+                {"name": pool.name, "endpoints": [_endpoint(e) for e in pool.endpoints()]} for pool in self._pool.parts
+            ],
+            "counters": {name: _counter_rows(scrape, name, labels) for name, labels in COUNTERS.items()},
+            "histograms": {name: _histogram_rows(scrape, name, labels) for name, labels in HISTOGRAMS.items()},
+            "adaptive": self._planner.adaptive_view(),
+            "adaptive_costs": _adaptive_costs(scrape) if settings["threshold_mode"] == "adaptive" else [],
+            "advice": _advice(scrape),
+            "recent": [{"finished_at": at, **fields} for at, fields in self._observer.recent],
+        }
+
+
 async def console_page() -> Response:
     """The page itself holds no data; what it shows comes from /admin/state, under its key."""
     page = files("dpd_router").joinpath("console/index.html").read_bytes()
     return Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
-
-
-@routes.get("/admin/state")
-async def state(request: Request) -> Response:
-    """Everything the console shows, at this moment. Open when the router has no API keys at all (as in
-    `make demo`); otherwise it needs an admin key, like every /admin endpoint."""
-    router = authorize(request, open_without_keys=True)
-    if isinstance(router, Response):
-        return router
-    return Response(orjson.dumps(snapshot(router), default=str), media_type="application/json")
-
-
-def snapshot(router: Router) -> dict[str, Any]:
-    settings = router.live.effective()
-    scrape = Scrape.parse(router.metrics.render().decode())
-    return {
-        "time": time.time(),
-        "router": {
-            "version": __version__,
-            "model": router.model.name,
-            "routing_threshold": settings["routing_threshold"],
-            "threshold_mode": settings["threshold_mode"],
-            "prefill_strategy": settings["prefill_strategy"],
-            "kv_connector": settings["kv_connector"],
-            "admin_key_needed": router.gatekeeper.keys.configured,
-        },
-        "pools": [
-            {"name": pool.name, "endpoints": [_endpoint(e) for e in pool.endpoints()]} for pool in router.pool.parts
-        ],
-        "counters": {name: _counter_rows(scrape, name, labels) for name, labels in COUNTERS.items()},
-        "histograms": {name: _histogram_rows(scrape, name, labels) for name, labels in HISTOGRAMS.items()},
-        "adaptive": router.planner.adaptive_view(),
-        "adaptive_costs": _adaptive_costs(scrape) if settings["threshold_mode"] == "adaptive" else [],
-        "advice": _advice(scrape),
-        "recent": [{"finished_at": at, **fields} for at, fields in router.observer.recent],
-    }
 
 
 def _endpoint(endpoint: Endpoint) -> dict[str, Any]:

@@ -32,107 +32,140 @@ from dpd_router.request import ClientRequest, RequestKind, clean_request_id, par
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
-    from dpd_router.app import Router
-
-routes = APIRouter()
-
-
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _serve(request, "chat")
+    from dpd_router.api.admission import Admissions
+    from dpd_router.api.auth import Gatekeeper
+    from dpd_router.gateway import Gateway
+    from dpd_router.live import LiveConfig
+    from dpd_router.metrics import RouterMetrics
+    from dpd_router.pool.models import ServedModel
 
 
-@routes.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    return await _serve(request, "completion")
+class OpenAIApi:
+    """The OpenAI-compatible routes, over the parts they use."""
 
+    def __init__(
+        self,
+        *,
+        gatekeeper: Gatekeeper,
+        admission: Admissions,
+        gateway: Gateway,
+        model: ServedModel,
+        live: LiveConfig,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._gatekeeper = gatekeeper
+        self._admission = admission
+        self._gateway = gateway
+        self._model = model
+        self._live = live
+        self._metrics = metrics
 
-@routes.get("/v1/models")
-async def models(request: Request) -> Response:
-    router, _, refusal = _caller(request)
-    if refusal is not None:
-        return refusal
-    return Response(orjson.dumps(router.model.models_listing()), media_type="application/json")
+    def routes(self) -> APIRouter:
+        routes = APIRouter()
+        routes.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        routes.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        routes.add_api_route("/v1/models", self.models, methods=["GET"])
+        routes.add_api_route("/v1/responses", self.responses, methods=["GET", "POST", "DELETE"])
+        routes.add_api_route("/v1/responses/{rest:path}", self.responses, methods=["GET", "POST", "DELETE"])
+        return routes
 
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
 
-@routes.api_route("/v1/responses", methods=["GET", "POST", "DELETE"])
-@routes.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"])
-async def responses(request: Request) -> Response:
-    """The Responses API is refused, clearly: vLLM keeps a stored response (`previous_response_id`,
-    background runs, GET/cancel by id) in the memory of the one engine that made it, and a router that
-    spreads requests over decoders would send the follow-ups to engines that never saw it."""
-    _, request_id, refusal = _caller(request)
-    if refusal is not None:
-        return refusal
-    unsupported = NotSupported(
-        "dpd-router does not serve the Responses API (/v1/responses): a stored response lives in the one "
-        "engine that made it, and the router spreads requests over several. Use /v1/chat/completions."
-    )
-    # Not worth retrying (the openai clients honour this header): the answer will not change.
-    return response_for(unsupported, headers={"X-Request-Id": request_id, "x-should-retry": "false"})
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion")
 
+    async def models(self, request: Request) -> Response:
+        _, refusal = self._caller(request)
+        if refusal is not None:
+            return refusal
+        return Response(orjson.dumps(self._model.models_listing()), media_type="application/json")
 
-def _caller(request: Request) -> tuple[Router, str, Response | None]:
-    """The router, the request's id, and the refusal to send when the caller's key is not accepted."""
-    router: Router = request.app.state.router
-    request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
-    try:
-        router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
-    except RouterError as exc:
-        return router, request_id, _error(router, exc, request_id)
-    return router, request_id, None
-
-
-async def _serve(request: Request, kind: RequestKind) -> Response:
-    arrived = time.perf_counter()
-    router: Router = request.app.state.router
-    request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
-    try:
-        # Who is asking, from the headers alone: a body nobody may send is never read.
-        principal = router.gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
-        principal.limits.take_request()
-        raw = await _read_body(request, router.settings.max_body_bytes)
-        trusted = router.settings.trust_request_chat_template
-        if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request
-            client_request = await asyncio.to_thread(parse_request, kind, raw, trust_chat_template=trusted)
-        else:
-            client_request = parse_request(kind, raw, trust_chat_template=trusted)
-        _resolve_model(client_request, router.model.name)
-    except RouterError as exc:
-        return _error(router, exc, request_id)
-    admission_started = time.perf_counter()
-    admission = router.admission.for_tenant(principal.tenant)
-    try:
-        await admission.enter()
-    except AdmissionRejected as exc:
-        return _error(router, exc, request_id)
-    serving = asyncio.ensure_future(
-        router.gateway.handle(
-            client_request,
-            request_id,
-            request.headers,
-            principal=principal,
-            on_finish=admission.leave,
-            arrived=arrived,
-            queued=time.perf_counter() - admission_started,
+    async def responses(self, request: Request) -> Response:
+        """The Responses API is refused, clearly: vLLM keeps a stored response (`previous_response_id`,
+        background runs, GET/cancel by id) in the memory of the one engine that made it, and a router that
+        spreads requests over decoders would send the follow-ups to engines that never saw it."""
+        request_id, refusal = self._caller(request)
+        if refusal is not None:
+            return refusal
+        unsupported = NotSupported(
+            "dpd-router does not serve the Responses API (/v1/responses): a stored response lives in the one "
+            "engine that made it, and the router spreads requests over several. Use /v1/chat/completions."
         )
-    )
-    watching = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait((serving, watching), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-    if not serving.done():
-        # The client left before its answer began: stop both hops now instead of finishing for nobody.
-        serving.cancel()
-        await asyncio.wait({serving})  # a cancellation of this handler itself still propagates
-        if not serving.cancelled() and serving.exception() is None:
-            await _discard(serving.result())  # it finished anyway: release what the answer holds
-        return Response(status_code=499)
-    try:
-        return serving.result()
-    except RouterError as exc:
-        return _error(router, exc, request_id)
+        # Not worth retrying (the openai clients honour this header): the answer will not change.
+        return response_for(unsupported, headers={"X-Request-Id": request_id, "x-should-retry": "false"})
+
+    def _caller(self, request: Request) -> tuple[str, Response | None]:
+        """The request's id, and the refusal to send when the caller's key is not accepted."""
+        request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+        try:
+            self._gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
+        except RouterError as exc:
+            return request_id, self._error(exc, request_id)
+        return request_id, None
+
+    async def _serve(self, request: Request, kind: RequestKind) -> Response:
+        arrived = time.perf_counter()
+        settings = self._live.settings
+        request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+        try:
+            # Who is asking, from the headers alone: a body nobody may send is never read.
+            principal = self._gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
+            principal.limits.take_request()
+            raw = await _read_body(request, settings.max_body_bytes)
+            trusted = settings.trust_request_chat_template
+            if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request
+                client_request = await asyncio.to_thread(parse_request, kind, raw, trust_chat_template=trusted)
+            else:
+                client_request = parse_request(kind, raw, trust_chat_template=trusted)
+            _resolve_model(client_request, self._model.name)
+        except RouterError as exc:
+            return self._error(exc, request_id)
+        admission_started = time.perf_counter()
+        admission = self._admission.for_tenant(principal.tenant)
+        try:
+            await admission.enter()
+        except AdmissionRejected as exc:
+            return self._error(exc, request_id)
+        serving = asyncio.ensure_future(
+            self._gateway.handle(
+                client_request,
+                request_id,
+                request.headers,
+                principal=principal,
+                on_finish=admission.leave,
+                arrived=arrived,
+                queued=time.perf_counter() - admission_started,
+            )
+        )
+        watching = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait((serving, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+        if not serving.done():
+            # The client left before its answer began: stop both hops now instead of finishing for nobody.
+            serving.cancel()
+            await asyncio.wait({serving})  # a cancellation of this handler itself still propagates
+            if not serving.cancelled() and serving.exception() is None:
+                await _discard(serving.result())  # it finished anyway: release what the answer holds
+            return Response(status_code=499)
+        try:
+            return serving.result()
+        except RouterError as exc:
+            return self._error(exc, request_id)
+
+    def _error(self, exc: RouterError, request_id: str) -> Response:
+        headers = {"X-Request-Id": request_id}
+        if isinstance(exc, RateLimited | AdmissionRejected):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        elif exc.status_code == 503:
+            headers["Retry-After"] = "1"
+        if isinstance(exc, Unauthorized) or exc.status_code == 403:
+            headers["WWW-Authenticate"] = "Bearer"
+        if isinstance(exc, RateLimited):
+            count_refusal(self._metrics, exc)
+        return response_for(exc, headers=headers)
 
 
 async def _discard(response: Response) -> None:
@@ -158,19 +191,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
     return bytes(body)
-
-
-def _error(router: Router, exc: RouterError, request_id: str) -> Response:
-    headers = {"X-Request-Id": request_id}
-    if isinstance(exc, RateLimited | AdmissionRejected):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    elif exc.status_code == 503:
-        headers["Retry-After"] = "1"
-    if isinstance(exc, Unauthorized) or exc.status_code == 403:
-        headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(exc, RateLimited):
-        count_refusal(router.metrics, exc)
-    return response_for(exc, headers=headers)
 
 
 def _resolve_model(request: ClientRequest, served: str | None) -> None:

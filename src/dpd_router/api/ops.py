@@ -5,46 +5,55 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 if TYPE_CHECKING:
-    from dpd_router.app import Router
+    from dpd_router.metrics import RouterMetrics
+    from dpd_router.pool.models import ServedModel
+    from dpd_router.pool.pool import Pool
 
-routes = APIRouter()
+
+class OpsApi:
+    """The operator routes, over every engine, the served model and the metrics."""
+
+    def __init__(self, *, pool: Pool, model: ServedModel, metrics: RouterMetrics) -> None:
+        self._pool = pool
+        self._model = model
+        self._metrics = metrics
+
+    def routes(self) -> APIRouter:
+        routes = APIRouter()
+        routes.add_api_route("/health", health, methods=["GET"])
+        routes.add_api_route("/healthcheck", health, methods=["GET"])  # the path vLLM's toy PD proxy's scripts probe
+        routes.add_api_route("/ready", self.ready, methods=["GET"])
+        routes.add_api_route("/metrics", self.metrics, methods=["GET"])
+        return routes
+
+    async def ready(self) -> Response:
+        """Ready when at least one decoder answers its health probe; lists every endpoint's state."""
+        is_ready = self._pool.ready()
+        body = {
+            "ready": is_ready,
+            "model": self._model.name,
+            "endpoints": [
+                {
+                    "url": endpoint.url,
+                    "role": endpoint.role,
+                    "state": endpoint.state,
+                    "in_flight": endpoint.in_flight,
+                    "last_error": endpoint.last_error,
+                }
+                for endpoint in self._pool.endpoints()
+            ],
+        }
+        return Response(orjson.dumps(body), status_code=200 if is_ready else 503, media_type="application/json")
+
+    async def metrics(self) -> Response:
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@routes.get("/health")
-@routes.get("/healthcheck")  # the path of vLLM's toy PD proxy, which its accuracy scripts probe
 async def health() -> Response:
     """The router process is up (it says nothing of the engines; see /ready)."""
     return Response(b'{"status":"ok"}', media_type="application/json")
-
-
-@routes.get("/ready")
-async def ready(request: Request) -> Response:
-    """Ready when at least one decoder answers its health probe; lists every endpoint's state."""
-    router: Router = request.app.state.router
-    is_ready = router.pool.ready()
-    body = {
-        "ready": is_ready,
-        "model": router.model.name,
-        "endpoints": [
-            {
-                "url": endpoint.url,
-                "role": endpoint.role,
-                "state": endpoint.state,
-                "in_flight": endpoint.in_flight,
-                "last_error": endpoint.last_error,
-            }
-            for endpoint in router.pool.endpoints()
-        ],
-    }
-    return Response(orjson.dumps(body), status_code=200 if is_ready else 503, media_type="application/json")
-
-
-@routes.get("/metrics")
-async def metrics(request: Request) -> Response:
-    router: Router = request.app.state.router
-    return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,4 +1,4 @@
-"""Routing settings: validation, and the wiring Router.start builds from them."""
+"""Routing settings: validation, and the wiring Components.start builds from them."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import socket
 import httpx
 import pytest
 
-from dpd_router.app import Router
 from dpd_router.config import Settings, SettingsError, load_settings
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
 from dpd_router.routing.kv_events import KVEventSubscriber, publishers_from_settings
 from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.startup import Components
 
 P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"
 
@@ -102,12 +102,13 @@ async def test_the_router_starts_and_stops_its_scraper_and_kv_subscriber() -> No
         lmcache_controller_url=f"http://127.0.0.1:{unused_port()}",
         health_timeout=0.5,
     )
-    router = await Router.start(settings)
+    components = await Components.start(settings)
+    routing = components.routing
     try:
-        assert router.kv_events is not None and isinstance(router.lmcache, LMCacheController)
-        assert router.planner.prefill_strategy.name == "kvaware"
-        assert router.planner.decode_strategy.name == "kvaware"
-        await router.scraper.scrape_all()
-        assert all(endpoint.load is None for endpoint in router.pool.endpoints())
+        assert routing.kv_events is not None and isinstance(routing.lmcache, LMCacheController)
+        assert routing.planner.prefill_strategy.name == "kvaware"
+        assert routing.planner.decode_strategy.name == "kvaware"
+        await components.upkeep.scraper.scrape_all()
+        assert all(endpoint.load is None for endpoint in components.engines.every.endpoints())
     finally:
-        await router.close()
+        await components.close()

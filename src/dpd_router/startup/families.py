@@ -1,0 +1,241 @@
+"""The router's components by family, each built by one short function from the settings.
+
+Every function builds what it returns and starts nothing that needs closing, except `build_engines`,
+which starts Kubernetes discovery when configured (closed by `Components.close`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import httpx
+
+from dpd_router.api.admission import Admissions
+from dpd_router.api.auth import Gatekeeper, KeyRing
+from dpd_router.config import Settings
+from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import Observer
+from dpd_router.pool.breaker import BreakerPolicy
+from dpd_router.pool.discovery import Discovery
+from dpd_router.pool.health import HealthChecker
+from dpd_router.pool.models import ServedModel
+from dpd_router.pool.pool import Pool
+from dpd_router.pool.scrape import LoadScraper
+from dpd_router.routing.adaptive import AdaptiveModel
+from dpd_router.routing.kv_events import KVEventSubscriber
+from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
+from dpd_router.startup.upkeep import Upkeep
+from dpd_router.tokenizer import TokenCounter
+from dpd_router.tracing import SpanExporter
+from dpd_router.transfer.base import Connector
+from dpd_router.transport import AiohttpTransport
+
+log = logging.getLogger("dpd_router.app")
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The shared pool, the tenants' reserved pools, and all of them as one (what health and load watch)."""
+
+    shared: Pool
+    tenants: Mapping[str, Pool]
+    every: Pool
+    discovery: Discovery | None = None
+
+    @property
+    def by_tenant(self) -> dict[str | None, Pool]:
+        """Each pool under its tenant; None: the shared pool."""
+        return {None: self.shared, **self.tenants}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A planner a pool (None: the shared pool's), the adaptive model they share, and the KV indexes they read."""
+
+    planners: Mapping[str | None, Planner]
+    adaptive: AdaptiveModel
+    kv_events: KVEventSubscriber | None = None
+    lmcache: LMCacheController | None = None
+
+    @property
+    def planner(self) -> Planner:
+        """The shared pool's planner (what the admin and console views describe)."""
+        return self.planners[None]
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call (API keys, throttling failed attempts) and how many at once (admission)."""
+
+    gatekeeper: Gatekeeper
+    admission: Admissions
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The request path: the gateway, and the observer that records what each request did."""
+
+    gateway: Gateway
+    observer: Observer
+
+
+def build_client(settings: Settings) -> httpx.AsyncClient:
+    """The one HTTP client of the process: keep-alive pools sized for thousands of streams."""
+    limits = httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_keepalive_connections,
+        keepalive_expiry=settings.keepalive_expiry,
+    )
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(limits) if settings.upstream_transport == "aiohttp" else None,
+        limits=limits,
+        timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
+        headers=engine_headers(settings),
+        trust_env=False,
+    )
+
+
+def engine_headers(settings: Settings) -> dict[str, str]:
+    """Headers every engine call carries: the engines' own credentials, never a client's."""
+    if settings.engine_api_key is None:
+        return {}
+    return {"Authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
+
+
+async def build_engines(settings: Settings, metrics: RouterMetrics) -> Engines:
+    breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_cooldown, settings.breaker_max_cooldown)
+    shared = Pool(settings.prefill_urls, settings.decode_urls, breaker=breaker)
+    tenants = {
+        tenant: Pool(pools.prefill_urls, pools.decode_urls, breaker=breaker, name=tenant)
+        for tenant, pools in settings.tenants.items()
+    }
+    every = Pool.union([shared, *tenants.values()])
+    for endpoint in every.endpoints():
+        metrics.watch_endpoint(endpoint)
+    discovery = await start_discovery(settings, shared, tenants.values(), metrics)
+    return Engines(shared, tenants, every, discovery)
+
+
+async def start_discovery(
+    settings: Settings, pool: Pool, tenant_pools: Iterable[Pool], metrics: RouterMetrics
+) -> Discovery | None:
+    """With `discovery: kubernetes`, watch the shared pool's engine pods (tenants' pools stay static)."""
+    if settings.discovery != "kubernetes":
+        return None
+    reserved = {endpoint.url for tenant_pool in tenant_pools for endpoint in tenant_pool.endpoints()}
+    discovery = Discovery.from_settings(settings, pool, metrics, reserved=reserved)
+    await discovery.start()
+    log.info(
+        "discovering %s engines in Kubernetes: %d prefillers and %d decoders ready",
+        " and ".join(discovery.roles),
+        len(pool.healthy("prefill")),
+        len(pool.healthy("decode")),
+    )
+    return discovery
+
+
+def build_routing(
+    settings: Settings, engines: Engines, metrics: RouterMetrics, client: httpx.AsyncClient, connector: Connector
+) -> Routing:
+    kv_events = KVEventSubscriber.from_settings(settings, engines.every, metrics)
+    lmcache = LMCacheController.from_settings(settings, client, metrics)
+    adaptive = AdaptiveModel(adaptive_policy(settings), settings.routing_threshold)
+    planners = {
+        tenant: build_planner(
+            settings,
+            pool,
+            metrics,
+            kv_sources=[kv_events.index] if kv_events else [],
+            kv_lookup=lmcache,
+            adaptive=adaptive,
+            batches=connector.batches,
+            serves_direct=connector.serves_direct,
+        )
+        for tenant, pool in engines.by_tenant.items()
+    }
+    shared = planners[None]
+    metrics.watch_adaptive(
+        lambda: [
+            (entry["decoder"], math.inf if entry["threshold_tokens"] is None else entry["threshold_tokens"])
+            for entry in shared.adaptive_view()
+        ],
+        adaptive.cost_rows,
+    )
+    return Routing(planners, adaptive, kv_events, lmcache)
+
+
+def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -> Access:
+    keys = KeyRing.load(
+        keys_file=settings.api_keys_file,
+        key_hashes=settings.api_key_hashes,
+        admin_key_hashes=settings.admin_key_hashes,
+    )
+    unknown_tenants = keys.tenants() - set(engines.tenants)
+    if unknown_tenants:
+        log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
+    return Access(
+        Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute),
+        Admissions(metrics, settings),
+    )
+
+
+def build_serving(
+    settings: Settings,
+    *,
+    client: httpx.AsyncClient,
+    connector: Connector,
+    metrics: RouterMetrics,
+    model: ServedModel,
+    tokenizers: Mapping[str | None, TokenCounter],
+    routing: Routing,
+) -> Serving:
+    observer = Observer(
+        metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[routing.adaptive.learn_from]
+    )
+    gateway = Gateway(
+        client=client,
+        tokenizers=tokenizers,
+        planners=routing.planners,
+        connector=connector,
+        observer=observer,
+        metrics=metrics,
+        model=model,
+        timeouts=PhaseTimeouts.from_settings(settings),
+        retries=RetryPolicy.from_settings(settings),
+    )
+    return Serving(gateway, observer)
+
+
+def build_upkeep(
+    settings: Settings,
+    engines: Engines,
+    *,
+    client: httpx.AsyncClient,
+    metrics: RouterMetrics,
+    model: ServedModel,
+    lmcache: LMCacheController | None,
+) -> Upkeep:
+    return Upkeep(
+        engines.every,
+        client,
+        health=HealthChecker(
+            engines.every,
+            client,
+            metrics,
+            timeout=settings.health_timeout,
+            unhealthy_after=settings.health_unhealthy_threshold,
+            healthy_after=settings.health_healthy_threshold,
+        ),
+        scraper=LoadScraper(
+            engines.every, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
+        ),
+        model=model,
+        lmcache=lmcache,
+        interval=settings.health_interval,
+        probe_timeout=settings.health_timeout,
+    )

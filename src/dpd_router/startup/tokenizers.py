@@ -1,0 +1,48 @@
+"""The token counter of each pool of engines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import httpx
+
+from dpd_router.config import Settings
+from dpd_router.pool.models import ServedModel
+from dpd_router.pool.pool import Pool
+from dpd_router.template_sandbox import TemplateSandbox
+from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
+
+log = logging.getLogger("dpd_router.app")
+
+
+async def load_tokenizers(
+    settings: Settings, client: httpx.AsyncClient, pools: Mapping[str | None, Pool], model: ServedModel
+) -> dict[str | None, TokenCounter]:
+    """The token counter of each pool: the local tokenizer for all, or each pool's own decoders'
+    /tokenize, so no prompt of a tenant's reaches an engine not reserved for it."""
+    if settings.tokenizer is None:
+        log.warning("no tokenizer directory configured: counting tokens with the engines' /tokenize")
+        return {tenant: engine_tokenizer(client, pool, model) for tenant, pool in pools.items()}
+    sandbox = (
+        TemplateSandbox(
+            settings.tokenizer, timeout=settings.chat_template_timeout, max_output_chars=settings.max_body_bytes
+        )
+        if settings.trust_request_chat_template
+        else None
+    )
+    if sandbox is not None:
+        await sandbox.start()
+    local = await asyncio.to_thread(
+        LocalTokenizer.load,
+        settings.tokenizer,
+        inline_max_chars=settings.tokenize_inline_max_chars,
+        threads=settings.tokenizer_threads,
+        sandbox=sandbox,
+    )
+    return {tenant: local for tenant in pools}
+
+
+def engine_tokenizer(client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> EngineTokenizer:
+    return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)

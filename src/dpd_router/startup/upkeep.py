@@ -1,0 +1,69 @@
+"""What runs beside the requests: health rounds (probes, model discovery, LMCache instances) and load scraping."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from dpd_router.pool.health import HealthChecker
+from dpd_router.pool.models import ServedModel
+from dpd_router.pool.pool import Pool
+from dpd_router.pool.scrape import LoadScraper
+from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.tasks import cancel_and_wait
+
+log = logging.getLogger("dpd_router.app")
+
+
+class Upkeep:
+    """Runs a health round every `interval` seconds and the load scraper, from `start` to `close`."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        client: httpx.AsyncClient,
+        *,
+        health: HealthChecker,
+        scraper: LoadScraper,
+        model: ServedModel,
+        lmcache: LMCacheController | None,
+        interval: float,
+        probe_timeout: float,
+    ) -> None:
+        self.pool = pool
+        self.health = health
+        self.scraper = scraper
+        self._client = client
+        self._model = model
+        self._lmcache = lmcache
+        self._interval = interval
+        self._probe_timeout = probe_timeout
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """One health round now (the router starts knowing its engines), then both loops."""
+        await self.maintain_once()
+        self._tasks = [
+            asyncio.create_task(self._maintain(), name="router-maintenance"),
+            asyncio.create_task(self.scraper.run(), name="load-scraper"),
+        ]
+
+    async def maintain_once(self) -> None:
+        await self.health.probe_all()
+        if self._model.listing is None:
+            await self._model.discover(self._client, self.pool, probe_timeout=self._probe_timeout)
+        if self._lmcache is not None:
+            await self._lmcache.learn_instances(self.pool.endpoints())
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.maintain_once()
+            except Exception:
+                log.exception("health round failed")
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._tasks)
