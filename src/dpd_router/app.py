@@ -25,7 +25,7 @@ from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.errors import error_response
 from dpd_router.api.guards import ErrorBoundary
 from dpd_router.config import Settings
-from dpd_router.gateway import ENGINE_PATHS, Gateway, PhaseTimeouts, RetryPolicy
+from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.live import LiveConfig
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
@@ -45,7 +45,7 @@ from dpd_router.tasks import cancel_and_wait
 from dpd_router.template_sandbox import TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.tracing import SpanExporter
-from dpd_router.transfer.base import Connector
+from dpd_router.transfer.base import ENGINE_PATHS, Connector
 from dpd_router.transfer.lmcache import LMCacheConnector, ProxyNotifications, Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.sglang import SGLangConnector

@@ -594,8 +594,8 @@ def test_lmcache_ports_need_one_pair_per_rank() -> None:
 
 
 async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_sent() -> None:
+    from dpd_router.gateway.relay import EventStream
     from dpd_router.observe import RequestTrace
-    from dpd_router.relay import EventStream
 
     def completion(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

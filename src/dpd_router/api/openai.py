@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from dpd_router.api.auth import source_of
 from dpd_router.api.errors import response_for
+from dpd_router.api.responses import discard, http_response
 from dpd_router.errors import (
     AdmissionRejected,
     ModelNotFound,
@@ -26,7 +27,6 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
-from dpd_router.gateway import ClosingStream
 from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
@@ -126,19 +126,12 @@ async def _serve(request: Request, kind: RequestKind) -> Response:
         serving.cancel()
         await asyncio.wait({serving})  # a cancellation of this handler itself still propagates
         if not serving.cancelled() and serving.exception() is None:
-            await _discard(serving.result())  # it finished anyway: release what the answer holds
+            await discard(serving.result())  # it finished anyway: release what the answer holds
         return Response(status_code=499)
     try:
-        return serving.result()
+        return http_response(serving.result())
     except RouterError as exc:
         return _error(router, exc, request_id)
-
-
-async def _discard(response: Response) -> None:
-    """Close an answer that will never be sent: a stream's upstream, and the request's record and
-    admission slot (a whole answer released them when it was read)."""
-    if isinstance(response, ClosingStream):
-        await response.discard()
 
 
 async def _client_gone(request: Request) -> None:
