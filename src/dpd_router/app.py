@@ -32,9 +32,9 @@ from dpd_router.observe import Observer
 from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.discovery import Discovery
 from dpd_router.pool.health import HealthChecker
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.kv_events import KVEventSubscriber
 from dpd_router.routing.lmcache import LMCacheController

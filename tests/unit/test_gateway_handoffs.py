@@ -25,8 +25,8 @@ from dpd_router.config import load_settings
 from dpd_router.gateway import Gateway, HeadFirstStream, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.request import ClientRequest, parse_request
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
