@@ -21,13 +21,13 @@ from starlette.requests import Request as StarletteRequest
 from dpd_router.api import openai
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
+from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Gateway, HeadFirstStream, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
-from dpd_router.request import ClientRequest, parse_request
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.lmcache import LMCacheConnector, ReceiverMap

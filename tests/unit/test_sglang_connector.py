@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from dpd_router.app import build_connector
+from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
 from dpd_router.gateway import (
@@ -20,7 +21,6 @@ from dpd_router.gateway import (
     unless_prefill_fails,
 )
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.request import parse_request
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.base import StagedKV
 from dpd_router.transfer.sglang import SGLangConnector, bootstrap_fields

@@ -31,9 +31,9 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.request import ClientRequest
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
