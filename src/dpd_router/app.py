@@ -36,8 +36,8 @@ from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.adaptive import AdaptiveModel
-from dpd_router.routing.kv_events import KVEventSubscriber
-from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
+from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.server import REASONS as REFUSAL_REASONS
 from dpd_router.server import ListenerLimits, RefusedConnections, guarded_protocol
