@@ -23,7 +23,7 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import Handoff, StagedKV
-from dpd_router.transfer.lmcache import (
+from dpd_router.transfer.lmcache.connector import (
     Continuation,
     FirstToken,
     LMCacheConnector,
