@@ -46,7 +46,9 @@ from dpd_router.template_sandbox import TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
-from dpd_router.transfer.lmcache.connector import LMCacheConnector, ProxyNotifications, Receiver, ReceiverMap
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.notify import ProxyNotifications
+from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.sglang import SGLangConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector

@@ -30,7 +30,8 @@ from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
-from dpd_router.transfer.lmcache.connector import LMCacheConnector, ReceiverMap
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.receivers import ReceiverMap
 
 PREFILLER = "http://10.0.0.1:8000"
 DECODER = "http://10.0.0.9:8000"
