@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router import advise
-from dpd_router.advise import AdviseError, Histogram, Options, Scrape, analyse, metrics_url, render_text
+from dpd_router.advise import analysis as advise
+from dpd_router.advise.analysis import AdviseError, Histogram, Options, Scrape, analyse, metrics_url, render_text
 from dpd_router.cli import main
 from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
 
