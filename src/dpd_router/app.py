@@ -32,12 +32,12 @@ from dpd_router.observe import Observer
 from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.discovery import Discovery
 from dpd_router.pool.health import HealthChecker
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.adaptive import AdaptiveModel
-from dpd_router.routing.kv_events import KVEventSubscriber
-from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
+from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.server import REASONS as REFUSAL_REASONS
 from dpd_router.server import ListenerLimits, RefusedConnections, guarded_protocol
@@ -46,7 +46,9 @@ from dpd_router.template_sandbox import TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import ENGINE_PATHS, Connector
-from dpd_router.transfer.lmcache import LMCacheConnector, ProxyNotifications, Receiver, ReceiverMap
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.notify import ProxyNotifications
+from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.sglang import SGLangConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector

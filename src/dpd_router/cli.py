@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 digest of an API key, for api_key_hashes")
     hash_key.add_argument("--key", help="the key (default: one line from stdin, which keeps it out of shell history)")
 
-    from dpd_router.advise import add_arguments as add_advise_arguments
+    from dpd_router.advise.command import add_arguments as add_advise_arguments
 
     advise = commands.add_parser(
         "advise", help="recommend a routing threshold and prefill:decode ratio from a router's /metrics"
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "advise":
-            from dpd_router.advise import run as advise
+            from dpd_router.advise.command import run as advise
 
             return advise(args)
         if args.command == "hash-key":

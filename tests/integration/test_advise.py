@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router.advise import matplotlib_available
+from dpd_router.advise.plot import matplotlib_available
 from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
 from dpd_router.sim.cluster import SimCluster
 from dpd_router.sim.tokenizer_kit import VOCAB_SIZE

@@ -22,16 +22,17 @@ from dpd_router.api import openai
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.responses import http_response
+from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
-from dpd_router.request import ClientRequest, parse_request
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
-from dpd_router.transfer.lmcache import LMCacheConnector, ReceiverMap
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.receivers import ReceiverMap
 
 PREFILLER = "http://10.0.0.1:8000"
 DECODER = "http://10.0.0.9:8000"

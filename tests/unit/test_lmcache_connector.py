@@ -16,25 +16,19 @@ import zmq
 import zmq.asyncio
 
 from dpd_router.app import build_connector
+from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.request import parse_request
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import Handoff, StagedKV
-from dpd_router.transfer.lmcache import (
-    Continuation,
-    FirstToken,
-    LMCacheConnector,
-    ProxyNotifications,
-    Receiver,
-    ReceiverMap,
-    answered_by_prefill,
-    decode_body,
-    prefill_body,
-    unsupported,
-)
+from dpd_router.transfer.lmcache.bodies import decode_body, prefill_body
+from dpd_router.transfer.lmcache.compat import unsupported
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.notify import ProxyNotifications
+from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
+from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
 DECODER = Endpoint("http://10.0.0.9:8000", "decode")

@@ -16,7 +16,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from dpd_router import __version__
-from dpd_router.advise import AdviseError, Scrape, analyse
+from dpd_router.advise.analysis import analyse
+from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.api.admin import authorize
 from dpd_router.metrics import PREFIX
 

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from dpd_router.api.auth import source_of
 from dpd_router.api.errors import response_for
 from dpd_router.api.responses import discard, http_response
+from dpd_router.client_request import ClientRequest, RequestKind, clean_request_id, parse_request
 from dpd_router.errors import (
     AdmissionRejected,
     ModelNotFound,
@@ -27,7 +28,6 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
-from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:

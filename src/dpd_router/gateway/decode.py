@@ -24,7 +24,7 @@ from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.pool.models import ServedModel
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")

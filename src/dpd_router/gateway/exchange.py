@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dpd_router.client_request import ClientRequest
 from dpd_router.deadlines import HopDeadlines
 from dpd_router.gateway.completion import Completion
 from dpd_router.gateway.judge import FailureJudge
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.observe import RequestTrace
-from dpd_router.request import ClientRequest
 from dpd_router.routing.planner import Planner
 from dpd_router.tokenizer import Prompt
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 import httpx
 
 from dpd_router.api.auth import ANONYMOUS, Principal
+from dpd_router.client_request import ClientRequest
 from dpd_router.context_window import check_context_length, prompt_too_long
 from dpd_router.deadlines import HopDeadlines
 from dpd_router.errors import PrefillFailed, PrefillUnavailable, RateLimited, RouterError
@@ -38,8 +39,7 @@ from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.pool.models import ServedModel
-from dpd_router.request import ClientRequest
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV

@@ -10,7 +10,7 @@ import pytest
 
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.lmcache import LMCacheController, parse_layout
+from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController, parse_layout
 
 A, B, C = "http://10.0.0.1:8100", "http://10.0.0.2:8100", "http://10.0.0.3:8100"
 

@@ -15,7 +15,7 @@ from dpd_router.config import Settings
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.kv_events import (
+from dpd_router.routing.kv_sources.vllm_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
