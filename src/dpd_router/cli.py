@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sim", "vllm"],
         default="sim",
         help="sim: simulated engines; vllm: one real vLLM prefill and one decode engine on this CPU, moving KV "
-        "over NIXL (scripts/vllm-cpu-env builds their venv on first use; a source checkout is needed)",
+        "over NIXL (their venv is built on first use, as `scripts/vllm-cpu-env install` does)",
     )
 
     commands.add_parser("sim", help="run one simulated vLLM engine (see `dpd-router sim --help`)", add_help=False)
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
-        from dpd_router.sim.engine import main as sim_main
+        from dpd_sim.engine import main as sim_main
 
         return sim_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
@@ -166,7 +166,7 @@ DEMO_LONG_PROMPT = (
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+    from dpd_sim.tokenizer_kit import ensure_tokenizer
 
     tokenizer = Path(args.tokenizer) if args.tokenizer else ensure_tokenizer()
     try:
@@ -178,14 +178,15 @@ def _demo(args: argparse.Namespace) -> int:
 async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.app import build_server
     from dpd_router.logs import configure_logging
-    from dpd_router.sim.cluster import SimCluster
+    from dpd_sim.cluster import SimCluster
 
     wiring = _SimWiring()
     if args.engines == "vllm":
         if args.kv_connector not in (None, "nixl"):
             print("dpd-router: the real-engine demo speaks NIXL only", file=sys.stderr)
             return 2
-        vllm_cpu = _vllm_cpu_module()
+        from dpd_sim import vllm_cpu
+
         try:
             await asyncio.to_thread(vllm_cpu.ensure_env)
             vllm_cpu.check_memory()
@@ -242,7 +243,7 @@ class _SimWiring:
 def _sim_wiring(kv_connector: str, prefillers: int, decoders: int) -> _SimWiring:
     """LMCache: a receiver port per decoder and the router's notification port; SGLang: a bootstrap
     port per prefiller, and decoders in decode mode. NIXL and shared storage need nothing."""
-    from dpd_router.sim.cluster import HOST, free_ports
+    from dpd_sim.cluster import HOST, free_ports
 
     if kv_connector == "lmcache":
         notify, *ports = free_ports(1 + 2 * decoders)
@@ -269,21 +270,6 @@ def _sim_wiring(kv_connector: str, prefillers: int, decoders: int) -> _SimWiring
             },
         )
     return _SimWiring()
-
-
-def _vllm_cpu_module() -> Any:
-    """scripts/vllm_cpu.py of this source checkout: real engines are a development tool, not a dependency."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu.py"
-    if not path.is_file():
-        raise SettingsError(f"--engines vllm needs a source checkout of dpd-router ({path} is missing)")
-    spec = importlib.util.spec_from_file_location("dpd_router_vllm_cpu", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 async def _announce(server: Any, settings: Settings, prefill: list[str], decode: list[str]) -> None:

@@ -85,7 +85,7 @@ def test_image_listens_on_every_interface_and_checks_health(stages: list[Stage])
 
 def test_build_context_sends_the_sources_and_nothing_else() -> None:
     sent = {path.as_posix() for path in build_context(ROOT, DOCKERIGNORE)}
-    assert {"pyproject.toml", "README.md", "src/dpd_router/cli.py", "src/dpd_router/sim/engine.py"} <= sent
+    assert {"pyproject.toml", "README.md", "src/dpd_router/cli.py", "src/dpd_sim/engine.py"} <= sent
     assert not [p for p in sent if p.split("/")[0] in {".git", ".venv", "tests", "deploy", "benchmarks"}]
     assert not [p for p in sent if "__pycache__" in p or p.endswith(".pyc")]
 
