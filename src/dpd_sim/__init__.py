@@ -3,7 +3,7 @@
 It stands in for real engines in tests and benchmarks, and is strict where vLLM is: a decoder
 given missing, reused or expired `kv_transfer_params` fails the request in-band. Nothing here
 imports the router, and the router never imports this package: only its command line does, to start
-engines for `dpd-router demo` and `dpd-router sim`.
+engines for `dpd-router demo` and `dpd-router sim` (tests/unit/test_package_boundary.py holds both to it).
 """
 
 from dpd_sim.cluster import SimCluster, SimEngine

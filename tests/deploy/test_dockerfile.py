@@ -117,6 +117,9 @@ def test_build_stage_produces_the_wheel_with_runtime_dependencies_only(tmp_path:
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "dpd-router = dpd_router.cli:main" in entry_points
     assert "dpd_router/api/ops.py" in names
+    # The simulator ships in the same wheel: `dpd-router demo` and `dpd-router sim` start its engines.
+    assert {"dpd_sim/__main__.py", "dpd_sim/demo.py", "dpd_sim/vllm_cpu.py", "dpd_sim/py.typed"} <= set(names)
+    assert not [n for n in names if n.startswith("dpd_router/sim/")]
     runtime = sorted(r for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r)
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert len(runtime) == len(declared), runtime
