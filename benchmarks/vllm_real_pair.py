@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair, check_memory, ensure_env, free_port
+from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair, check_memory, ensure_env, free_ports
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -233,7 +233,7 @@ def vllm_router_argv(pair: VllmPair, port: int) -> list[str]:
         "--policy",
         "round_robin",
         "--prometheus-port",
-        str(free_port()),
+        str(free_ports(1)[0]),
     ]
 
 
@@ -348,7 +348,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[Sample], dict[str, Any
     samples: list[Sample] = []
     transfers = dict.fromkeys(("dpd-router", "vllm-router", "decoder"), 0.0)
     async with pair, contextlib.AsyncExitStack() as stack:
-        dpd_port, vr_port = free_port(), free_port()
+        dpd_port, vr_port = free_ports(2)
         urls = {
             "dpd-router": f"http://127.0.0.1:{dpd_port}",
             "vllm-router": f"http://127.0.0.1:{vr_port}",
