@@ -13,7 +13,7 @@ import pytest
 
 from dpd_router.api.auth import hash_key
 from dpd_router.app import build_client
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import (
     MODEL,
     chat_body,

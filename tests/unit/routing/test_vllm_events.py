@@ -26,13 +26,13 @@ from dpd_router.routing.kv_sources.vllm_events import (
 )
 from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
-from dpd_router.sim.kv import block_hashes as sim_block_hashes
-from dpd_router.sim.kv_events import EventFormat, encode_batch
-from dpd_router.sim.kv_events import all_blocks_cleared as sim_cleared
-from dpd_router.sim.kv_events import block_removed as sim_removed
-from dpd_router.sim.kv_events import block_stored as sim_stored
-from dpd_router.sim.kv_events import external_hash as sim_external_hash
 from dpd_router.tokenizer import Prompt
+from dpd_sim.kv import block_hashes as sim_block_hashes
+from dpd_sim.kv_events import EventFormat, encode_batch
+from dpd_sim.kv_events import all_blocks_cleared as sim_cleared
+from dpd_sim.kv_events import block_removed as sim_removed
+from dpd_sim.kv_events import block_stored as sim_stored
+from dpd_sim.kv_events import external_hash as sim_external_hash
 
 BLOCK = 4
 ENGINE = Endpoint("http://127.0.0.1:8100", "prefill")

@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 
-from dpd_router.sim.asgi import (
+from dpd_sim.asgi import (
     SSE_HEADERS,
     Receive,
     Scope,
@@ -18,12 +18,12 @@ from dpd_router.sim.asgi import (
     send_json,
     send_start,
 )
-from dpd_router.sim.completion_request import Api, GenerationRequest, InvalidRequest, ModelNotFound, load_object
-from dpd_router.sim.core import EngineCore, Protocol
-from dpd_router.sim.faults import FaultMode
-from dpd_router.sim.generation import Generation
-from dpd_router.sim.openai_format import DONE, ResponseFormat, error_body
-from dpd_router.sim.stats import RequestKind
+from dpd_sim.completion_request import Api, GenerationRequest, InvalidRequest, ModelNotFound, load_object
+from dpd_sim.core import EngineCore, Protocol
+from dpd_sim.faults import FaultMode
+from dpd_sim.generation import Generation
+from dpd_sim.openai_format import DONE, ResponseFormat, error_body
+from dpd_sim.stats import RequestKind
 
 _LARGE_BODY = 64 * 1024
 """Bodies at least this big are tokenized off the event loop."""

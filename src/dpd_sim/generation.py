@@ -14,17 +14,17 @@ import uuid
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from dpd_router.sim.bootstrap import BootstrapError, fetch_kv
-from dpd_router.sim.completion_request import GenerationRequest
-from dpd_router.sim.gpu import ABORTED, Sequence
-from dpd_router.sim.kv import block_hashes, prompt_digest
-from dpd_router.sim.lmcache_pd import DisaggSpec
-from dpd_router.sim.nixl import KvTransferFailed, RemotePrefill, prefill_answer_params
-from dpd_router.sim.openai_format import Usage
-from dpd_router.sim.stats import RequestKind, RequestRecord, RequestStatus
+from dpd_sim.bootstrap import BootstrapError, fetch_kv
+from dpd_sim.completion_request import GenerationRequest
+from dpd_sim.gpu import ABORTED, Sequence
+from dpd_sim.kv import block_hashes, prompt_digest
+from dpd_sim.lmcache_pd import DisaggSpec
+from dpd_sim.nixl import KvTransferFailed, RemotePrefill, prefill_answer_params
+from dpd_sim.openai_format import Usage
+from dpd_sim.stats import RequestKind, RequestRecord, RequestStatus
 
 if TYPE_CHECKING:
-    from dpd_router.sim.core import EngineCore
+    from dpd_sim.core import EngineCore
 
 
 class EngineShutdown(Exception):

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from dpd_router.sim.completion_request import Api
+from dpd_sim.completion_request import Api
 
 DONE = b"data: [DONE]\n\n"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import vllm_cpu
-from scripts.vllm_cpu import Engine, Layout, PortTaken, Role, VllmPair, ephemeral_range, free_ports
+from dpd_sim import vllm_cpu
+from dpd_sim.vllm_cpu import Engine, Layout, PortTaken, Role, VllmPair, ephemeral_range, free_ports
 
 
 def test_ports_come_from_below_the_ephemeral_range_distinct_and_bindable() -> None:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import orjson
 
-from dpd_router.sim.kv import token_bytes
+from dpd_sim.kv import token_bytes
 
 _WORD = re.compile(r" [a-z]{2,12}")
 

@@ -8,19 +8,19 @@ from typing import Any, Literal
 import httpx
 from transformers import AutoTokenizer
 
-from dpd_router.sim.bootstrap import BootstrapRooms, BootstrapServer
-from dpd_router.sim.completion_request import GenerationRequest, InvalidRequest, RequestParser
-from dpd_router.sim.config import SimConfig
-from dpd_router.sim.faults import FaultInjector
-from dpd_router.sim.gpu import Scheduler
-from dpd_router.sim.kv import KvLease, LeaseTable, PrefixCache
-from dpd_router.sim.kv_events import KvEventPublisher
-from dpd_router.sim.lmcache_pd import DisaggSpec, DisaggSpecError, PdReceiver, PdSender, ReceiveBuffer
-from dpd_router.sim.metrics import EngineMetrics
-from dpd_router.sim.nixl import KvPuller, NixlSideChannel
-from dpd_router.sim.sampler import Sampler
-from dpd_router.sim.stats import RequestKind, RequestLog
-from dpd_router.tasks import cancel_and_wait
+from dpd_sim.bootstrap import BootstrapRooms, BootstrapServer
+from dpd_sim.completion_request import GenerationRequest, InvalidRequest, RequestParser
+from dpd_sim.config import SimConfig
+from dpd_sim.faults import FaultInjector
+from dpd_sim.gpu import Scheduler
+from dpd_sim.kv import KvLease, LeaseTable, PrefixCache
+from dpd_sim.kv_events import KvEventPublisher
+from dpd_sim.lmcache_pd import DisaggSpec, DisaggSpecError, PdReceiver, PdSender, ReceiveBuffer
+from dpd_sim.metrics import EngineMetrics
+from dpd_sim.nixl import KvPuller, NixlSideChannel
+from dpd_sim.sampler import Sampler
+from dpd_sim.stats import RequestKind, RequestLog
+from dpd_sim.tasks import cancel_and_wait
 
 Protocol = Literal["nixl", "lmcache", "sglang"]
 

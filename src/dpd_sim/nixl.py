@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.kv import KvLease, LeaseError, LeaseTable
+from dpd_sim.gpu import TimingModel
+from dpd_sim.kv import KvLease, LeaseError, LeaseTable
 
 TRANSFER_PATH = "/sim/nixl/transfer"
 NOTIFY_PATH = "/sim/nixl/notify"

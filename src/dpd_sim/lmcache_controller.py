@@ -1,6 +1,6 @@
 """A stand-in for the LMCache controller's lookup API, fed by the simulated engines' KV events.
 
-`python -m dpd_router.sim.lmcache_controller --port 9000 --instance ID=tcp://127.0.0.1:5557[@IP] ...`
+`python -m dpd_sim.lmcache_controller --port 9000 --instance ID=tcp://127.0.0.1:5557[@IP] ...`
 subscribes to each instance's vLLM KV events (either event encoding) and answers as the LMCache
 controller does:
 
@@ -33,10 +33,10 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from dpd_router.sim.kv import BLOCK_SIZE, block_hashes
-from dpd_router.tasks import cancel_and_wait
+from dpd_sim.kv import BLOCK_SIZE, block_hashes
+from dpd_sim.tasks import cancel_and_wait
 
-log = logging.getLogger("dpd_router.sim.lmcache_controller")
+log = logging.getLogger("dpd_sim.lmcache_controller")
 
 LOCATION = "LocalCPUBackend"
 # Field positions of the array encoding (the tag first), as vLLM's msgspec array_like structs.
@@ -227,7 +227,7 @@ def parse_instance(spec: str) -> tuple[str, str, str | None]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m dpd_router.sim.lmcache_controller",
+        prog="python -m dpd_sim.lmcache_controller",
         description="An LMCache controller stand-in (/lookup, /query_instance) fed by simulated engines' KV events.",
     )
     parser.add_argument("--host", default="127.0.0.1")

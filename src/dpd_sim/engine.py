@@ -17,16 +17,16 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 
-from dpd_router.sim.completion_request import Api, InvalidRequest, load_object
-from dpd_router.sim.config import ROLES, Role, SimConfig
-from dpd_router.sim.core import EngineCore
-from dpd_router.sim.faults import FAULT_MODES, FaultMode
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.kv_events import EVENT_FORMATS, EventFormat
-from dpd_router.sim.nixl import NOTIFY_PATH, TRANSFER_PATH
-from dpd_router.sim.openai_format import error_body
-from dpd_router.sim.serving import CompletionsEndpoint
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.completion_request import Api, InvalidRequest, load_object
+from dpd_sim.config import ROLES, Role, SimConfig
+from dpd_sim.core import EngineCore
+from dpd_sim.faults import FAULT_MODES, FaultMode
+from dpd_sim.gpu import TimingModel
+from dpd_sim.kv_events import EVENT_FORMATS, EventFormat
+from dpd_sim.nixl import NOTIFY_PATH, TRANSFER_PATH
+from dpd_sim.openai_format import error_body
+from dpd_sim.serving import CompletionsEndpoint
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 __all__ = ["SimConfig", "build_arg_parser", "config_from_args", "create_app", "main"]
 
@@ -150,7 +150,7 @@ def _error(exc: InvalidRequest) -> Response:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dpd_router.sim",
+        prog="python -m dpd_sim",
         description="Run one simulated vLLM engine (NIXL, LMCache and SGLang P/D semantics).",
     )
     parser.add_argument("--role", choices=ROLES, default="both")

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from dpd_router.sim.gpu import TimingModel
+from dpd_sim.gpu import TimingModel
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from types import TracebackType
 
 import httpx
 
-from dpd_router.sim.config import Role
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.config import Role
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 HOST = "127.0.0.1"
 
@@ -58,7 +58,7 @@ class SimEngine:
 
 
 class SimCluster:
-    """N simulated engines as subprocesses (`python -m dpd_router.sim`), each on a free port.
+    """N simulated engines as subprocesses (`python -m dpd_sim`), each on a free port.
 
     >>> async with SimCluster(prefill=1, decode=1, tokenizer=path) as cluster:
     ...     cluster.prefill_urls, cluster.decode_urls
@@ -188,7 +188,7 @@ class SimCluster:
             engine.process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "dpd_router.sim",
+                "dpd_sim",
                 *args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
