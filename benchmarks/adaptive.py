@@ -60,7 +60,7 @@ import httpx
 
 from benchmarks import loadgen, report, stack
 from benchmarks.workload import PromptFactory, Workload
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 NAME = "adaptive"
 WITHIN = 0.10

@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks import loadgen, report, stack, tools
 from benchmarks.workload import FINANCE_MIX_SCALED, PromptFactory, Workload
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 SETUPS = ("dpd", "dpd-nogate", "colocated-2", "colocated-1")
 DPD_SETUPS = ("dpd", "dpd-nogate")

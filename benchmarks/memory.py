@@ -23,8 +23,8 @@ from typing import Any
 
 from benchmarks import loadgen, report, stack
 from benchmarks.workload import PromptFactory
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.gpu import TimingModel
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 NAME = "memory"
 

@@ -32,8 +32,8 @@ from typing import Any
 
 from benchmarks import loadgen, report, stack, tools
 from benchmarks.workload import PromptFactory
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.gpu import TimingModel
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 NAME = "router_overhead"
 PLAIN = ("direct", "dpd-router", "vllm-router", "production-stack")

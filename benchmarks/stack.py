@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from dpd_router.sim.cluster import SimCluster
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.cluster import SimCluster
+from dpd_sim.gpu import TimingModel
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent

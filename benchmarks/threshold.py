@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks import loadgen, report, stack
 from benchmarks.workload import PromptFactory, Workload
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 NAME = "threshold"
 NEVER = 10**9

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stack import MODEL, VENVS
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 PACKAGES = {
     "genai-bench": ["genai-bench", "py-spy", "pyinstrument"],

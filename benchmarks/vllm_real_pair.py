@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.vllm_real_pair [--requests 16] [--concurrency 1 4]
 
-Starts the pair (scripts/vllm_cpu.py; its venv is built on first use), dpd-router (`dpd-router serve`,
+Starts the pair (src/dpd_sim/vllm_cpu.py; its venv is built on first use), dpd-router (`dpd-router serve`,
 its own process) and vllm-router 0.1.17 (Rust, benchmarks/.venvs/vllm-router) in front of it, plus a
 "no router" baseline straight to the decode engine. Every target gets the same greedy streamed chat
 requests: long prompts (disaggregated by both routers) and short ones (dpd-router sends them straight
@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from scripts.vllm_cpu import MODEL_NAME, VllmPair, check_memory, ensure_env, free_port
+from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair, check_memory, ensure_env, free_ports
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -233,7 +233,7 @@ def vllm_router_argv(pair: VllmPair, port: int) -> list[str]:
         "--policy",
         "round_robin",
         "--prometheus-port",
-        str(free_port()),
+        str(free_ports(1)[0]),
     ]
 
 
@@ -348,7 +348,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[Sample], dict[str, Any
     samples: list[Sample] = []
     transfers = dict.fromkeys(("dpd-router", "vllm-router", "decoder"), 0.0)
     async with pair, contextlib.AsyncExitStack() as stack:
-        dpd_port, vr_port = free_port(), free_port()
+        dpd_port, vr_port = free_ports(2)
         urls = {
             "dpd-router": f"http://127.0.0.1:{dpd_port}",
             "vllm-router": f"http://127.0.0.1:{vr_port}",

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dpd_router.sim.tokenizer_kit import _WORDS
+from dpd_sim.tokenizer_kit import _WORDS
 
 _DIST = re.compile(
     r"^\s*(?P<kind>[DU])\((?P<a>\d+),(?P<b>\d+)\)(?:/\((?P<c>\d+),(?P<d>\d+)\))?\s*$",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 
 @pytest.fixture(scope="session")

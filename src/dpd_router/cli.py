@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sim", "vllm"],
         default="sim",
         help="sim: simulated engines; vllm: one real vLLM prefill and one decode engine on this CPU, moving KV "
-        "over NIXL (scripts/vllm-cpu-env builds their venv on first use; a source checkout is needed)",
+        "over NIXL (their venv is built on first use, as `scripts/vllm-cpu-env install` does)",
     )
 
     commands.add_parser("sim", help="run one simulated vLLM engine (see `dpd-router sim --help`)", add_help=False)
@@ -108,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 digest of an API key, for api_key_hashes")
     hash_key.add_argument("--key", help="the key (default: one line from stdin, which keeps it out of shell history)")
 
-    from dpd_router.advise import add_arguments as add_advise_arguments
+    from dpd_router.advise.command import add_arguments as add_advise_arguments
 
     advise = commands.add_parser(
         "advise", help="recommend a routing threshold and prefill:decode ratio from a router's /metrics"
@@ -120,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
-        from dpd_router.sim.engine import main as sim_main
+        from dpd_sim.engine import main as sim_main  # the one other place the router's CLI uses the simulator
 
         return sim_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
@@ -130,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "advise":
-            from dpd_router.advise import run as advise
+            from dpd_router.advise.command import run as advise
 
             return advise(args)
         if args.command == "hash-key":
@@ -166,7 +164,8 @@ DEMO_LONG_PROMPT = (
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+    # The simulator is imported only here and by `sim`: the router itself never needs it.
+    from dpd_sim.tokenizer_kit import ensure_tokenizer
 
     tokenizer = Path(args.tokenizer) if args.tokenizer else ensure_tokenizer()
     try:
@@ -178,112 +177,42 @@ def _demo(args: argparse.Namespace) -> int:
 async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.app import build_server
     from dpd_router.logs import configure_logging
-    from dpd_router.sim.cluster import SimCluster
+    from dpd_sim.demo import DemoUnavailable, demo_engines
 
-    wiring = _SimWiring()
-    if args.engines == "vllm":
-        if args.kv_connector not in (None, "nixl"):
-            print("dpd-router: the real-engine demo speaks NIXL only", file=sys.stderr)
-            return 2
-        vllm_cpu = _vllm_cpu_module()
-        try:
-            await asyncio.to_thread(vllm_cpu.ensure_env)
-            vllm_cpu.check_memory()
-        except vllm_cpu.EnvironmentUnavailable as exc:
-            print(f"dpd-router: the real engines cannot run here: {exc}", file=sys.stderr)
-            return 2
-        cluster = vllm_cpu.VllmPair("nixl", tokenizer_dir=tokenizer)
-        model = cluster.model_name
-        print(f"starting a real vLLM prefill and decode engine (about 70 s; logs in {cluster.log_dir}) ...", flush=True)
-    else:
-        wiring = _sim_wiring(args.kv_connector or "nixl", args.prefillers, args.decoders)
-        cluster = SimCluster(
-            prefill=args.prefillers,
-            decode=args.decoders,
+    try:
+        demo = await demo_engines(
+            args.engines,
+            kv_connector=args.kv_connector,
+            prefillers=args.prefillers,
+            decoders=args.decoders,
             tokenizer=tokenizer,
-            model="sim-model",
-            extra_args=wiring.extra_args,
-            engine_args=wiring.engine_args,
         )
-        model = "sim-model"
-        print(f"starting {args.prefillers} prefill and {args.decoders} decode simulated engines ...", flush=True)
-    await cluster.start()
+    except DemoUnavailable as exc:
+        print(f"dpd-router: {exc}", file=sys.stderr)
+        return 2
+    engines = demo.engines
+    print(demo.announcement, flush=True)
+    await engines.start()
     try:
         settings = _settings_from(
             args,
-            prefill_urls=cluster.prefill_urls,
-            decode_urls=cluster.decode_urls,
+            prefill_urls=engines.prefill_urls,
+            decode_urls=engines.decode_urls,
             tokenizer=str(tokenizer),
-            model=model,
+            model=demo.model,
             routing_threshold=DEMO_THRESHOLD,
             log_format="text",
-            **wiring.settings(cluster),
+            **demo.router_settings(),
         )
         configure_logging(settings.log_level, settings.log_format)
         server = build_server(settings, loop="none")
-        announce = asyncio.create_task(_announce(server, settings, cluster.prefill_urls, cluster.decode_urls))
+        announce = asyncio.create_task(_announce(server, settings, engines.prefill_urls, engines.decode_urls))
         await server.serve()
         await cancel_and_wait([announce])
     finally:
         print("stopping the engines ...", flush=True)
-        await cluster.stop()
+        await engines.stop()
     return 0
-
-
-@dataclass
-class _SimWiring:
-    """What simulated engines and the router need to speak a KV connector's protocol to each other."""
-
-    extra_args: list[str] = field(default_factory=list)
-    engine_args: dict[str, list[str]] = field(default_factory=dict)
-    settings: Callable[[Any], dict[str, Any]] = lambda _cluster: {}
-
-
-def _sim_wiring(kv_connector: str, prefillers: int, decoders: int) -> _SimWiring:
-    """LMCache: a receiver port per decoder and the router's notification port; SGLang: a bootstrap
-    port per prefiller, and decoders in decode mode. NIXL and shared storage need nothing."""
-    from dpd_router.sim.cluster import HOST, free_ports
-
-    if kv_connector == "lmcache":
-        notify, *ports = free_ports(1 + 2 * decoders)
-        receivers = {f"decode-{i}": (ports[2 * i], ports[2 * i + 1]) for i in range(decoders)}
-        return _SimWiring(
-            extra_args=["--lmcache-notify-url", f"tcp://{HOST}:{notify}"],
-            engine_args={name: ["--lmcache-receiver-port", str(init)] for name, (init, _) in receivers.items()},
-            settings=lambda cluster: {
-                "lmcache_notify_address": f"tcp://{HOST}:{notify}",
-                "lmcache_receivers": {
-                    cluster.engine(name).url: {"init_ports": [init], "alloc_ports": [alloc]}
-                    for name, (init, alloc) in receivers.items()
-                },
-            },
-        )
-    if kv_connector == "sglang":
-        bootstrap = dict(zip((f"prefill-{i}" for i in range(prefillers)), free_ports(prefillers), strict=True))
-        # Decode-mode servers, as SGLang's: a request without a bootstrap room is refused.
-        decode_mode = {f"decode-{i}": ["--bootstrap-required"] for i in range(decoders)}
-        return _SimWiring(
-            engine_args={**decode_mode, **{name: ["--bootstrap-port", str(port)] for name, port in bootstrap.items()}},
-            settings=lambda cluster: {
-                "sglang_bootstrap_ports": {cluster.engine(name).url: port for name, port in bootstrap.items()}
-            },
-        )
-    return _SimWiring()
-
-
-def _vllm_cpu_module() -> Any:
-    """scripts/vllm_cpu.py of this source checkout: real engines are a development tool, not a dependency."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu.py"
-    if not path.is_file():
-        raise SettingsError(f"--engines vllm needs a source checkout of dpd-router ({path} is missing)")
-    spec = importlib.util.spec_from_file_location("dpd_router_vllm_cpu", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 async def _announce(server: Any, settings: Settings, prefill: list[str], decode: list[str]) -> None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpd_router.client_request import ClientRequest
 from dpd_router.errors import InvalidRequest
-from dpd_router.request import ClientRequest
 from dpd_router.tokenizer import Prompt
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dpd_router.metrics import RouterMetrics, prompt_length_bucket
+from dpd_router.outcome import Outcome
 
 log = logging.getLogger("dpd_router.request")
 
@@ -86,6 +87,29 @@ class RequestTrace:
             self.status = status
 
 
+def outcome_of(trace: RequestTrace) -> Outcome:
+    """The record learners get of a finished request."""
+    first_token = None
+    if trace.first_token_at is not None and trace.decode_started is not None:
+        first_token = trace.first_token_at - trace.decode_started
+    return Outcome(
+        ok=trace.outcome == "ok",
+        path=trace.path,
+        stream=trace.stream,
+        uncached_tokens=trace.uncached_tokens,
+        prefiller=trace.prefiller,
+        decoder=trace.decoder,
+        decoder_streams=trace.decoder_streams,
+        decoder_queue=trace.decoder_queue,
+        prefiller_queue=trace.prefiller_queue,
+        prefill_seconds=trace.prefill_seconds,
+        prefill_retried=trace.prefill_error is not None,
+        prefill_overlaps_decode=trace.prefill_overlaps_decode,
+        first_token_seconds=first_token,
+        token_gaps=max(trace.token_chunks - 1, 0),
+    )
+
+
 class SpanSink(Protocol):
     def export(self, trace: RequestTrace, ended: float) -> None: ...
 
@@ -102,7 +126,7 @@ class Observer:
         self,
         metrics: RouterMetrics,
         spans: SpanSink | None = None,
-        listeners: Sequence[Callable[[RequestTrace], None]] = (),
+        listeners: Sequence[Callable[[Outcome], None]] = (),
     ) -> None:
         self.metrics = metrics
         self.spans = spans
@@ -155,8 +179,10 @@ class Observer:
         self._log(trace, now)
         if self.spans is not None:
             self.spans.export(trace, now)
-        for listener in self.listeners:
-            listener(trace)
+        if self.listeners:
+            outcome = outcome_of(trace)
+            for listener in self.listeners:
+                listener(outcome)
 
     def _observe_phases(self, trace: RequestTrace) -> None:
         """Split the TTFT into what each step took; `router` is the rest (parsing, planning, and

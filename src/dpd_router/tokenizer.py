@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
+from dpd_router.client_request import TEXT_PART_TYPES, ClientRequest
 from dpd_router.errors import InvalidRequest, UpstreamError
-from dpd_router.request import TEXT_PART_TYPES, ClientRequest
 from dpd_router.template_sandbox import TemplateSandbox
 
 

@@ -112,7 +112,7 @@ def test_a_mixture_keeps_its_proportions_in_small_runs() -> None:
 def test_prompts_have_the_exact_token_count_and_differ_from_the_first_token() -> None:
     from benchmarks.workload import PromptFactory
 
-    from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+    from dpd_sim.tokenizer_kit import ensure_tokenizer
 
     factory = PromptFactory(ensure_tokenizer())
     prompts = [factory.prompt(index, 300) for index in range(3)]

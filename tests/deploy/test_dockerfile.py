@@ -85,7 +85,7 @@ def test_image_listens_on_every_interface_and_checks_health(stages: list[Stage])
 
 def test_build_context_sends_the_sources_and_nothing_else() -> None:
     sent = {path.as_posix() for path in build_context(ROOT, DOCKERIGNORE)}
-    assert {"pyproject.toml", "README.md", "src/dpd_router/cli.py", "src/dpd_router/sim/engine.py"} <= sent
+    assert {"pyproject.toml", "README.md", "src/dpd_router/cli.py", "src/dpd_sim/engine.py"} <= sent
     assert not [p for p in sent if p.split("/")[0] in {".git", ".venv", "tests", "deploy", "benchmarks"}]
     assert not [p for p in sent if "__pycache__" in p or p.endswith(".pyc")]
 
@@ -117,6 +117,9 @@ def test_build_stage_produces_the_wheel_with_runtime_dependencies_only(tmp_path:
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "dpd-router = dpd_router.cli:main" in entry_points
     assert "dpd_router/api/ops.py" in names
+    # The simulator ships in the same wheel: `dpd-router demo` and `dpd-router sim` start its engines.
+    assert {"dpd_sim/__main__.py", "dpd_sim/demo.py", "dpd_sim/vllm_cpu.py", "dpd_sim/py.typed"} <= set(names)
+    assert not [n for n in names if n.startswith("dpd_router/sim/")]
     runtime = sorted(r for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r)
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert len(runtime) == len(declared), runtime

@@ -22,7 +22,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.metrics import RouterMetrics
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, openai_client, running_router
 
 from .chart import CHART, DEPLOY, monitoring_on, render

@@ -1,4 +1,4 @@
-"""Real vLLM engines on this machine (scripts/vllm_cpu.py) and the router in front of them.
+"""Real vLLM engines on this machine (src/dpd_sim/vllm_cpu.py) and the router in front of them.
 
 One pair of engines runs at a time (two need about 6.5 GB): the NIXL pair for most tests, then
 the shared-storage pair, which the last module asks for. Engines and routers start once per
@@ -23,7 +23,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from scripts.vllm_cpu import (
+from dpd_sim.vllm_cpu import (
     MODEL_NAME,
     Engine,
     EnvironmentUnavailable,

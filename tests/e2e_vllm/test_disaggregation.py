@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.vllm_cpu import VllmPair
+from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import EngineCounters, ask, eventually, long_text, metric_total
 from tests.integration.conftest import settled
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from scripts.vllm_cpu import VllmPair
+from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import MODEL_NAME, REQUEST_TIMEOUT, EngineCounters, _say, long_text
 
 CONTEXT = 4096  # the engines' --max-model-len

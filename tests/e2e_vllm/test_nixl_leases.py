@@ -14,7 +14,7 @@ import re
 import httpx
 
 from dpd_router.transfer.nixl import PREFILL_KV_PARAMS
-from scripts.vllm_cpu import VllmPair
+from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (
     REQUEST_TIMEOUT,
     _say,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from scripts.vllm_cpu import VllmPair
+from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import EngineCounters, ask, long_text, metric_total, warm_up_engine
 
 FALLBACK_REASONS = ("prefill_pool_down", "prefill_failed")

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from scripts.vllm_cpu import VllmPair
+from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (
     THRESHOLD,
     EngineCounters,

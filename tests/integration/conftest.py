@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 
 from dpd_router.app import build_server
 from dpd_router.config import load_settings
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 
 MODEL = "sim-model"
 

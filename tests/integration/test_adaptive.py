@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dpd_router.api.auth import hash_key
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, metric, running_router, settled
 
 MEDIUM = "Each quarter the regional teams reported their numbers in the same format. " * 40

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from dpd_router.sim.cluster import SimCluster, free_ports
-from dpd_router.sim.sampler import Sampler
+from dpd_sim.cluster import SimCluster, free_ports
+from dpd_sim.sampler import Sampler
 
 from .conftest import (
     MODEL,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from dpd_router.api.auth import hash_key
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, cluster_settings, metric, running_router
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

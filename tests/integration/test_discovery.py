@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, metric, requests_seen, running_router
 from tests.unit.discovery.kube_api import FakeKubernetes
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, cluster_settings, engine_stats, metric, running_router
 
 CONTEXT = 512

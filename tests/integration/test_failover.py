@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, cluster_settings, engine_stats, metric, running_router
 from tests.integration.test_reliability import LONG, SHORT, SLOW_DECODE, THRESHOLD, sse_events, wait_until
 

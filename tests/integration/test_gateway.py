@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 
 from .conftest import MODEL, engine_stats, metric, openai_client, requests_seen, running_router
 

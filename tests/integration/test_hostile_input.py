@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpd_router.api.auth import hash_key
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, cluster_settings, metric, running_router
 from tests.integration.keepalive import Answer, ConnectionDropped, KeepAliveConnection
 

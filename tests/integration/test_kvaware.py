@@ -21,9 +21,9 @@ import httpx
 import pytest
 import uvicorn
 
-from dpd_router.sim.cluster import SimCluster
-from dpd_router.sim.lmcache_controller import Controller
-from dpd_router.sim.lmcache_controller import create_app as create_controller_app
+from dpd_sim.cluster import SimCluster
+from dpd_sim.lmcache_controller import Controller
+from dpd_sim.lmcache_controller import create_app as create_controller_app
 from tests.integration.conftest import MODEL, cluster_settings, metric, openai_client, requests_seen, running_router
 
 THRESHOLD = 64

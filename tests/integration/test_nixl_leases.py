@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, cluster_settings, engine_stats, metric, running_router
 from tests.integration.slow_link import SlowLink
 

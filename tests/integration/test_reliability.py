@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from dpd_router.api.auth import hash_key
-from dpd_router.sim.cluster import SimCluster
 from dpd_router.startup.families import build_client
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import (
     MODEL,
     chat_body,

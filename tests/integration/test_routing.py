@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, metric, openai_client, requests_seen, running_router
 
 THRESHOLD = 64

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from dpd_router.api.auth import hash_key
-from dpd_router.sim.cluster import SimCluster
+from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, engine_stats, metric, running_router
 
 SHORT = "Hi there."

@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router import advise
-from dpd_router.advise import AdviseError, Histogram, Options, Scrape, analyse, metrics_url, render_text
+from dpd_router.advise import command
+from dpd_router.advise import ratio as pool_ratio
+from dpd_router.advise.analysis import analyse
+from dpd_router.advise.collect import metrics_url
+from dpd_router.advise.histogram import Histogram
+from dpd_router.advise.render import render_text
+from dpd_router.advise.report import Options
+from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.cli import main
 from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
 
@@ -186,14 +192,14 @@ def test_ratio_follows_the_token_counts() -> None:
 
 
 def test_simple_ratio_and_split() -> None:
-    assert advise._simple_ratio(1.0) == "1:1"
-    assert advise._simple_ratio(0.5) == "1:2"
-    assert advise._simple_ratio(1.6) == "3:2"
-    assert advise._simple_ratio(3.1) == "3:1"
-    assert advise._simple_ratio(0.0) == "0:1"
-    assert advise._split(1.0, 4) == {"prefill": 2, "decode": 2}
-    assert advise._split(0.01, 4) == {"prefill": 1, "decode": 3}, "a pool keeps at least one engine"
-    assert advise._split(0.0, 4) == {"prefill": 0, "decode": 4}
+    assert pool_ratio._simple_ratio(1.0) == "1:1"
+    assert pool_ratio._simple_ratio(0.5) == "1:2"
+    assert pool_ratio._simple_ratio(1.6) == "3:2"
+    assert pool_ratio._simple_ratio(3.1) == "3:1"
+    assert pool_ratio._simple_ratio(0.0) == "0:1"
+    assert pool_ratio._split(1.0, 4) == {"prefill": 2, "decode": 2}
+    assert pool_ratio._split(0.01, 4) == {"prefill": 1, "decode": 3}, "a pool keeps at least one engine"
+    assert pool_ratio._split(0.0, 4) == {"prefill": 0, "decode": 4}
 
 
 def _set_waiting(scrape: Scrape, role: str, waiting: float) -> None:
@@ -303,7 +309,7 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_plot_without_matplotlib_says_how_to_install(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(advise, "matplotlib_available", lambda: False)
+    monkeypatch.setattr(command, "matplotlib_available", lambda: False)
     code = main(["advise", "--file", str(FIXTURES / "crossover_2k.prom"), "--plot", str(tmp_path / "x.png")])
     assert code == 2 and not (tmp_path / "x.png").exists()
     assert "pip install 'dpd-router[bench]'" in capsys.readouterr().err

@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
+from dpd_router.client_request import RequestKind, parse_request
 from dpd_router.context_window import check_context_length
 from dpd_router.errors import InvalidRequest
-from dpd_router.request import RequestKind, parse_request
 from dpd_router.tokenizer import Prompt
 
 LIMIT = 4096

@@ -21,16 +21,18 @@ from starlette.requests import Request as StarletteRequest
 from dpd_router.api import openai
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
+from dpd_router.api.responses import http_response
+from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
-from dpd_router.gateway import Gateway, HeadFirstStream, PhaseTimeouts, RetryPolicy
+from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
-from dpd_router.request import ClientRequest, parse_request
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
-from dpd_router.transfer.lmcache import LMCacheConnector, ReceiverMap
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.receivers import ReceiverMap
 
 PREFILLER = "http://10.0.0.1:8000"
 DECODER = "http://10.0.0.9:8000"
@@ -158,8 +160,8 @@ def chat(**extra: Any) -> ClientRequest:
     return parse_request("chat", orjson.dumps(body))
 
 
-async def play(response: Any, *, client_leaves_after: float | None = None) -> bytes:
-    """Send a response to a client as an ASGI server would; the client may leave after some seconds."""
+async def play(answer: Answer, *, client_leaves_after: float | None = None) -> bytes:
+    """Send an answer to a client as the router's ASGI server would; the client may leave after some seconds."""
     body: list[bytes] = []
 
     async def receive() -> dict[str, Any]:
@@ -172,7 +174,7 @@ async def play(response: Any, *, client_leaves_after: float | None = None) -> by
         if message["type"] == "http.response.body":
             body.append(message.get("body", b""))
 
-    await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    await http_response(answer)({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
     return b"".join(body)
 
 
@@ -187,7 +189,7 @@ async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_b
 
     built, metrics = gateway(Engines(broken))
     response = await built.handle(chat(stream=True), "req-1")
-    assert isinstance(response, HeadFirstStream)
+    assert isinstance(response, StreamedAnswer)
     events = [event for event in (await play(response)).split(b"\n\n") if event]
     assert b'"content":" river"' in events[1], "the prefiller's token went first"
     assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
@@ -217,7 +219,7 @@ async def test_kv_a_decoder_took_is_not_drained() -> None:
     built, _ = gateway(engines)
     await play(await built.handle(chat(stream=True), "req-1"))
     whole = await built.handle(chat(), "req-2")
-    assert whole.status_code == 200
+    assert whole.status == 200
     await asyncio.sleep(0.1)
     assert len(engines.to(DECODER)) == 2 and engines.to(DECODER, drain=True) == []
 
@@ -247,7 +249,7 @@ async def test_a_decoder_that_cannot_be_reached_gets_its_kv_drained_and_the_next
     built, _ = gateway(engines, decoders=(OTHER_DECODER, DECODER))
     built.planners[None].pool.decoders[1].in_flight += 1  # busier: the plan takes the one that refuses
     answer = await built.handle(chat(), "req-1")
-    assert answer.status_code == 200
+    assert answer.status == 200
     prefills = [orjson.loads(call.content) for call in engines.calls if str(call.url).startswith(PREFILLER)]
     hosts = [body["kv_transfer_params"]["disagg_spec"]["receiver_host"] for body in prefills]
     assert hosts == ["10.0.0.8", "10.0.0.9"], "staged again for the decoder that answered"
@@ -269,7 +271,10 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
             async def events() -> Any:
                 yield b"data: [DONE]\n\n"
 
-            return HeadFirstStream(events(), released.set, media_type="text/event-stream", headers={})
+            async def close() -> None:
+                released.set()
+
+            return StreamedAnswer(events(), close, headers={})
 
     metrics = RouterMetrics()
     api = openai.OpenAIApi(

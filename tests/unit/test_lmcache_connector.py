@@ -15,26 +15,20 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.request import parse_request
 from dpd_router.startup.connectors import build_connector
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import Handoff, StagedKV
-from dpd_router.transfer.lmcache import (
-    Continuation,
-    FirstToken,
-    LMCacheConnector,
-    ProxyNotifications,
-    Receiver,
-    ReceiverMap,
-    answered_by_prefill,
-    decode_body,
-    prefill_body,
-    unsupported,
-)
+from dpd_router.transfer.lmcache.bodies import decode_body, prefill_body
+from dpd_router.transfer.lmcache.compat import unsupported
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.notify import ProxyNotifications
+from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
+from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
 DECODER = Endpoint("http://10.0.0.9:8000", "decode")
@@ -594,8 +588,8 @@ def test_lmcache_ports_need_one_pair_per_rank() -> None:
 
 
 async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_sent() -> None:
+    from dpd_router.gateway.relay import EventStream
     from dpd_router.observe import RequestTrace
-    from dpd_router.relay import EventStream
 
     def completion(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

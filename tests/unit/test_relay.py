@@ -7,9 +7,9 @@ import httpx
 import orjson
 import pytest
 
+from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, relay_body
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
-from dpd_router.relay import DecodeFailedEarly, EventStream, relay_body
 
 
 class Chunks(httpx.AsyncByteStream):

@@ -9,20 +9,15 @@ import httpx
 import orjson
 import pytest
 
+from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
-from dpd_router.gateway import (
-    ENGINE_PATHS,
-    HANDOFF_FAILED,
-    DecodeFailed,
-    prefiller_cached_tokens,
-    unless_prefill_fails,
-)
+from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
+from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.request import parse_request
 from dpd_router.startup.connectors import build_connector
 from dpd_router.tokenizer import Prompt
-from dpd_router.transfer.base import StagedKV
+from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.sglang import SGLangConnector, bootstrap_fields
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")

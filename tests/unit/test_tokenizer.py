@@ -9,8 +9,8 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
+from dpd_router.client_request import parse_request
 from dpd_router.errors import InvalidRequest
-from dpd_router.request import parse_request
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES, EngineTokenizer, LocalTokenizer, PromptTooLong
 
 

@@ -16,7 +16,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from dpd_router import __version__
-from dpd_router.advise import AdviseError, Scrape, analyse
+from dpd_router.advise.analysis import analyse
+from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.api.admin import authorize
 from dpd_router.metrics import PREFIX
 
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     from dpd_router.metrics import RouterMetrics
     from dpd_router.observe import Observer
     from dpd_router.pool.endpoint import Endpoint
-    from dpd_router.pool.models import ServedModel
     from dpd_router.pool.pool import Pool
+    from dpd_router.pool.served_model import ServedModel
     from dpd_router.routing.planner import Planner
 
 # Histograms the page charts, by their name without the prefix, and the label it splits them by.

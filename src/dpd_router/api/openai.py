@@ -18,6 +18,8 @@ from starlette.responses import Response
 from dpd_router.api.auth import source_of
 from dpd_router.api.errors import response_for
 from dpd_router.api.limits import count_refusal
+from dpd_router.api.responses import discard, http_response
+from dpd_router.client_request import ClientRequest, RequestKind, clean_request_id, parse_request
 from dpd_router.errors import (
     AdmissionRejected,
     ModelNotFound,
@@ -27,8 +29,6 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
-from dpd_router.gateway import ClosingStream
-from dpd_router.request import ClientRequest, RequestKind, clean_request_id, parse_request
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from dpd_router.gateway import Gateway
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
-    from dpd_router.pool.models import ServedModel
+    from dpd_router.pool.served_model import ServedModel
 
 
 class OpenAIApi:
@@ -148,10 +148,10 @@ class OpenAIApi:
             serving.cancel()
             await asyncio.wait({serving})  # a cancellation of this handler itself still propagates
             if not serving.cancelled() and serving.exception() is None:
-                await _discard(serving.result())  # it finished anyway: release what the answer holds
+                await discard(serving.result())  # it finished anyway: release what the answer holds
             return Response(status_code=499)
         try:
-            return serving.result()
+            return http_response(serving.result())
         except RouterError as exc:
             return self._error(exc, request_id)
 
@@ -166,13 +166,6 @@ class OpenAIApi:
         if isinstance(exc, RateLimited):
             count_refusal(self._metrics, exc)
         return response_for(exc, headers=headers)
-
-
-async def _discard(response: Response) -> None:
-    """Close an answer that will never be sent: a stream's upstream, and the request's record and
-    admission slot (a whole answer released them when it was read)."""
-    if isinstance(response, ClosingStream):
-        await response.discard()
 
 
 async def _client_gone(request: Request) -> None:

@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 if TYPE_CHECKING:
     from dpd_router.metrics import RouterMetrics
-    from dpd_router.pool.models import ServedModel
     from dpd_router.pool.pool import Pool
+    from dpd_router.pool.served_model import ServedModel
 
 
 class OpsApi:

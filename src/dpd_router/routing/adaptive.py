@@ -74,7 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from dpd_router.observe import RequestTrace
+from dpd_router.outcome import Outcome
 
 _T = TypeVar("_T")
 
@@ -404,36 +404,36 @@ class AdaptiveModel:
         """A disaggregated request's decode call: from its start to the first token (KV transfer)."""
         self.handoff.observe(tokens, seconds)
 
-    def learn_from(self, trace: RequestTrace) -> None:
+    def learn_from(self, outcome: Outcome) -> None:
         """Learn from a finished request: its prefill call streamed or not, its first token only when
         streamed (a whole answer says nothing about its first token)."""
-        if trace.stream and trace.decoder and trace.token_chunks > 1:
-            self.gap_budget(trace.decoder).count_gaps(trace.token_chunks - 1)
-        if trace.outcome != "ok" or trace.uncached_tokens is None:
+        if outcome.stream and outcome.decoder and outcome.token_gaps > 0:
+            self.gap_budget(outcome.decoder).count_gaps(outcome.token_gaps)
+        if not outcome.ok or outcome.uncached_tokens is None:
             return
-        tokens = trace.uncached_tokens
+        tokens = outcome.uncached_tokens
         if (
-            trace.path == "disaggregated"
-            and trace.prefiller
-            and trace.prefill_seconds is not None
-            and trace.prefill_error is None  # a retried hop's time and queue belong to two prefillers
-            and trace.prefiller_queue is not None
+            outcome.path == "disaggregated"
+            and outcome.prefiller
+            and outcome.prefill_seconds is not None
+            and not outcome.prefill_retried  # a retried hop's time and queue belong to two prefillers
+            and outcome.prefiller_queue is not None
         ):
-            self.learn_prefill(trace.prefiller, tokens, trace.prefill_seconds, trace.prefiller_queue)
-        if not trace.stream or trace.decode_started is None or trace.first_token_at is None or not trace.decoder:
+            self.learn_prefill(outcome.prefiller, tokens, outcome.prefill_seconds, outcome.prefiller_queue)
+        first_token = outcome.first_token_seconds
+        if not outcome.stream or first_token is None or not outcome.decoder:
             return
-        first_token = trace.first_token_at - trace.decode_started
-        if trace.path == "disaggregated":
-            if not trace.prefill_overlaps_decode:  # a concurrent hop's decode call also waited for the prefill
+        if outcome.path == "disaggregated":
+            if not outcome.prefill_overlaps_decode:  # a concurrent hop's decode call also waited for the prefill
                 self.learn_handoff(tokens, first_token)
-        elif trace.prefill_seconds is None:
-            if trace.decoder_streams <= QUIET_DECODER_STREAMS:
+        elif outcome.prefill_seconds is None:
+            if outcome.decoder_streams <= QUIET_DECODER_STREAMS:
                 # Only a quiet decoder's first token measures its prefill speed: on a busy one it also
                 # counts the wait behind other prompts' prefills and the running streams' decode steps.
-                self.learn_direct(trace.decoder, tokens, first_token)
-            line = self.direct_cost(trace.decoder)
-            prefill = line.predict(tokens) + line.per_token * max(trace.decoder_queue, 0.0)
-            self.direct_wait(trace.decoder).observe(max(first_token - prefill, 0.0))
+                self.learn_direct(outcome.decoder, tokens, first_token)
+            line = self.direct_cost(outcome.decoder)
+            prefill = line.predict(tokens) + line.per_token * max(outcome.decoder_queue, 0.0)
+            self.direct_wait(outcome.decoder).observe(max(first_token - prefill, 0.0))
 
     # -- deciding -----------------------------------------------------------------------------
     def estimate(

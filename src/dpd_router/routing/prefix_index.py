@@ -1,7 +1,7 @@
 """Which endpoints hold which prompt prefixes, as a bounded map of block hash -> endpoint bitmask.
 
 Every index the router keeps (its own record of placements here, the engines' KV events in
-kv_events.py) stores one small int per block: a bitmask of the endpoints holding it. Matching a
+kv_sources/vllm_events.py) stores one small int per block: a bitmask of the endpoints holding it. Matching a
 prompt walks its chained block hashes from the start and notes, for every endpoint, the depth at
 which its bit drops out.
 """

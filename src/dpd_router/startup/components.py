@@ -16,7 +16,7 @@ from dpd_router import __version__
 from dpd_router.config import Settings
 from dpd_router.live import LiveConfig, Reconfigurable
 from dpd_router.metrics import RouterMetrics
-from dpd_router.pool.models import ServedModel
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.startup.connectors import build_connector, warn_about_connector
 from dpd_router.startup.families import (
     Access,

@@ -10,7 +10,9 @@ import httpx
 
 from dpd_router.config import Settings
 from dpd_router.transfer.base import ENGINE_PATHS, Connector
-from dpd_router.transfer.lmcache import LMCacheConnector, ProxyNotifications, Receiver, ReceiverMap
+from dpd_router.transfer.lmcache.connector import LMCacheConnector
+from dpd_router.transfer.lmcache.notify import ProxyNotifications
+from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.sglang import SGLangConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector

@@ -22,12 +22,12 @@ from dpd_router.observe import Observer
 from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.discovery import Discovery
 from dpd_router.pool.health import HealthChecker
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.adaptive import AdaptiveModel
-from dpd_router.routing.kv_events import KVEventSubscriber
-from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
+from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter

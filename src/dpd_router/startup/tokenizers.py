@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import httpx
 
 from dpd_router.config import Settings
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
+from dpd_router.pool.served_model import ServedModel
 from dpd_router.template_sandbox import TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 

@@ -8,10 +8,10 @@ import logging
 import httpx
 
 from dpd_router.pool.health import HealthChecker
-from dpd_router.pool.models import ServedModel
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
-from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.pool.served_model import ServedModel
+from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.app")

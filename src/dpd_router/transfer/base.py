@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
+from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.request import ClientRequest
 from dpd_router.tokenizer import Prompt
 
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}

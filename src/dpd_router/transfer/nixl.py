@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import orjson
 
+from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
-from dpd_router.request import ClientRequest
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, prefill_usage
 

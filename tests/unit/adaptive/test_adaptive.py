@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
-from dpd_router.observe import RequestTrace
+from dpd_router.observe import RequestTrace, outcome_of
+from dpd_router.outcome import Outcome
 from dpd_router.routing.adaptive import LEARNED_HOPS, AdaptiveModel, AdaptivePolicy, GapBudget, LinearCost
 
 
@@ -147,18 +149,19 @@ def test_after_a_quiet_spell_one_odd_observation_does_not_replace_the_line() -> 
     assert fit.predict(4000) == pytest.approx(0.404, rel=0.2)
 
 
-def trace(**fields: object) -> RequestTrace:
-    """A finished streamed request: decode started at t=10 s; `first_token` seconds later its first token."""
+def trace(**fields: object) -> Outcome:
+    """A finished streamed request, as the observer reports it to learners: decode started at t=10 s;
+    `first_token` seconds later its first token."""
     first = fields.pop("first_token", 0.1)
     t = RequestTrace(request_id="r", kind="chat", stream=True)
     t.decode_started = 10.0
     t.first_token_at = 10.0 + float(first)  # type: ignore[arg-type]
     for name, value in fields.items():
         setattr(t, name, value)
-    return t
+    return outcome_of(t)
 
 
-def hop_trace(tokens: int, queued: float, seconds: float) -> RequestTrace:
+def hop_trace(tokens: int, queued: float, seconds: float) -> Outcome:
     return trace(
         path="disaggregated", prefiller="p", decoder="d", uncached_tokens=tokens, prefiller_queue=queued,
         prefill_seconds=seconds, first_token=0.02,
@@ -167,9 +170,7 @@ def hop_trace(tokens: int, queued: float, seconds: float) -> RequestTrace:
 
 def test_a_whole_answer_teaches_its_prefill_call_but_not_its_first_token() -> None:
     m = model()
-    whole = hop_trace(4000, 0, 0.3)
-    whole.stream = False
-    m.learn_from(whole)
+    m.learn_from(replace(hop_trace(4000, 0, 0.3), stream=False))
     assert m.hop_observations("p") == 1 and m.slo_hop_cost("p").observations == 1
     assert m.handoff.observations == 0
     m.learn_from(hop_trace(4000, 0, 0.3))
@@ -378,6 +379,8 @@ def test_the_itl_budget_lets_late_pauses_through_up_to_its_share_of_the_decoders
     # The case of the itl_slo test above: a 6k prompt (0.6 s) would pause 4 streams behind a 10 s
     # prefill queue. With a 1% share and no gaps seen yet there is no budget: the hop.
     m = model(itl_slo=0.25, itl_slo_share=0.01)
+    for decoder in ("d", "d2"):
+        m.gap_budget(decoder).clock = lambda: 0.0  # no time passes here: a slow machine fades nothing
     assert m.estimate("d", "p", 6000, running_streams=4, prefiller_queue=100_000).reason == "itl_slo"
     assert m.gap_budget("d").spent == 0  # a prompt sent to the hop pauses nothing
     # 10 finished streams of 102 tokens: 1010 gaps, room for 10 late ones, two prompts of 4 pauses each.
@@ -550,7 +553,7 @@ def test_the_direct_wait_learns_only_what_the_queued_prefills_do_not_explain() -
     m = model()
     d = m.direct_cost("d")
 
-    def direct(queued: int, beyond_the_queue: float) -> RequestTrace:
+    def direct(queued: int, beyond_the_queue: float) -> Outcome:
         """A direct request on a busy decoder: `queued` prompt tokens were ahead of it when it was planned."""
         first = d.predict(1000) + d.per_token * queued + beyond_the_queue
         return trace(

@@ -10,8 +10,8 @@ import pytest
 from dpd_router.config import Settings, SettingsError, load_settings
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.kv_events import KVEventSubscriber, publishers_from_settings
-from dpd_router.routing.lmcache import LMCacheController
+from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
+from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber, publishers_from_settings
 from dpd_router.startup import Components
 
 P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"

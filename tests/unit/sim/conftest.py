@@ -14,8 +14,8 @@ import httpx
 import pytest
 import uvicorn
 
-from dpd_router.sim import SimConfig, create_app, ensure_tokenizer
-from dpd_router.sim.core import EngineCore
+from dpd_sim import SimConfig, create_app, ensure_tokenizer
+from dpd_sim.core import EngineCore
 
 
 @dataclass

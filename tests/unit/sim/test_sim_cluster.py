@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from dpd_router.sim import SimCluster
-from dpd_router.sim.cluster import EngineStartError
+from dpd_sim import SimCluster
+from dpd_sim.cluster import EngineStartError
 
 LEASE_SECONDS = 1.0
 

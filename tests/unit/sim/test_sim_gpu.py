@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dpd_router.sim.gpu import ABORTED, Scheduler, TimingModel
+from dpd_sim.gpu import ABORTED, Scheduler, TimingModel
 
 EngineFactory = Callable[..., AbstractAsyncContextManager[Any]]
 FAST = TimingModel(prefill_overhead=0.001, prefill_per_token=1e-6, decode_step_base=0.001)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpd_router.sim.kv import (
+from dpd_sim.kv import (
     KvLease,
     LeaseExpired,
     LeaseMismatch,

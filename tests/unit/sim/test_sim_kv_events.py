@@ -14,8 +14,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dpd_router.sim.kv import BLOCK_SIZE, PrefixCache, block_hashes
-from dpd_router.sim.kv_events import (
+from dpd_sim.kv import BLOCK_SIZE, PrefixCache, block_hashes
+from dpd_sim.kv_events import (
     END_SEQ,
     EventFormat,
     KvEventPublisher,

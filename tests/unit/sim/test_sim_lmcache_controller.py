@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from dpd_router.sim.kv import block_hashes
-from dpd_router.sim.kv_events import (
+from dpd_sim.kv import block_hashes
+from dpd_sim.kv_events import (
     EventFormat,
     all_blocks_cleared,
     block_removed,
@@ -17,7 +17,7 @@ from dpd_router.sim.kv_events import (
     encode_batch,
     external_hash,
 )
-from dpd_router.sim.lmcache_controller import Controller, create_app, parse_instance
+from dpd_sim.lmcache_controller import Controller, create_app, parse_instance
 
 PROMPT = list(range(500, 560))  # 3 full blocks and 12 tokens
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from dpd_router.sim.bootstrap import (
+from dpd_sim.bootstrap import (
     Bootstrap,
     BootstrapError,
     BootstrapRooms,
@@ -17,10 +17,10 @@ from dpd_router.sim.bootstrap import (
     bootstraps_from_body,
     fetch_kv,
 )
-from dpd_router.sim.gpu import TimingModel
-from dpd_router.sim.kv import prompt_digest
-from dpd_router.sim.lmcache_pd import BufferFull, DisaggSpec, DisaggSpecError, ReceiveBuffer
-from dpd_router.sim.sampler import Sampler
+from dpd_sim.gpu import TimingModel
+from dpd_sim.kv import prompt_digest
+from dpd_sim.lmcache_pd import BufferFull, DisaggSpec, DisaggSpecError, ReceiveBuffer
+from dpd_sim.sampler import Sampler
 
 from .conftest import EngineFactory
 from .test_sim_engine_api import sse_events

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from dpd_router.sim.tokenizer_kit import ensure_tokenizer
+from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 
 def test_tokenizer_reloads_offline_with_a_chat_template(sim_tokenizer: Path) -> None:

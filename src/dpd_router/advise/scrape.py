@@ -1,0 +1,117 @@
+"""The dpd_router_* samples of `/metrics` scrapes: parsed, summed over routers, differenced over time."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dpd_router.advise.histogram import Histogram, parse_bound
+from dpd_router.metrics import PREFIX
+
+
+class AdviseError(Exception):
+    """The scrapes could not be read or combined; the message says why."""
+
+
+LabelItems = tuple[tuple[str, str], ...]
+SampleKey = tuple[str, LabelItems]
+
+
+@dataclass
+class Scrape:
+    """The dpd_router_* samples of one or more scrapes: cumulative ones (counters, histograms) and gauges
+    (one value per router scraped, since summing them is right for some and wrong for others)."""
+
+    cumulative: dict[SampleKey, float] = field(default_factory=dict)
+    gauges: dict[SampleKey, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Scrape:
+        scrape = cls()
+        try:
+            families = list(text_string_to_metric_families(text))
+        except Exception as exc:  # the parser raises ValueError and friends on bad text
+            raise AdviseError(f"not Prometheus text exposition: {exc}") from None
+        for family in families:
+            if not family.name.startswith(PREFIX):
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if family.type in ("counter", "histogram", "summary"):
+                    scrape.cumulative[key] = float(sample.value)
+                else:
+                    scrape.gauges[key] = [float(sample.value)]
+        return scrape
+
+    @property
+    def empty(self) -> bool:
+        return not self.cumulative and not self.gauges
+
+    def plus(self, other: Scrape) -> Scrape:
+        """Several routers' scrapes together: cumulative series add up, gauges keep every router's value."""
+        out = Scrape(dict(self.cumulative), {k: list(v) for k, v in self.gauges.items()})
+        for key, value in other.cumulative.items():
+            out.cumulative[key] = out.cumulative.get(key, 0.0) + value
+        for key, values in other.gauges.items():
+            out.gauges.setdefault(key, []).extend(values)
+        return out
+
+    def minus(self, earlier: Scrape) -> Scrape:
+        """The traffic between `earlier` and this scrape of the same router(s); gauges are this scrape's."""
+        out = Scrape({}, {k: list(v) for k, v in self.gauges.items()})
+        for key, value in self.cumulative.items():
+            before = earlier.cumulative.get(key, 0.0)
+            if value < before - 1e-6:
+                raise AdviseError(
+                    f"{key[0]}{dict(key[1])} went down between the scrapes ({before:g} -> {value:g}): the router "
+                    "restarted in between, or the scrapes are in the wrong order (--since takes the earlier one)"
+                )
+            out.cumulative[key] = value - before
+        missing = [key for key in earlier.cumulative if key not in self.cumulative and earlier.cumulative[key] > 0]
+        if missing:
+            name, labels = missing[0]
+            raise AdviseError(f"{name}{dict(labels)} is in the earlier scrape but not in the later one")
+        return out
+
+    def counters(self, name: str, by: Sequence[str]) -> dict[tuple[str, ...], float]:
+        """A counter's values summed by the labels `by`."""
+        totals: dict[tuple[str, ...], float] = defaultdict(float)
+        for (sample, labels), value in self.cumulative.items():
+            if sample == name:
+                found = dict(labels)
+                totals[tuple(found.get(label, "") for label in by)] += value
+        return dict(totals)
+
+    def gauge_values(self, name: str) -> list[tuple[dict[str, str], float]]:
+        return [
+            (dict(labels), value)
+            for (sample, labels), values in self.gauges.items()
+            if sample == name
+            for value in values
+        ]
+
+    def histograms(self, name: str, by: Sequence[str] = ()) -> dict[tuple[str, ...], Histogram]:
+        """A histogram's series summed by the labels `by` (every other label summed over)."""
+        buckets: dict[tuple[str, ...], dict[float, float]] = defaultdict(lambda: defaultdict(float))
+        sums: dict[tuple[str, ...], float] = defaultdict(float)
+        for (sample, labels), value in self.cumulative.items():
+            found = dict(labels)
+            group = tuple(found.get(label, "") for label in by)
+            if sample == f"{name}_bucket":
+                buckets[group][parse_bound(found.get("le", "+Inf"))] += value
+            elif sample == f"{name}_sum":
+                sums[group] += value
+        out = {}
+        for group, by_bound in buckets.items():
+            bounds = sorted(by_bound)
+            out[group] = Histogram(bounds, [by_bound[b] for b in bounds], sums.get(group, 0.0))
+        return out
+
+    def histogram(self, name: str) -> Histogram:
+        return self.histograms(name).get((), Histogram([math.inf], [0.0], 0.0))

@@ -1,0 +1,358 @@
+"""The decode hop: one call to one decoder, up to its first token (streams) or its whole answer.
+
+Every way a decode call can fail before the client saw a byte becomes a `DecodeFailed` here (the
+one error map of the hop), which `DecoderReplacement` turns into the next decoder to try. A learned
+deadline, where another decoder could take the request, bounds the wait for a hung decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import anyio
+import httpx
+
+from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
+from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
+from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
+from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learned_deadline
+from dpd_router.gateway.exchange import Exchange
+from dpd_router.gateway.policy import Deadline
+from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
+from dpd_router.metrics import RouterMetrics
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.served_model import ServedModel
+from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
+
+log = logging.getLogger("dpd_router.gateway")
+
+# Seconds before the only decoder is tried again (times the attempt number).
+SAME_DECODER_BACKOFF = 0.25
+
+
+class DecodeHop:
+    """Sends decode calls and reads their answers; built once, shared by all requests."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, connector: Connector, metrics: RouterMetrics, model: ServedModel
+    ) -> None:
+        self._client = client
+        self._connector = connector
+        self._metrics = metrics
+        self._model = model
+
+    async def answer(
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
+    ) -> Answer:
+        """The decode call, until its first token (or whole answer); while a concurrent prefill still
+        runs, that prefill failing first cancels the call and raises its PrefillFailed, and a decode
+        call failing while the prefill cannot be shown to have done its part is a failed hand-off,
+        counted against the prefiller."""
+        if staged is None or staged.pending is None:
+            return await self._answer(exchange, decoder, call, staged, replaceable=replaceable)
+        # Its first token waits for the prefill running beside it: a slow one is that prefill's, and
+        # no learned deadline judges the decoder for it.
+        answer = self._answer(exchange, decoder, call, staged, replaceable=False)
+        try:
+            return await unless_prefill_fails(answer, staged.pending)
+        except PrefillFailed as exc:
+            if exc.reason == HANDOFF_FAILED and staged.handoff is not None:
+                staged.handoff.prefiller.record_failure(str(exc))
+            raise
+
+    async def _answer(
+        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
+    ) -> Answer:
+        request = exchange.request
+        if call.answered is not None:
+            return self.answer_from_prefill(exchange, call, staged)
+        deadline = self._deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
+        exchange.done.kv_sent_to(decoder)
+        upstream = await self.open(exchange, decoder, call, deadline)
+        if upstream.status_code != 200:
+            return await self._engine_refusal(exchange, upstream, decoder)
+        if not request.stream:
+            return await self._whole_answer(exchange, upstream, decoder, staged, call, deadline)
+        stream = await self.primed_stream(exchange, upstream, decoder, staged, call, deadline)
+        exchange.done.kv_taken_by(decoder)
+        return StreamedAnswer(stream, stream.close, exchange.headers, media_type=stream.media_type)
+
+    async def open(self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, deadline: Deadline) -> httpx.Response:
+        """Send the decode call and wait for its status line (reads are timed by the caller)."""
+        connect = exchange.timeouts.connect
+        outgoing = self._client.build_request(
+            "POST",
+            f"{decoder.url}{call.path}",
+            content=call.body,
+            headers={
+                "X-Request-Id": exchange.request_id,
+                "Content-Type": "application/json",
+                "Accept-Encoding": "identity",
+            },
+            timeout=httpx.Timeout(None, connect=connect, pool=connect),
+        )
+        late = "The decoder did not answer in time."
+        with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke the connection"):
+            async with asyncio.timeout_at(deadline.at):
+                return await self._client.send(outgoing, stream=True)
+
+    async def primed_stream(
+        self,
+        exchange: Exchange,
+        upstream: httpx.Response,
+        decoder: Endpoint,
+        staged: StagedKV | None,
+        call: DecodeCall,
+        deadline: Deadline,
+    ) -> EventStream:
+        """The decoder's stream, read up to its first token (so a failing decoder can still be replaced)."""
+        stream = self.event_stream(exchange, upstream, call, staged)
+        if staged is not None and staged.pending is not None:
+            # The prefiller's cache hit is known once its call ends, usually before the decoder's usage.
+            staged.pending.add_done_callback(
+                lambda _: setattr(stream, "cached_tokens", prefiller_cached_tokens(staged))
+            )
+        late = f"The decoder produced no token within {exchange.timeouts.first_token:g} s."
+        primed = False
+        try:
+            with decode_errors(
+                decoder, deadline, late=late, timeout_failure="no first token in time", broke="broke its stream"
+            ):
+                await stream.prime(deadline.at)
+            primed = True
+        except DecodeFailedEarly as exc:
+            raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True, in_band=True) from None
+        finally:
+            if not primed:
+                await stream.discard()  # not handed to the client: close it here, whatever happened
+        exchange.decode_judge.succeeded(decoder)
+        self._learn(exchange, deadline, staged)
+        return stream
+
+    def answer_from_prefill(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> Answer:
+        """The prefill produced the whole answer (one token): relay it as a decoder's, without a decoder."""
+        assert call.answered is not None
+        exchange.trace.decoder = None
+        if not exchange.request.stream:
+            rewrite = None if call.answer is None else call.answer.body
+            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite)
+            exchange.done()
+            return WholeAnswer(content, exchange.headers)
+        stream = self.answered_stream(exchange, call, staged)
+        return StreamedAnswer(stream, stream.close, exchange.headers)
+
+    def answered_stream(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> EventStream:
+        """The prefill's own answer (its one token), relayed as a stream."""
+        assert call.answered is not None
+        upstream = httpx.Response(
+            200, stream=httpx.ByteStream(call.answered), headers={"content-type": "text/event-stream"}
+        )
+        return self.event_stream(exchange, upstream, call, staged)
+
+    def event_stream(
+        self, exchange: Exchange, upstream: httpx.Response, call: DecodeCall, staged: StagedKV | None
+    ) -> EventStream:
+        """The relay of a decoder's stream (or of the prefill's answer) to this client."""
+        return EventStream(
+            upstream,
+            exchange.trace,
+            cached_tokens=prefiller_cached_tokens(staged),
+            on_close=exchange.done,
+            idle_timeout=exchange.timeouts.idle,
+            strip_usage=exchange.strip_usage,
+            rewrite=None if call.answer is None else call.answer.chunk,
+            on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
+        )
+
+    async def _whole_answer(
+        self,
+        exchange: Exchange,
+        upstream: httpx.Response,
+        decoder: Endpoint,
+        staged: StagedKV | None,
+        call: DecodeCall,
+        deadline: Deadline,
+    ) -> Answer:
+        late = f"The decoder did not finish within {exchange.timeouts.total:g} s."
+        try:
+            with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke off its answer"):
+                async with asyncio.timeout_at(deadline.at):
+                    content = await upstream.aread()
+        finally:
+            await close_quietly(upstream)
+        exchange.done.kv_taken_by(decoder)
+        # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
+        failure = failed_before_output(content)
+        if failure is not None:
+            raise DecodeFailed(
+                f"the decoder failed the request in-band: {failure}",
+                kv_consumed=True,
+                failure=failure,
+                answered=True,
+                in_band=True,
+            )
+        rewrite = None if call.answer is None else call.answer.body
+        content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite)
+        exchange.decode_judge.succeeded(decoder)
+        self._learn(exchange, deadline, staged)
+        exchange.done()
+        return WholeAnswer(content, exchange.headers)
+
+    async def _engine_refusal(self, exchange: Exchange, upstream: httpx.Response, decoder: Endpoint) -> Answer:
+        """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
+        content = await read_refusal(upstream, decoder)
+        status = upstream.status_code
+        exchange.trace.fail("engine_rejected", f"decoder answered {status}", status=status)
+        exchange.done()
+        media_type = upstream.headers.get("content-type", "application/json")
+        return WholeAnswer(content, exchange.headers, status=status, media_type=media_type)
+
+    def _deadline(self, exchange: Exchange, decoder: Endpoint, *, with_kv: bool, replaceable: bool) -> Deadline:
+        """When the decoder must have answered: its first token (streams) or its whole answer.
+
+        The learned deadline, where one is known and shorter than the phase's timeout, judges a
+        non-streamed answer by its `max_tokens` (vLLM sends nothing before the whole answer), so a
+        long answer still has the time an answer that long takes. It applies only while another
+        decoder could take the request (a retry left, a decoder to take it): the last attempt, or
+        the only decoder, merely slower than usual, keeps the timeout rather than fail for nothing.
+        """
+        request, timeouts = exchange.request, exchange.timeouts
+        started = asyncio.get_running_loop().time()
+        # Judged as if the decoder held none of the prompt it is to compute (it may have evicted what
+        # the router believes it caches); learned by the router's estimate of what it computed.
+        tokens = exchange.prompt.num_tokens if not with_kv else (exchange.trace.uncached_tokens or 0)
+        others = exchange.planner.pool.healthy("decode")
+        if not replaceable or not any(other is not decoder for other in others):
+            return Deadline(started, started + (timeouts.first_token if request.stream else timeouts.total))
+        if request.stream:
+            cap = timeouts.first_token
+            learned = exchange.deadlines.deadline("first_token", (tokens,), timeouts.learned, cap, with_kv=with_kv)
+        else:
+            cap = timeouts.total
+            output = self._most_output(exchange)
+            learned = (
+                None
+                if output is None
+                else exchange.deadlines.deadline("answer", (tokens, output), timeouts.learned, cap, with_kv=with_kv)
+            )
+        return Deadline(started, started + (cap if learned is None else learned), learned)
+
+    def _most_output(self, exchange: Exchange) -> int | None:
+        """The most output tokens the answer may have (None: not known, so no learned deadline)."""
+        body, prompt = exchange.request.body, exchange.prompt
+        limit = body.get("max_completion_tokens")
+        if not isinstance(limit, int):
+            limit = body.get("max_tokens")
+        if not isinstance(limit, int):
+            # Unset, vLLM lets the answer run to the end of the context window.
+            if self._model.max_model_len is None:
+                return None
+            limit = self._model.max_model_len - prompt.num_tokens
+        choices = body.get("n")
+        sequences = (choices if isinstance(choices, int) and choices > 1 else 1) * exchange.request.batch_size
+        return max(limit, 1) * sequences
+
+    @staticmethod
+    def _learn(exchange: Exchange, deadline: Deadline, staged: StagedKV | None) -> None:
+        """Learn from a decoder that answered in time: its first token, or its whole answer."""
+        seconds = asyncio.get_running_loop().time() - deadline.started
+        tokens = exchange.trace.uncached_tokens or 0
+        with_kv = staged is not None
+        if exchange.request.stream:
+            exchange.deadlines.learn("first_token", (tokens,), seconds, with_kv=with_kv)
+        elif exchange.trace.completion_tokens is not None:
+            size = (tokens, exchange.trace.completion_tokens)
+            exchange.deadlines.learn("answer", size, seconds, with_kv=with_kv)
+
+
+class DecoderReplacement:
+    """The decoders one request has tried, and the next one after a failure: the one place a decoder
+    that failed before the client saw a byte is judged and replaced (at most `decode_retries` times)."""
+
+    def __init__(self, exchange: Exchange, metrics: RouterMetrics) -> None:
+        self._exchange = exchange
+        self._metrics = metrics
+        self._tried: list[Endpoint] = []
+        self.attempt = 0
+
+    @property
+    def replaceable(self) -> bool:
+        """Whether a decoder failing now could still be replaced (a retry is left)."""
+        return self.attempt < self._exchange.retries.decode_retries
+
+    def failed(self, decoder: Endpoint, failure: DecodeFailed) -> None:
+        """Judge `decoder`'s failure, and settle the staged KV it took or never received."""
+        exchange = self._exchange
+        exchange.decode_judge.failed(decoder, failure.failure, answered=failure.answered)
+        self._tried.append(decoder)
+        log.warning("request %s: decoder %s failed before answering: %s", exchange.request_id, decoder.url, failure)
+        if failure.kv_consumed:
+            exchange.done.kv_taken_by(decoder)
+        else:
+            exchange.done.kv_not_delivered()  # held for the next decoder, or released
+
+    async def next(self, decoder: Endpoint, failure: DecodeFailed) -> Endpoint:
+        """The decoder to try after `decoder` failed; UpstreamError when none is left."""
+        exchange = self._exchange
+        replacement = exchange.planner.alternative("decode", exchange.prompt, exclude=self._tried)
+        if replacement is None and decoder.available:
+            # The only decoder left: try it again (with fresh KV if it may have used the staged
+            # one). An unreachable one never saw the request, so resending it is safe.
+            replacement = decoder
+        if replacement is None or not self.replaceable:
+            raise UpstreamError(f"The decoder failed before answering: {failure.detail}") from None
+        self._metrics.retries.labels("decode").inc()
+        if replacement is decoder:
+            await asyncio.sleep(SAME_DECODER_BACKOFF * (self.attempt + 1))
+        self.attempt += 1
+        return replacement
+
+
+@contextlib.contextmanager
+def decode_errors(
+    decoder: Endpoint, deadline: Deadline, *, late: str, timeout_failure: str, broke: str
+) -> Iterator[None]:
+    """The one map of a decode call's failures before the client saw a byte.
+
+    Unreachable: `DecodeFailed`, the KV not delivered. Broken after it connected: `DecodeFailed`, the
+    KV possibly used. Past a learned deadline: a hang, replaced (`missed_learned_deadline`). Past the
+    phase's timeout: the decoder's failure and the client's 504 (`late` says which phase).
+    """
+    try:
+        yield
+    except TimeoutError:
+        if deadline.learned is not None:
+            raise missed_learned_deadline(deadline.learned) from None
+        decoder.record_failure(timeout_failure)
+        raise UpstreamTimeout(late) from None
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        failure = type(exc).__name__
+        detail = f"{decoder.url} could not be reached: {failure}"
+        raise DecodeFailed(detail, kv_consumed=False, failure=failure) from None
+    except httpx.HTTPError as exc:
+        failure = type(exc).__name__
+        raise DecodeFailed(f"{decoder.url} {broke}: {failure}", kv_consumed=True, failure=failure) from None
+
+
+async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:
+    """The body of a decoder's non-200 answer, the response closed; a 5xx raises DecodeFailed (retryable)."""
+    try:
+        content = await upstream.aread()
+    except httpx.HTTPError:
+        content = b""
+    finally:
+        await close_quietly(upstream)
+    status = upstream.status_code
+    if status >= 500:
+        detail = f"{decoder.url} answered {status}: {content[:300].decode(errors='replace')}"
+        raise DecodeFailed(detail, kv_consumed=True, failure=f"status {status}", answered=True)
+    return content
+
+
+async def close_quietly(response: httpx.Response) -> None:
+    """Close an upstream response even while the request is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        await response.aclose()

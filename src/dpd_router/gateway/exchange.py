@@ -1,0 +1,54 @@
+"""One client request on its way through the gateway: what every stage after planning needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dpd_router.client_request import ClientRequest
+from dpd_router.deadlines import HopDeadlines
+from dpd_router.gateway.completion import Completion
+from dpd_router.gateway.judge import FailureJudge
+from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
+from dpd_router.observe import RequestTrace
+from dpd_router.routing.planner import Planner
+from dpd_router.tokenizer import Prompt
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A request being served, with the policies it started under (a live change applies to the next)."""
+
+    request: ClientRequest
+    prompt: Prompt
+    planner: Planner
+    request_id: str
+    trace: RequestTrace
+    done: Completion
+    # The router asked the stream for a usage chunk the client did not: drop it before the client.
+    strip_usage: bool
+    # What this pool's hops have been taking: the learned deadlines of this request's hops.
+    deadlines: HopDeadlines
+    timeouts: PhaseTimeouts
+    retries: RetryPolicy
+    prefill_judge: FailureJudge = field(default_factory=FailureJudge)
+    decode_judge: FailureJudge = field(default_factory=FailureJudge)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers of the router's answer."""
+        return {"X-Request-Id": self.request_id}
+
+
+def ask_for_usage(request: ClientRequest) -> bool:
+    """Make a stream end with a usage chunk, which the metrics need (output and cached tokens).
+
+    Returns True when the client did not ask for it: the relay then drops it before the client sees it.
+    """
+    if not request.stream:
+        return False
+    options = request.body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return False
+    request.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    request.body_changed = True
+    return True

@@ -1,0 +1,357 @@
+"""Gateway.handle(): a request's whole path, read top to bottom.
+
+prepare (tokenize, context window, prompt-token limit) -> plan (threshold, engines) -> serve:
+prefill hop (prefill.py: retries, then the fallback policy) -> decode hop (decode.py: decoder
+replaced while the client has seen nothing) -> relay (relay.py) -> finish (completion.py).
+
+The connector decides the shape of the two hops: a sequential one's decode call starts once the
+prefill hop staged the KV; a concurrent one's starts with it (concurrent.py). A connector whose
+prefill already produced the first token (LMCache) has it sent to the client at once
+(head_first.py); one that holds staged KV until a decode call picks it up (NIXL on the prefiller,
+LMCache in the chosen decoder) has it released when no decode call will. A connector whose
+decoders serve nothing alone (SGLang) gets every request through a prefiller, or refuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+import httpx
+
+from dpd_router.api.auth import ANONYMOUS, Principal
+from dpd_router.client_request import ClientRequest
+from dpd_router.context_window import check_context_length, prompt_too_long
+from dpd_router.deadlines import HopDeadlines
+from dpd_router.errors import PrefillFailed, PrefillUnavailable, RateLimited, RouterError
+from dpd_router.gateway.answer import Answer
+from dpd_router.gateway.completion import Completion, HeldKV
+from dpd_router.gateway.concurrent import abandon
+from dpd_router.gateway.decode import DecodeHop, DecoderReplacement
+from dpd_router.gateway.errors import DecodeFailed
+from dpd_router.gateway.exchange import Exchange, ask_for_usage
+from dpd_router.gateway.head_first import HeadFirst
+from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
+from dpd_router.gateway.prefill import PrefillHop
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import Observer, RequestTrace
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.served_model import ServedModel
+from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
+from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
+from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
+
+log = logging.getLogger("dpd_router.gateway")
+
+
+class Gateway:
+    """Serves one request end to end; built once at startup with its collaborators."""
+
+    def __init__(
+        self,
+        *,
+        client: httpx.AsyncClient,
+        tokenizers: Mapping[str | None, TokenCounter],
+        planners: Mapping[str | None, Planner],
+        connector: Connector,
+        observer: Observer,
+        metrics: RouterMetrics,
+        model: ServedModel,
+        timeouts: PhaseTimeouts,
+        retries: RetryPolicy,
+    ) -> None:
+        self._tokenizers = tokenizers
+        self._planners = planners
+        self._connector = connector
+        self._observer = observer
+        self._metrics = metrics
+        self._model = model
+        self._timeouts = timeouts
+        self._retries = retries
+        self._prefill = PrefillHop(connector, metrics)
+        self._decode = DecodeHop(client, connector, metrics, model)
+        self._head_first = HeadFirst(self._decode, metrics)
+        # One per pool, as planners: a tenant's engines may be faster or slower than the shared ones.
+        self._deadlines = {tenant: HopDeadlines() for tenant in planners}
+
+    async def close(self) -> None:
+        """Stop prefill calls whose clients left (before the connector that would release their KV closes)."""
+        await self._prefill.close()
+
+    def reconfigure(self, timeouts: PhaseTimeouts, retries: RetryPolicy) -> None:
+        """Apply live timeout and retry settings to the requests that start from now on."""
+        self._timeouts = timeouts
+        self._retries = retries
+
+    @property
+    def planners(self) -> Mapping[str | None, Planner]:
+        return self._planners
+
+    def planner_for(self, tenant: str | None) -> Planner:
+        """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
+        return self._planners.get(tenant) or self._planners[None]
+
+    def deadlines_for(self, tenant: str | None) -> HopDeadlines:
+        return self._deadlines.get(tenant) or self._deadlines[None]
+
+    def tokenizer_for(self, tenant: str | None) -> TokenCounter:
+        """Without a local tokenizer, a tenant's prompts are counted by its own engines too."""
+        return self._tokenizers.get(tenant) or self._tokenizers[None]
+
+    async def handle(
+        self,
+        request: ClientRequest,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        principal: Principal = ANONYMOUS,
+        on_finish: Callable[[], None] | None = None,
+        arrived: float | None = None,
+        queued: float = 0.0,
+    ) -> Answer:
+        """Serve the request; `on_finish` runs once when it is over (after the last byte, if streamed).
+
+        `arrived` (a perf_counter reading) and `queued` (seconds waited for admission) let TTFT
+        count from the moment the request reached the router.
+        """
+        trace = RequestTrace(request_id=request_id, kind=request.kind, stream=request.stream)
+        if arrived is not None:
+            trace.started = arrived
+        trace.queue_seconds = queued
+        trace.tenant = principal.tenant
+        trace.key_id = principal.key_id
+        done = Completion(trace, self._observer, self._metrics, on_finish)
+        phase = "tokenize"
+        try:
+            planner = self.planner_for(principal.tenant)
+            prompt = await self._prepare(request, principal, trace)
+            phase = "plan"
+            plan = await self._plan(request, prompt, planner, headers or {}, trace)
+            phase = "serve"
+            exchange = Exchange(
+                request,
+                prompt,
+                planner,
+                request_id,
+                trace,
+                done,
+                ask_for_usage(request),
+                self.deadlines_for(principal.tenant),
+                self._timeouts,
+                self._retries,
+            )
+            done.defer(exchange.prefill_judge.close)
+            done.defer(exchange.decode_judge.close)
+            return await self._serve(exchange, plan)
+        except RouterError as exc:
+            trace.fail("error", exc.message, status=exc.status_code)
+            done()
+            raise
+        except asyncio.CancelledError:
+            self._metrics.client_disconnects.labels(phase).inc()
+            trace.fail("client_disconnect", f"the client went away during {phase}", status=499)
+            done()
+            raise
+        except Exception as exc:
+            trace.fail("error", f"internal error: {type(exc).__name__}: {exc}", status=500)
+            done()
+            raise
+
+    async def _prepare(self, request: ClientRequest, principal: Principal, trace: RequestTrace) -> Prompt:
+        """The prompt's tokens, once the request is known to fit the context window and the key's budget."""
+        prompt = await self._tokenize(request, principal.tenant)
+        trace.prompt_tokens = prompt.num_tokens
+        trace.tokenize_seconds = prompt.seconds
+        self._metrics.tokenize.observe(prompt.seconds)
+        self._check_context_length(request, prompt)
+        self._take_prompt_tokens(principal, prompt)
+        return prompt
+
+    async def _plan(
+        self, request: ClientRequest, prompt: Prompt, planner: Planner, headers: Mapping[str, str], trace: RequestTrace
+    ) -> Plan:
+        """The planner's decision for this prompt, refused when the connector cannot serve it."""
+        session_key = planner.session_key(headers, request.body)
+        kv_hint = await planner.lookup_kv(prompt)
+        plan = planner.plan(
+            prompt,
+            batch_size=request.batch_size,
+            session_key=session_key,
+            kv_hint=kv_hint,
+            unsupported=self._connector.unsupported(request),
+        )
+        if plan.last_resort:
+            self._metrics.last_resort_routes.inc()
+            log.warning(
+                "request %s: no decoder passes its health probes; trying %s, which fails only those (%s)",
+                trace.request_id,
+                plan.decoder.url,
+                plan.decoder.last_error,
+            )
+        self._check_servable(plan)
+        trace.threshold = planner.threshold
+        trace.uncached_tokens = plan.uncached_tokens
+        trace.decoder_streams = plan.decoder_streams
+        trace.decoder_queue = plan.decoder_queue
+        trace.prefiller_queue = plan.prefiller_queue
+        return plan
+
+    async def _tokenize(self, request: ClientRequest, tenant: str | None) -> Prompt:
+        """The prompt's tokens; one whose size alone shows it cannot fit is refused untokenized, as vLLM
+        refuses a text prompt it stopped counting one token past the limit."""
+        limit = self._model.max_model_len
+        try:
+            return await self.tokenizer_for(tenant).tokenize(request, max_tokens=limit)
+        except PromptTooLong:
+            assert limit is not None
+            raise prompt_too_long(limit, limit + 1, at_least=True) from None
+
+    def _check_servable(self, plan: Plan) -> None:
+        """A direct plan is refused when the connector's decoders serve nothing alone (SGLang)."""
+        if plan.prefiller is None and not self._connector.serves_direct:
+            raise PrefillUnavailable(
+                f"No prefiller can take this request ({plan.reason}), and the {self._connector.name} "
+                "connector's decoders cannot serve it alone."
+            )
+
+    def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
+        """Refuse, before any engine is called, what vLLM would refuse for the context length."""
+        limit = self._model.max_model_len
+        if limit is not None:
+            check_context_length(request, prompt, limit)
+
+    def _take_prompt_tokens(self, principal: Principal, prompt: Prompt) -> None:
+        try:
+            principal.limits.take_prompt_tokens(prompt.num_tokens)
+        except RateLimited:
+            self._metrics.rate_limited.labels("prompt_tokens").inc()
+            raise
+
+    async def _serve(self, exchange: Exchange, plan: Plan) -> Answer:
+        """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte.
+
+        Each turn of the loop serves `plan` with `staged` (the KV staged for it, if any): a failed
+        concurrent prefill turns the plan direct or to another prefiller, a decoder that cannot load
+        the KV computes the prompt itself, and a failed decoder is replaced.
+        """
+        request, trace, done = exchange.request, exchange.trace, exchange.done
+        replacement = DecoderReplacement(exchange, self._metrics)
+        prefillers_tried: list[Endpoint] = []
+        staged: StagedKV | None = None
+        try:
+            while True:
+                done.hold(plan.decoder)
+                if staged is not None and not self._serves(staged, plan.decoder):
+                    # Pushed into another decoder's buffer (LMCache): released there, staged again here.
+                    done.release_kv()
+                    staged = None
+                if plan.prefiller is not None and staged is None:
+                    staged, plan = await self._stage(exchange, plan, prefillers_tried)
+                self._record_plan(trace, plan)
+                trace.decoder = plan.decoder.url
+                trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
+                if staged is None and request.stream:
+                    self._await_first_token(exchange, plan)
+                call = self._decode_call(request, staged)
+                if request.stream and call.head:
+                    return self._head_first.stream(exchange, plan, call, staged)
+                try:
+                    return await self._decode.answer(
+                        exchange, plan.decoder, call, staged, replaceable=replacement.replaceable
+                    )
+                except PrefillFailed as exc:  # a concurrent prefill failed before the decoder's first token
+                    if staged is not None:
+                        abandon(staged)  # still running when the decoder failed first (a failed hand-off)
+                    staged = None
+                    trace.prefill_overlaps_decode = False  # what follows starts after it
+                    plan = self._prefill.after_failure(exchange, exc, plan, prefillers_tried)
+                except DecodeFailed as exc:
+                    if staged is not None and exc.in_band and self._decodes_alone(staged):
+                        abandon(staged)
+                        staged = None
+                        plan = self._after_kv_rejected(exchange, exc, plan)
+                        continue
+                    replacement.failed(plan.decoder, exc)
+                    if staged is not None and (exc.kv_consumed or staged.pending is not None):
+                        # Used (and so released) by the failed decoder, or bound to its call: stage again.
+                        abandon(staged)
+                        staged = None
+                    plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
+        finally:
+            if trace.decode_started is not None:
+                self._metrics.route_decisions.labels(trace.path, trace.reason).inc()
+
+    async def _stage(
+        self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]
+    ) -> tuple[StagedKV | None, Plan]:
+        """The prefill hop, its decoder held meanwhile (but not yet running anything on it)."""
+        decoder = plan.decoder
+        decoder.staging += 1
+        try:
+            staged, plan = await self._prefill.stage(exchange, plan, prefillers_tried)
+        finally:
+            decoder.staging -= 1
+        self._note_staged(exchange, staged)
+        return staged, plan
+
+    @staticmethod
+    def _await_first_token(exchange: Exchange, plan: Plan) -> None:
+        """A streamed direct call's prompt counts in its decoder's queue until the first token (or the
+        request's end): the prefill a new direct prompt there waits behind (adaptive mode reads it)."""
+        trace = exchange.trace
+        if trace.first_token_at is not None:
+            return
+        earlier = trace.on_first_token
+        if earlier is not None:
+            earlier()  # an earlier decoder failed before its first token: the prompt left its queue
+        release = plan.decoder.queue_prefill(plan.uncached_tokens)
+        trace.on_first_token = release
+        exchange.done.defer(release)
+
+    def _decodes_alone(self, staged: StagedKV) -> bool:
+        """Whether a decoder that could not load `staged` may compute the prompt itself instead: a
+        sequential hop's KV (not one still running beside the call, nor KV pushed into the decoder)."""
+        return staged.pending is None and self._connector.serves_direct and not self._connector.pushes_to_decoder
+
+    def _after_kv_rejected(self, exchange: Exchange, failure: DecodeFailed, plan: Plan) -> Plan:
+        """The decoder failed to load the staged KV: it computes the prompt itself (the transfer was
+        ineffective). Not its failure, nor a retry: the decoder answered, the transfer did not work."""
+        self._metrics.kv_transfer_ineffective.inc()
+        log.warning(
+            "request %s: decoder %s could not load the staged KV (%s); it computes the prompt itself",
+            exchange.request_id,
+            plan.decoder.url,
+            failure.detail,
+        )
+        return plan.direct(KV_REJECTED)
+
+    def _decode_call(self, request: ClientRequest, staged: StagedKV | None) -> DecodeCall:
+        if staged is None or staged.handoff is None:
+            return DecodeCall.unchanged(request)
+        return self._connector.decode_call(staged.handoff, staged)
+
+    def _serves(self, staged: StagedKV, decoder: Endpoint) -> bool:
+        """Whether `decoder` can pick up `staged`: any decoder can pull KV, pushed KV is in one decoder."""
+        return not self._connector.pushes_to_decoder or staged.handoff is None or staged.handoff.decoder is decoder
+
+    def _note_staged(self, exchange: Exchange, staged: StagedKV | None) -> None:
+        trace, done = exchange.trace, exchange.done
+        trace.staged_tokens = None if staged is None else staged.prompt_tokens
+        if staged is None:
+            return
+        if "remote_prefill_cached_tokens" in staged.params:
+            trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
+        if staged.pending is not None:
+            done.defer(staged.pending.cancel)  # the request is over: a prefill still running is not needed
+        if self._connector.holds_kv and staged.handoff is not None:
+            done.hold_kv(HeldKV(staged, self._connector, self._metrics))
+
+    @staticmethod
+    def _record_plan(trace: RequestTrace, plan: Plan) -> None:
+        """Put the plan being served on the trace; the decision is counted once, when serving ends."""
+        trace.path = plan.path
+        trace.reason = plan.reason
+        trace.uncached_tokens = plan.uncached_tokens

@@ -1,0 +1,117 @@
+"""A stream the router starts itself, with the first token the prefill call produced (LMCache), and
+continues with a decoder's stream.
+
+The client has seen bytes from the head on: a decoder that fails before its first token is replaced
+within the stream (the continuation is a plain request any decoder can compute), and what cannot be
+served ends the stream with an in-band error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+
+import anyio
+import httpx
+
+from dpd_router.errors import RouterError, UpstreamError
+from dpd_router.gateway.answer import StreamedAnswer
+from dpd_router.gateway.decode import DecodeHop, DecoderReplacement, read_refusal
+from dpd_router.gateway.errors import DecodeFailed
+from dpd_router.gateway.exchange import Exchange
+from dpd_router.gateway.policy import Deadline
+from dpd_router.gateway.relay import EventStream, error_event
+from dpd_router.metrics import RouterMetrics
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.routing.planner import Plan
+from dpd_router.transfer.base import DecodeCall, StagedKV
+
+log = logging.getLogger("dpd_router.gateway")
+
+
+class HeadFirst:
+    """Streams the head at once and the decoder's continuation after it."""
+
+    def __init__(self, decode: DecodeHop, metrics: RouterMetrics) -> None:
+        self._decode = decode
+        self._metrics = metrics
+
+    def stream(self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None) -> StreamedAnswer:
+        """The answer: the head now, the continuation once a decoder streams it."""
+        assert call.head is not None
+        trace, done, head = exchange.trace, exchange.done, call.head
+        relayed: list[EventStream] = []
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            trace.mark_token_chunk(time.perf_counter())
+            yield head
+            try:
+                stream = await self._continuation(exchange, plan, call, staged)
+            except RouterError as exc:
+                trace.fail("upstream_error", exc.message)
+                yield error_event(exc.message)
+                return
+            except Exception as exc:  # a bug, not the client: the stream still ends, in-band
+                log.exception("request %s: the continuation after the first token failed", exchange.request_id)
+                trace.fail("error", f"internal error: {type(exc).__name__}: {exc}")
+                yield error_event("The router failed to continue this answer.")
+                return
+            relayed.append(stream)
+            async for chunk in stream:
+                yield chunk
+
+        generator = events()
+
+        async def close() -> None:
+            """Close the continuation's upstream and end the request (also when it never began)."""
+            with anyio.CancelScope(shield=True):
+                await generator.aclose()
+                if relayed:
+                    await relayed[0].close()
+            if not trace.finished and trace.outcome == "ok":
+                # Ended without a decoder's stream to close (or never began): the client left.
+                self._metrics.client_disconnects.labels("serve").inc()
+                trace.fail("client_disconnect", "the client left before the decoder answered", status=499)
+            done()
+
+        return StreamedAnswer(generator, close, exchange.headers)
+
+    async def _continuation(
+        self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None
+    ) -> EventStream:
+        """The decoder's stream after the head, primed; decoders failing before their first token are replaced."""
+        trace, done = exchange.trace, exchange.done
+        if call.answered is not None:
+            trace.decoder = None
+            return self._decode.answered_stream(exchange, call, staged)
+        replacement = DecoderReplacement(exchange, self._metrics)
+        while True:
+            decoder = plan.decoder
+            done.hold(decoder)
+            trace.decoder = decoder.url
+            now = asyncio.get_running_loop().time()
+            # The client already has the head: the continuation keeps the phase's timeout.
+            deadline = Deadline(now, now + exchange.timeouts.first_token)
+            try:
+                upstream = await self._decode.open(exchange, decoder, call, deadline)
+                if upstream.status_code != 200:
+                    await _refused_after_head(upstream, decoder)
+                stream = await self._decode.primed_stream(exchange, upstream, decoder, staged, call, deadline)
+            except DecodeFailed as exc:
+                replacement.failed(decoder, exc)
+                plan = replace(plan, decoder=await replacement.next(decoder, exc))
+                if plan.decoder is not decoder:
+                    done.release_kv()  # the continuation is computed whole elsewhere: nobody takes it here
+            else:
+                done.kv_taken_by(decoder)
+                return stream
+
+
+async def _refused_after_head(upstream: httpx.Response, decoder: Endpoint) -> None:
+    """A decoder's refusal once the client has the head: a 5xx may be retried elsewhere, a 4xx not."""
+    content = await read_refusal(upstream, decoder)
+    detail = f"{decoder.url} answered {upstream.status_code}: {content[:300].decode(errors='replace')}"
+    raise UpstreamError(f"The decoder refused the continuation: {detail}")

@@ -1,0 +1,56 @@
+"""The value objects that bound a request's hops: how long each phase may take, how often a failed
+hop is tried elsewhere, and when one decode call must have answered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dpd_router.config import Settings
+from dpd_router.deadlines import DeadlinePolicy
+
+
+@dataclass(frozen=True)
+class PhaseTimeouts:
+    """Seconds each phase of a request may take."""
+
+    connect: float = 5.0
+    prefill: float = 120.0
+    first_token: float = 120.0
+    idle: float = 120.0
+    total: float = 600.0
+    # Shorter, learned bounds on the prefill hop and on a decoder's first byte (deadlines.py).
+    learned: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PhaseTimeouts:
+        return cls(
+            connect=settings.connect_timeout,
+            prefill=settings.prefill_timeout,
+            first_token=settings.first_token_timeout,
+            idle=settings.idle_timeout,
+            total=settings.request_timeout,
+            learned=DeadlinePolicy.from_settings(settings),
+        )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many other engines a failed hop is retried on, and what a failed prefill pool means."""
+
+    prefill_retries: int = 1
+    decode_retries: int = 1
+    prefill_failure_policy: str = "fallback"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RetryPolicy:
+        return cls(settings.prefill_retries, settings.decode_retries, settings.prefill_failure_policy)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a decode call must have answered (a loop time), and whether that is a learned deadline
+    (missed: the decoder is replaced) or the phase's timeout (missed: the client gets 504)."""
+
+    started: float
+    at: float
+    learned: float | None = None

@@ -1,0 +1,196 @@
+"""The prefill hop: one prefiller after another until KV is staged, then the prefill failure policy.
+
+Each call is bounded by a deadline learned from what prefills of its size have been taking (where
+an abandoned hop has somewhere to go), else by `prefill_timeout`. A connector that holds staged KV
+until a decode call takes it (NIXL) has a call whose client left finish, so that its KV is released.
+A concurrent connector's hop runs on beside the decode call (concurrent.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any
+
+from dpd_router.errors import PrefillFailed, PrefillUnavailable
+from dpd_router.gateway.completion import HeldKV
+from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
+from dpd_router.gateway.exchange import Exchange
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import RequestTrace
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.routing.planner import PREFILL_FAILED, Plan
+from dpd_router.tasks import cancel_and_wait
+from dpd_router.transfer.base import Connector, Handoff, StagedKV
+
+log = logging.getLogger("dpd_router.gateway")
+
+# Seconds a prefill call whose client left may still take to answer. An engine that finished it
+# holds the KV for a decoder, and only the answer names it (it is then released); an engine still
+# computing answers later, and cutting the call makes vLLM abort it, which frees its blocks at once.
+# Cutting a call whose answer is already on its way strands its blocks for the whole lease, and on a
+# loaded machine an answer can take more than a second to arrive: the grace errs long.
+ORPHANED_PREFILL_GRACE = 10.0
+
+
+class PrefillHop:
+    """Stages a request's KV on a prefiller, retried on others; built once, shared by all requests."""
+
+    def __init__(self, connector: Connector, metrics: RouterMetrics) -> None:
+        self._connector = connector
+        self._metrics = metrics
+        # Prefill calls whose client left, given a moment to answer so that what they staged is released.
+        self._orphaned: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        """Stop prefill calls whose clients left (before the connector that would release their KV closes)."""
+        await cancel_and_wait(self._orphaned)
+
+    async def stage(self, exchange: Exchange, plan: Plan, tried: list[Endpoint]) -> tuple[StagedKV | None, Plan]:
+        """Stage the KV on `plan.prefiller`, or another; when none can, the plan the policy leaves.
+
+        A concurrent connector's hop runs on beside the decode call: it comes back at once, pending.
+        """
+        request_id, trace = exchange.request_id, exchange.trace
+        while plan.prefiller is not None:
+            handoff = self._connector.handoff(
+                exchange.request, exchange.prompt, plan.prefiller, plan.decoder, request_id
+            )
+            hop = self._call(handoff, exchange, tried)
+            if self._connector.concurrent:
+                trace.prefill_overlaps_decode = True
+                pending = asyncio.create_task(hop, name=f"prefill {request_id}")
+                pending.add_done_callback(lambda task: _settled(task, trace))
+                return StagedKV(params={}, prompt_tokens=None, cached_tokens=0, pending=pending, handoff=handoff), plan
+            try:
+                staged = await (self._finished_even_if_left(hop, handoff) if self._connector.holds_kv else hop)
+                return replace(staged, handoff=handoff), plan
+            except PrefillFailed as exc:
+                plan = self.after_failure(exchange, exc, plan, tried)
+        return None, plan
+
+    def after_failure(self, exchange: Exchange, failure: PrefillFailed, plan: Plan, tried: list[Endpoint]) -> Plan:
+        """The plan after `plan.prefiller` failed: another prefiller, or the policy (fallback or 503)."""
+        prefiller = plan.prefiller
+        assert prefiller is not None
+        tried.append(prefiller)
+        exchange.trace.prefill_error = str(failure)
+        log.warning("request %s: prefill on %s failed: %s", exchange.request_id, prefiller.url, failure)
+        retries = exchange.retries
+        # A 4xx is the request's own fault: another prefiller would say the same.
+        if failure.reason != "status_4xx" and len(tried) <= retries.prefill_retries:
+            alternative = exchange.planner.alternative("prefill", exchange.prompt, exclude=tried)
+            if alternative is not None:
+                self._metrics.retries.labels("prefill").inc()
+                return replace(plan, prefiller=alternative)
+        if retries.prefill_failure_policy == "fail" or not self._connector.serves_direct:
+            raise PrefillUnavailable(f"The prefill pool could not serve this request ({failure.reason}).")
+        self._metrics.prefill_fallbacks.labels(failure.reason).inc()
+        return plan.direct(PREFILL_FAILED)
+
+    async def _finished_even_if_left(self, hop: Coroutine[Any, Any, StagedKV], handoff: Handoff) -> StagedKV:
+        """The prefill call; when its client leaves, the call gets `ORPHANED_PREFILL_GRACE` seconds to
+        answer before it is cut (see there), and what it staged is released."""
+        task = asyncio.create_task(hop, name=f"prefill {handoff.request_id}")
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            orphan = asyncio.create_task(self._release_orphaned(task, handoff), name=f"orphan {handoff.request_id}")
+            self._orphaned.add(orphan)
+            orphan.add_done_callback(self._orphaned.discard)
+            raise
+
+    async def _release_orphaned(self, task: asyncio.Task[StagedKV], handoff: Handoff) -> None:
+        await asyncio.wait({task}, timeout=ORPHANED_PREFILL_GRACE)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            return
+        if task.cancelled() or task.exception() is not None:
+            return
+        HeldKV(replace(task.result(), handoff=handoff), self._connector, self._metrics).release()
+
+    def _deadline(
+        self, exchange: Exchange, prefiller: Endpoint, tried: list[Endpoint], queued_ahead: int
+    ) -> float | None:
+        """The learned deadline of this request's prefill call (None: prefill_timeout alone applies).
+
+        Only where an abandoned hop has somewhere to go (the decoder alone, or another prefiller not
+        tried yet): else a prefiller merely slower than usual would fail requests it would have served.
+        A hop is judged as if the prefiller cached none of the prompt, behind the prompt tokens this
+        router has queued there already, so a cold prompt or a burst is not taken for a hang. And not
+        for a concurrent connector, whose prefill call lasts as long as its decoder takes to fetch
+        the KV, however long other prefills took.
+        """
+        if self._connector.concurrent:
+            return None
+        retries, timeouts = exchange.retries, exchange.timeouts
+        falls_back = retries.prefill_failure_policy == "fallback" and self._connector.serves_direct
+        untried = [other for other in exchange.planner.pool.healthy("prefill") if other not in (*tried, prefiller)]
+        if not falls_back and not (untried and len(tried) < retries.prefill_retries):
+            return None
+        size = (queued_ahead + exchange.prompt.num_tokens,)  # the worst case: the prefiller caches nothing
+        return exchange.deadlines.deadline("prefill", size, timeouts.learned, timeouts.prefill)
+
+    async def _call(self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint]) -> StagedKV:
+        """One prefill call. One past its learned deadline, far longer than prefills of its size have
+        been taking, is abandoned as "slow"; the caller retries it elsewhere or falls back, so a
+        request waits at most (1 + prefill_retries) learned deadlines for hung prefillers."""
+        trace, judge = exchange.trace, exchange.prefill_judge
+        prefiller = handoff.prefiller
+        trace.prefiller = prefiller.url
+        started = trace.prefill_started = time.perf_counter()
+        tokens = trace.uncached_tokens or 0
+        queued_ahead = prefiller.queued_tokens
+        learned = self._deadline(exchange, prefiller, tried, queued_ahead)
+        limit = exchange.timeouts.prefill if learned is None else learned
+        prefiller.start()
+        dequeue = prefiller.queue_prefill(tokens)
+        outcome = "ok"
+        try:
+            async with asyncio.timeout(limit):
+                staged = await self._connector.stage(handoff)
+            judge.succeeded(prefiller)
+            # Learned by what the prefiller computed: a prefix-cache hit's speed would make cold prompts look hung.
+            computed = (staged.prompt_tokens or exchange.prompt.num_tokens) - staged.cached_tokens
+            exchange.deadlines.learn("prefill", (queued_ahead + max(computed, 1),), time.perf_counter() - started)
+            return staged
+        except TimeoutError:
+            if learned is None:
+                # No answer within the fixed timeout is the engine's failure whatever the request.
+                outcome = "timeout"
+                prefiller.record_failure("prefill timed out")
+                raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {limit:g} s") from None
+            # Far slower than the worst case of its size, queue included: taken for a hang, which
+            # must open the breaker of an engine that hangs while it passes its health probes.
+            outcome = "slow"
+            prefiller.record_failure("prefill far slower than learned")
+            detail = f"{prefiller.url}: no answer within its learned deadline of {limit:.3g} s"
+            raise PrefillFailed("slow", detail) from None
+        except PrefillFailed as exc:
+            outcome = exc.reason
+            if exc.reason != "status_4xx":
+                judge.failed(prefiller, str(exc), answered=exc.reason in ANSWERED_PREFILL_FAILURES)
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # the client left, or a concurrent prefill was no longer needed
+            raise
+        finally:
+            prefiller.finish()
+            dequeue()
+            trace.prefill_seconds = time.perf_counter() - started
+            self._metrics.prefill.labels(outcome).observe(trace.prefill_seconds)
+
+
+def _settled(task: asyncio.Task[StagedKV], trace: RequestTrace) -> None:
+    """A concurrent prefill ended: keep its token counts; a failure after the first token is only logged."""
+    if task.cancelled():
+        return
+    failure = task.exception()
+    if failure is None:
+        trace.staged_tokens = task.result().prompt_tokens
+    elif trace.first_token_at is not None:
+        log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)

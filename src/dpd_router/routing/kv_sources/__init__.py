@@ -1,0 +1,1 @@
+"""Where engines say their KV cache is: sources routing asks besides its own prefix index."""
