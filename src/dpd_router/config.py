@@ -188,13 +188,13 @@ class Settings(BaseSettings):
 
     prefill_urls: UrlList = Field(
         default_factory=list,
-        description="The prefill engines' base URLs (in the environment: comma-separated). Empty: every "
+        description="The prefill engines' base URLs. Empty: every "
         "request is served by a decoder alone, unless discovery finds prefillers.",
         json_schema_extra=_meta("engines"),
     )
     decode_urls: UrlList = Field(
         default_factory=list,
-        description="The decode engines' base URLs (in the environment: comma-separated). At least one is "
+        description="The decode engines' base URLs. At least one is "
         "required unless `discovery: kubernetes` finds them.",
         json_schema_extra=_meta("engines"),
     )
@@ -400,7 +400,7 @@ class Settings(BaseSettings):
         default_factory=lambda: [8300],
         min_length=1,
         description="`lmcache`: every decoder's LMCache receiver init ports, one per TP rank, on the "
-        "decoder's own host unless `lmcache_receivers` names it (in the environment: comma-separated).",
+        "decoder's own host unless `lmcache_receivers` names it.",
         json_schema_extra=_meta("connectors"),
     )
     lmcache_receiver_alloc_ports: PortList = Field(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
+from dpd_router.cli import build_parser
 from dpd_router.config import SETTING_GROUPS, Settings, is_live, setting_group
 from dpd_router.live import LIVE_SETTINGS
+from dpd_router.settings_reference import cli_flags, render_markdown
 
 # live.py's hand-written set before the settings carried their own `live` marker.
 PREVIOUS_LIVE_SETTINGS = frozenset(
@@ -61,3 +65,18 @@ def test_every_setting_has_a_description_and_a_known_group() -> None:
 def test_every_group_has_a_setting() -> None:
     used = {setting_group(name) for name in Settings.model_fields}
     assert used == set(SETTING_GROUPS)
+
+
+def test_the_reference_lists_every_setting_with_its_flag() -> None:
+    text = render_markdown()
+    for name in Settings.model_fields:
+        assert f"### `{name}`" in text
+        assert f"`DPD_{name.upper()}`" in text
+    flags = cli_flags()
+    assert flags["routing_threshold"] == "--routing-threshold"
+    assert flags["decode_urls"] == "--decode URL"
+    serve = next(
+        action.choices["serve"] for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
+    )
+    known = {option for action in serve._actions for option in action.option_strings}
+    assert {flag.split()[0] for flag in flags.values()} <= known
