@@ -41,7 +41,7 @@ unit: $(VENV)/.installed-test
 integration: $(VENV)/.installed-test
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
-# Real vLLM engines (README "Real engines"): build or reuse their venv outside the repo, then run
+# Real vLLM engines (docs/engines.md): build or reuse their venv outside the repo, then run
 # tests/e2e_vllm against a real prefill/decode pair. Exit 3 from the install means the engines cannot
 # be installed here: pytest then skips every test and says why. The whole run is bounded.
 VLLM_TEST_TIMEOUT ?= 2700

@@ -370,7 +370,7 @@ class Settings(BaseSettings):
         ge=1,
         le=65535,
         description="`kvaware`: subscribe to `tcp://<engine host>:<port>` for every engine not listed in "
-        "`kv_events_endpoints`, discovered ones included.",
+        "`kv_events_endpoints`, discovered ones included as they join the pool.",
         json_schema_extra=_meta("routing"),
     )
     lmcache_controller_url: str | None = Field(
@@ -611,7 +611,8 @@ class Settings(BaseSettings):
         default=4096,
         ge=0,
         description="Requests served at once (0: no cap). The shared pool and each tenant with reserved "
-        "engines have a budget of their own (a tenant's entry in `tenants` may set its own).",
+        "engines have a budget of their own (a tenant's entry in `tenants` may set its own limits; keys with a "
+        "tenant but no reserved engines share the shared pool's).",
         json_schema_extra=_meta("admission", live=True),
     )
     max_queued: int = Field(

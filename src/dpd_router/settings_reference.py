@@ -104,9 +104,7 @@ def describe_default(field: FieldInfo) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, str):
         return f'`"{value}"`' if value == "" else f"`{value}`"
-    if isinstance(value, int):
-        return f"`{value:,}`"
-    if isinstance(value, float):
+    if isinstance(value, int | float):
         return f"`{value}`"
     return f"`{json.dumps(value)}`"
 
