@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "sim":
         from dpd_router.sim.engine import main as sim_main
 
-        return sim_main(argv[1:]) or 0
+        sim_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
