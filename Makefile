@@ -27,6 +27,7 @@ demo: $(VENV)/.installed-runtime
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -47,7 +48,7 @@ test-vllm: $(VENV)/.installed-test
 		$(BIN)/python -m pytest tests/e2e_vllm -v --durations=5 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build src/*.egg-info
 
 # Benchmarks (benchmarks/README.md): one target a scenario; results land in benchmarks/results/.
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
