@@ -27,6 +27,7 @@ demo: $(VENV)/.installed-runtime
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # The docs site, built strictly (a broken link, page or anchor fails) into build/site (gitignored).
 docs: $(VENV)/.installed-test
@@ -51,7 +52,7 @@ test-vllm: $(VENV)/.installed-test
 		$(BIN)/python -m pytest tests/e2e_vllm -v --durations=5 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build src/*.egg-info
 
 # Benchmarks (benchmarks/README.md): one target a scenario; results land in benchmarks/results/.
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python

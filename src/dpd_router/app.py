@@ -117,7 +117,9 @@ class Router:
         discovery = await start_discovery(settings, pool, tenant_pools.values(), metrics)
         metrics.routing_threshold.set(settings.routing_threshold)
         model = ServedModel(settings.model)
-        tokenizers = await load_tokenizers(settings, client, {None: pool, **tenant_pools}, model)
+        pools_by_tenant: dict[str | None, Pool] = {None: pool}
+        pools_by_tenant.update(tenant_pools.items())
+        tokenizers = await load_tokenizers(settings, client, pools_by_tenant, model)
         kv_events = KVEventSubscriber.from_settings(settings, every_engine, metrics)
         lmcache = LMCacheController.from_settings(settings, client, metrics)
         kv_sources = [kv_events.index] if kv_events else []
@@ -432,7 +434,7 @@ def build_server(settings: Settings, *, loop: str = "uvloop", **config: Any) -> 
             create_app(settings, refused_connections=refused),
             host=settings.host,
             port=settings.port,
-            loop=loop,  # type: ignore[arg-type]
+            loop=loop,
             http=guarded_protocol(ListenerLimits.from_settings(settings), refused),
             log_level="warning",
             access_log=False,
