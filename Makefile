@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint unit integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-threshold bench-memory bench-all
+.PHONY: demo test test-vllm lint docs unit integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-threshold bench-memory bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -27,8 +27,13 @@ demo: $(VENV)/.installed-runtime
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
-test: lint
+# The docs site, built strictly (a broken link, page or anchor fails) into build/site (gitignored).
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
+
+test: lint docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: $(VENV)/.installed-test
@@ -37,7 +42,7 @@ unit: $(VENV)/.installed-test
 integration: $(VENV)/.installed-test
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
-# Real vLLM engines (README "Real engines"): build or reuse their venv outside the repo, then run
+# Real vLLM engines (docs/engines.md): build or reuse their venv outside the repo, then run
 # tests/e2e_vllm against a real prefill/decode pair. Exit 3 from the install means the engines cannot
 # be installed here: pytest then skips every test and says why. The whole run is bounded.
 VLLM_TEST_TIMEOUT ?= 2700
@@ -47,7 +52,7 @@ test-vllm: $(VENV)/.installed-test
 		$(BIN)/python -m pytest tests/e2e_vllm -v --durations=5 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build src/*.egg-info
 
 # Benchmarks (benchmarks/README.md): one target a scenario; results land in benchmarks/results/.
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "sim":
         from dpd_sim.engine import main as sim_main  # the one other place the router's CLI uses the simulator
 
-        return sim_main(argv[1:]) or 0
+        sim_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

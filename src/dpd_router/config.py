@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     PrivateAttr,
     SecretStr,
     ValidationError,
@@ -63,6 +64,48 @@ def _normalise_url(url: str) -> str:
 PortList = Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode]
 
 
+# The groups a setting belongs to (its field's `json_schema_extra["group"]`), in the order the docs'
+# configuration reference lists them: name -> (title, what the settings of the group have in common).
+SETTING_GROUPS: dict[str, tuple[str, str]] = {
+    "engines": ("Engines and the model", "The engines the router serves from, and the model they serve."),
+    "connectors": (
+        "KV connectors",
+        "How a prefiller hands the KV cache it built to a decoder: the protocol the engines speak, and what "
+        "the router needs to know to speak it.",
+    ),
+    "routing": (
+        "Routing",
+        "Which path a request takes (direct to a decoder, or prefiller then decoder) and which engines serve it.",
+    ),
+    "adaptive": (
+        "The adaptive threshold",
+        "With `threshold_mode: adaptive` the router disaggregates when `interference_weight` times the stall "
+        "a direct prefill would inflict on the decoder's running streams exceeds the prefill hop's extra "
+        "cost, both learned online; the guard rails and service-level objectives below win over the model.",
+    ),
+    "reliability": (
+        "Reliability",
+        "Timeouts per phase, health probes, circuit breakers, retries and learned deadlines.",
+    ),
+    "admission": (
+        "Admission and the listener's limits",
+        "How much the router takes on at once, and what a client's request may cost it before it is refused.",
+    ),
+    "auth": ("Authentication and tenants", "API keys, rate limits and engines reserved for one tenant."),
+    "discovery": ("Discovery", "Engines found as Kubernetes pods instead of listed URLs."),
+    "observability": ("Observability", "Logs and traces."),
+    "server": (
+        "The server and its connection pools",
+        "The config file, where the router listens, and its connections to clients and engines.",
+    ),
+}
+
+
+def _meta(group: str, *, live: bool = False) -> dict[str, JsonValue]:
+    """A setting's documentation metadata: its group (a key of SETTING_GROUPS) and whether it is live."""
+    return {"group": group, "live": live}
+
+
 class LMCacheReceiver(BaseModel):
     """One decoder's LMCache PD receiver: its host (default: the decoder URL's) and one init and one
     alloc port per TP rank."""
@@ -103,7 +146,12 @@ class TenantPools(BaseModel):
 
 
 class Settings(BaseSettings):
-    """Everything the router can be told, with its defaults."""
+    """Everything the router can be told, with its defaults.
+
+    Every field carries its documentation as metadata: `description`, and in `json_schema_extra` its
+    `group` (a key of SETTING_GROUPS) and whether it is `live` (changes on a running router). The
+    configuration reference in the docs is generated from them, and live.py's LIVE_SETTINGS too.
+    """
 
     model_config = SettingsConfigDict(
         env_prefix="DPD_",
@@ -111,215 +159,653 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
-    # Where the config file came from (set by the CLI or DPD_CONFIG); not itself read from YAML.
-    config: Path | None = Field(default=None, exclude=True)
-    # Seconds between checks of the config file for changes (applied live); 0 turns watching off.
-    config_watch_interval: float = Field(default=2.0, ge=0)
+    config: Path | None = Field(
+        default=None,
+        exclude=True,
+        description="The YAML file of settings (`--config FILE` or `DPD_CONFIG`); not itself read from YAML.",
+        json_schema_extra=_meta("server"),
+    )
+    config_watch_interval: float = Field(
+        default=2.0,
+        ge=0,
+        description="Seconds between checks of the config file for changes, which are then applied live; "
+        "0 turns watching off.",
+        json_schema_extra=_meta("server"),
+    )
     # What the settings were built from (flags), so a reload re-reads env and file under them.
     _overrides: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    # Seconds a client's idle keep-alive connection stays open. Longer than what clients and load
-    # balancers keep idle connections for (httpx and the openai client: 5 s; cloud load balancers:
-    # 60 s), so the router never closes a connection a client is sending its next request on.
-    client_keepalive_timeout: int = Field(default=75, ge=1)
+    host: str = Field(default="127.0.0.1", description="The address to listen on.", json_schema_extra=_meta("server"))
+    port: int = Field(
+        default=8000, ge=0, le=65535, description="The port to listen on.", json_schema_extra=_meta("server")
+    )
+    client_keepalive_timeout: int = Field(
+        default=75,
+        ge=1,
+        description="Seconds a client's idle keep-alive connection stays open. Longer than clients and load "
+        "balancers keep idle connections for (the openai client's 5 s, cloud load balancers' 60 s), so the "
+        "router never closes a connection a client is sending its next request on.",
+        json_schema_extra=_meta("server"),
+    )
 
-    prefill_urls: UrlList = Field(default_factory=list)
-    decode_urls: UrlList = Field(default_factory=list)
+    prefill_urls: UrlList = Field(
+        default_factory=list,
+        description="The prefill engines' base URLs. Empty: every "
+        "request is served by a decoder alone, unless discovery finds prefillers.",
+        json_schema_extra=_meta("engines"),
+    )
+    decode_urls: UrlList = Field(
+        default_factory=list,
+        description="The decode engines' base URLs. At least one is "
+        "required unless `discovery: kubernetes` finds them.",
+        json_schema_extra=_meta("engines"),
+    )
 
-    model: str | None = None
-    tokenizer: Path | None = None
+    model: str | None = Field(
+        default=None,
+        description="The served model name; requests naming another get a 404. Unset: the decoders' "
+        "`/v1/models` answer.",
+        json_schema_extra=_meta("engines"),
+    )
+    tokenizer: Path | None = Field(
+        default=None,
+        description="A local directory holding the model's Hugging Face tokenizer (only its tokenizer files "
+        "are read; nothing is downloaded). Unset: the decoders' `POST /tokenize` counts the tokens.",
+        json_schema_extra=_meta("engines"),
+    )
 
-    routing_threshold: int = Field(default=4096, ge=1)
-    # cache_aware: compare the tokens the chosen decoder would still compute; static: the whole prompt.
-    threshold_mode: ThresholdMode = "cache_aware"
-    # threshold_mode adaptive: disaggregate when interference_weight x (the stall a direct prefill inflicts
-    # on the decoder's running streams) exceeds the hop's extra cost, both learned online; never below
-    # min_threshold uncached tokens, always from max_threshold; explore_share of the decisions near the
-    # boundary are flipped to the hop to keep measuring it (at least a quarter until a prefiller has served
-    # 8 hops; 0: never); known SLOs (seconds) win when only one path meets
-    # them: ttft_slo by first-token time, itl_slo by the pause a direct prefill puts in the decoder's streams,
-    # of which itl_slo_share of the decoder's recent inter-token gaps may be longer (0: none); ttft_slo holds
-    # only for prompts of at most ttft_slo_max_tokens uncached tokens (0: every prompt), longer ones have none.
-    interference_weight: float = Field(default=1.0, ge=0)
-    min_threshold: int = Field(default=256, ge=0)
-    max_threshold: int = Field(default=32768, ge=1)
-    explore_share: float = Field(default=0.03, ge=0, le=0.2)
-    ttft_slo: float | None = Field(default=None, gt=0)
-    ttft_slo_max_tokens: int = Field(default=0, ge=0)
-    itl_slo: float | None = Field(default=None, gt=0)
-    itl_slo_share: float = Field(default=0.0, ge=0, le=0.1)
-    prefill_strategy: PrefillStrategy = "prefixaware"
-    # The `session` strategy's key: this header, else the body's `user` field.
-    session_header: str = Field(default="x-session-id", min_length=1)
+    routing_threshold: int = Field(
+        default=4096,
+        ge=1,
+        description="Prompts with at least this many tokens take the prefiller -> decoder path; shorter ones "
+        "go straight to a decoder.",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    threshold_mode: ThresholdMode = Field(
+        default="cache_aware",
+        description="What the threshold is compared with. `static`: the whole prompt; `cache_aware`: only "
+        "the tokens the chosen decoder would still compute (its cached prefix is free); `adaptive`: a cost "
+        "model learned online decides per request (see the adaptive group).",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    interference_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="`adaptive`: the exchange rate between a running stream's stall and one request's wait "
+        "for its first token. 1 counts both as equal seconds; above 1 puts stream smoothness first, which "
+        "long prompts pay for in time to first token when the prefill pool is busy.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    min_threshold: int = Field(
+        default=256,
+        ge=0,
+        description="`adaptive`: prompts with fewer uncached tokens than this always go direct.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    max_threshold: int = Field(
+        default=32768,
+        ge=1,
+        description="`adaptive`: prompts with at least this many uncached tokens always take the prefill hop.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    explore_share: float = Field(
+        default=0.03,
+        ge=0,
+        le=0.2,
+        description="`adaptive`: the share of decisions near the boundary flipped to the prefill hop, so "
+        "the hop keeps being measured (at least a quarter until a prefiller has served 8 hops; 0: never). "
+        "Exploration only ever sends a prompt to the prefill pool.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    ttft_slo: float | None = Field(
+        default=None,
+        gt=0,
+        description="`adaptive`: a time-to-first-token objective in seconds; when only one path meets it, "
+        "that path wins over the cost model.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    ttft_slo_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="`adaptive`: `ttft_slo` holds only for prompts of at most this many uncached tokens "
+        "(interactive prompts have one, long documents often none); longer ones answer to `itl_slo` alone. "
+        "0: every prompt.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    itl_slo: float | None = Field(
+        default=None,
+        gt=0,
+        description="`adaptive`: the longest pause in seconds a direct prefill may put in the decoder's "
+        "running streams; a prompt whose prefill would pause them longer takes the hop.",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    itl_slo_share: float = Field(
+        default=0.0,
+        ge=0,
+        le=0.1,
+        description="`adaptive`: reads `itl_slo` as a percentile: this share of the decoder's recent "
+        "inter-token gaps may be longer than the SLO (0: none).",
+        json_schema_extra=_meta("adaptive", live=True),
+    )
+    prefill_strategy: PrefillStrategy = Field(
+        default="prefixaware",
+        description="How a prefiller is chosen: `roundrobin`, `session` (hash of a session key), "
+        "`prefixaware` (where the prompt's prefix went before), `kvaware` (where the engines report the "
+        "prefix cached) or `leastloaded`.",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    session_header: str = Field(
+        default="x-session-id",
+        min_length=1,
+        description="The `session` strategy's key: this request header, else the body's `user` field.",
+        json_schema_extra=_meta("routing", live=True),
+    )
 
-    # Prefix affinity: prompts are hashed in blocks of the engines' KV block size (their --block-size),
-    # and the router keeps at most prefix_index_capacity blocks (about 230 bytes each, measured) of where they went.
-    block_size: int = Field(default=16, ge=1)
-    prefix_index_capacity: int = Field(default=1_000_000, ge=1)
-    # A cached prefix is passed over when its endpoint's load exceeds the lightest candidate's by more
-    # than balance_abs_threshold and is more than balance_rel_threshold times it.
-    balance_abs_threshold: float = Field(default=32.0, ge=0)
-    balance_rel_threshold: float = Field(default=1.5, ge=1.0)
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        description="Prefix affinity hashes prompts in blocks of this many tokens: set it to the engines' KV "
+        "block size (their `--block-size`).",
+        json_schema_extra=_meta("routing"),
+    )
+    prefix_index_capacity: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="The most prompt blocks the prefix index remembers the engine of. Each costs a few hundred "
+        "bytes of memory (the memory benchmark measures it).",
+        json_schema_extra=_meta("routing"),
+    )
+    balance_abs_threshold: float = Field(
+        default=32.0,
+        ge=0,
+        description="A cached prefix's engine is passed over when its load exceeds the lightest candidate's "
+        "by more than this and by more than `balance_rel_threshold` times.",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    balance_rel_threshold: float = Field(
+        default=1.5,
+        ge=1.0,
+        description="See `balance_abs_threshold`: the relative half of the same rule.",
+        json_schema_extra=_meta("routing", live=True),
+    )
 
-    # When every prefiller's engine queue is deeper than this, prompts with fewer uncached tokens than
-    # prefill_busy_max_tokens go direct (0 disables the gate). In threshold_mode adaptive the model
-    # prices each prefiller's queue itself, so the gate counts queued prompt tokens instead of waiting
-    # requests: closed when every prefiller has more than prefill_busy_queue_tokens queued (0: never),
-    # and its ceiling is on uncached tokens times the decoder's running streams (at least 1).
-    prefill_busy_queue_depth: int = Field(default=8, ge=0)
-    prefill_busy_max_tokens: int = Field(default=16384, ge=0)
-    prefill_busy_queue_tokens: int = Field(default=131072, ge=0)
+    prefill_busy_queue_depth: int = Field(
+        default=8,
+        ge=0,
+        description="When every prefiller's engine queue is deeper than this, prompts with fewer uncached "
+        "tokens than `prefill_busy_max_tokens` go direct rather than wait (0 disables the gate). A trade of "
+        "the long prompts' time to first token against the decoder's streams' smoothness.",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    prefill_busy_max_tokens: int = Field(
+        default=16384,
+        ge=0,
+        description="The prefill-busy gate's ceiling: only prompts below it are sent direct when the prefill "
+        "pool is busy. In `adaptive` mode it bounds uncached tokens times the decoder's running streams (at "
+        "least 1), so a decoder full of streams is not handed long prompts.",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    prefill_busy_queue_tokens: int = Field(
+        default=131072,
+        ge=0,
+        description="The prefill-busy gate in `adaptive` mode, where the model prices each prefiller's queue "
+        "itself: closed when every prefiller has more than this many prompt tokens queued (0: never).",
+        json_schema_extra=_meta("routing", live=True),
+    )
 
-    # Seconds between scrapes of every engine's /metrics; a load older than three intervals is ignored.
-    load_scrape_interval: float = Field(default=2.0, gt=0)
+    load_scrape_interval: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds between scrapes of every engine's `/metrics` for its load; a load older than "
+        "three intervals is ignored.",
+        json_schema_extra=_meta("routing"),
+    )
 
-    # kvaware sources. vLLM KV events: engine URL -> its publishers' ZMQ addresses (one per data-parallel
-    # rank), and/or kv_events_port for tcp://<engine host>:<port> on every engine not listed.
-    kv_events_endpoints: dict[str, list[str]] = Field(default_factory=dict)
-    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
-    # LMCache controller, asked per request within kv_lookup_timeout seconds; its instance ids are learnt
-    # by engine host, or given here as engine URL -> instance id.
-    lmcache_controller_url: str | None = None
-    lmcache_instance_ids: dict[str, str] = Field(default_factory=dict)
-    kv_lookup_timeout: float = Field(default=0.05, gt=0)
-    kv_connector: KVConnectorName = "nixl"
-    # kv_connector lmcache (LMCache PD): every decoder's receiver takes the KV on these ports (one per TP
-    # rank) on its own host, unless lmcache_receivers names it; the prefillers' workers confirm each
-    # hand-off with lmcache_notify_count ProxyNotif messages (default: one per init port) on the
-    # router's ZMQ PULL socket at lmcache_notify_address, within lmcache_notify_timeout seconds of the
-    # prefill answer, or the hop has failed.
-    lmcache_receiver_init_ports: PortList = Field(default_factory=lambda: [8300], min_length=1)
-    lmcache_receiver_alloc_ports: PortList = Field(default_factory=lambda: [8400], min_length=1)
-    lmcache_receivers: dict[str, LMCacheReceiver] = Field(default_factory=dict)
-    lmcache_notify_address: str = "tcp://127.0.0.1:8500"
-    lmcache_notify_count: int | None = Field(default=None, ge=1)
-    lmcache_notify_timeout: float = Field(default=5.0, gt=0)
-    # kv_connector sglang: the prefillers' bootstrap server port, and per-prefiller exceptions.
-    sglang_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
-    sglang_bootstrap_ports: dict[str, Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=dict)
+    kv_events_endpoints: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="`kvaware`: engine URL -> its vLLM KV-event publishers' ZMQ addresses (one per "
+        "data-parallel rank).",
+        json_schema_extra=_meta("routing"),
+    )
+    kv_events_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="`kvaware`: subscribe to `tcp://<engine host>:<port>` for every engine not listed in "
+        "`kv_events_endpoints`, discovered ones included as they join the pool.",
+        json_schema_extra=_meta("routing"),
+    )
+    lmcache_controller_url: str | None = Field(
+        default=None,
+        description="`kvaware`: an LMCache controller asked per request where the prompt's KV is cached.",
+        json_schema_extra=_meta("routing"),
+    )
+    lmcache_instance_ids: dict[str, str] = Field(
+        default_factory=dict,
+        description="`kvaware`: engine URL -> its LMCache instance id; instances not listed are learnt by engine host.",
+        json_schema_extra=_meta("routing"),
+    )
+    kv_lookup_timeout: float = Field(
+        default=0.05,
+        gt=0,
+        description="Seconds an LMCache controller lookup may take before the request is routed without it.",
+        json_schema_extra=_meta("routing"),
+    )
+    kv_connector: KVConnectorName = Field(
+        default="nixl",
+        description="The KV-transfer protocol the engines speak: `nixl` (vLLM `NixlConnector`), "
+        "`shared_storage` (vLLM `ExampleConnector`), `lmcache` (LMCache PD) or `sglang` (SGLang bootstrap: "
+        "every request takes the prefill hop, and one no prefiller can take gets a 503).",
+        json_schema_extra=_meta("connectors"),
+    )
+    lmcache_receiver_init_ports: PortList = Field(
+        default_factory=lambda: [8300],
+        min_length=1,
+        description="`lmcache`: every decoder's LMCache receiver init ports, one per TP rank, on the "
+        "decoder's own host unless `lmcache_receivers` names it.",
+        json_schema_extra=_meta("connectors"),
+    )
+    lmcache_receiver_alloc_ports: PortList = Field(
+        default_factory=lambda: [8400],
+        min_length=1,
+        description="`lmcache`: the receivers' alloc ports, one per TP rank, as `lmcache_receiver_init_ports`.",
+        json_schema_extra=_meta("connectors"),
+    )
+    lmcache_receivers: dict[str, LMCacheReceiver] = Field(
+        default_factory=dict,
+        description="`lmcache`: `{decoder URL: {host, init_ports, alloc_ports}}` for decoders whose receiver "
+        "differs from the default ports on the decoder's host.",
+        json_schema_extra=_meta("connectors"),
+    )
+    lmcache_notify_address: str = Field(
+        default="tcp://127.0.0.1:8500",
+        description="`lmcache`: the router's ZMQ PULL socket for the prefillers' `ProxyNotif` messages (their "
+        "`pd_proxy_host`/`pd_proxy_port` must name it). Bound at startup; the default is reachable from this "
+        "host only, and the router warns when a prefiller is elsewhere.",
+        json_schema_extra=_meta("connectors"),
+    )
+    lmcache_notify_count: int | None = Field(
+        default=None,
+        ge=1,
+        description="`lmcache`: how many `ProxyNotif` messages confirm one hand-off (one per prefiller worker). "
+        "Unset: one per init port.",
+        json_schema_extra=_meta("connectors"),
+    )
+    lmcache_notify_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="`lmcache`: seconds after the prefill answer within which every `ProxyNotif` must arrive, "
+        "or the hop has failed.",
+        json_schema_extra=_meta("connectors"),
+    )
+    sglang_bootstrap_port: int = Field(
+        default=8998,
+        ge=1,
+        le=65535,
+        description="`sglang`: the prefillers' bootstrap server port.",
+        json_schema_extra=_meta("connectors"),
+    )
+    sglang_bootstrap_ports: dict[str, Annotated[int, Field(ge=1, le=65535)]] = Field(
+        default_factory=dict,
+        description="`sglang`: `{prefiller URL: port}` for prefillers whose bootstrap port differs.",
+        json_schema_extra=_meta("connectors"),
+    )
 
-    # Timeouts per phase, in seconds.
-    connect_timeout: float = Field(default=5.0, gt=0)
-    prefill_timeout: float = Field(default=120.0, gt=0)
-    first_token_timeout: float = Field(default=120.0, gt=0)
-    idle_timeout: float = Field(default=120.0, gt=0)
-    request_timeout: float = Field(default=600.0, gt=0)
+    connect_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds to connect to an engine.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    prefill_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds the whole prefill hop may take.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    first_token_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds from the decode call to the first token of a stream.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    idle_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds between two chunks of a stream.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    request_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds a non-streamed answer may take, whole.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
 
-    # The shared HTTP client's connection pool. `upstream_transport`: engine calls go through aiohttp's
-    # pool (the default: a third of the CPU per request of httpx's own under load) or httpx's (`httpx`).
-    # Idle connections close after `keepalive_expiry` s, below the engines' own 5 s (vLLM's uvicorn),
-    # so the router never sends on a connection the engine is closing. `max_keepalive_connections`
-    # caps idle connections with the `httpx` transport only.
-    upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
-    max_connections: int = Field(default=4096, ge=1)
-    max_keepalive_connections: int = Field(default=512, ge=0)
-    keepalive_expiry: float = Field(default=4.0, gt=0)
+    upstream_transport: Literal["aiohttp", "httpx"] = Field(
+        default="aiohttp",
+        description="The engine calls' connection pool: `aiohttp` (far less CPU per request under load: "
+        "httpx's pool walks every pooled connection on each request) or `httpx` (httpcore's).",
+        json_schema_extra=_meta("server"),
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="The most connections open to the engines at once.",
+        json_schema_extra=_meta("server"),
+    )
+    max_keepalive_connections: int = Field(
+        default=512,
+        ge=0,
+        description="The most idle connections kept to the engines (the `httpx` transport only).",
+        json_schema_extra=_meta("server"),
+    )
+    keepalive_expiry: float = Field(
+        default=4.0,
+        gt=0,
+        description="Seconds an idle engine connection is kept. Below the engines' own keep-alive (vLLM's "
+        "uvicorn: 5 s), so the router never sends on a connection the engine is closing.",
+        json_schema_extra=_meta("server"),
+    )
 
-    # Prompts longer than this many characters are tokenized in a worker thread.
-    tokenize_inline_max_chars: int = Field(default=2048, ge=0)
-    tokenizer_threads: int = Field(default=2, ge=1)
+    tokenize_inline_max_chars: int = Field(
+        default=2048,
+        ge=0,
+        description="Prompts longer than this many characters are tokenized in a worker thread, so a long "
+        "prompt does not hold up the event loop (bodies over 1 MiB in a lane of their own).",
+        json_schema_extra=_meta("server"),
+    )
+    tokenizer_threads: int = Field(
+        default=2,
+        ge=1,
+        description="Worker threads for tokenizing long prompts.",
+        json_schema_extra=_meta("server"),
+    )
 
-    # Active health probes: GET /health every interval; this many failures in a row mark an engine
-    # unhealthy (no traffic), this many passes in a row bring it back.
-    health_interval: float = Field(default=5.0, gt=0)
-    health_timeout: float = Field(default=2.0, gt=0)
-    health_unhealthy_threshold: int = Field(default=2, ge=1)
-    health_healthy_threshold: int = Field(default=1, ge=1)
+    health_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds between active `GET /health` probes of every engine.",
+        json_schema_extra=_meta("reliability"),
+    )
+    health_timeout: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds a health probe may take before it counts as failed.",
+        json_schema_extra=_meta("reliability"),
+    )
+    health_unhealthy_threshold: int = Field(
+        default=2,
+        ge=1,
+        description="Failed probes in a row that mark an engine unhealthy (no traffic). When no decoder "
+        "passes its probes, those failing nothing else still serve (`last_resort_routes_total`).",
+        json_schema_extra=_meta("reliability"),
+    )
+    health_healthy_threshold: int = Field(
+        default=1,
+        ge=1,
+        description="Passing probes in a row that bring an unhealthy engine back.",
+        json_schema_extra=_meta("reliability"),
+    )
 
-    # Passive outlier detection: this many failed calls in a row open an engine's circuit breaker;
-    # it half-opens (one trial call at a time, unless no other engine is up) after the cool-down, which
-    # doubles after each failed trial.
-    breaker_failures: int = Field(default=3, ge=1)
-    breaker_cooldown: float = Field(default=5.0, gt=0)
-    breaker_max_cooldown: float = Field(default=60.0, gt=0)
+    breaker_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Failed calls in a row that open an engine's circuit breaker (passive outlier detection).",
+        json_schema_extra=_meta("reliability"),
+    )
+    breaker_cooldown: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds before an open breaker half-opens: one trial call at a time while other engines "
+        "are up (when every decoder is recovering, they take the requests rather than refuse them).",
+        json_schema_extra=_meta("reliability"),
+    )
+    breaker_max_cooldown: float = Field(
+        default=60.0,
+        gt=0,
+        description="The cool-down doubles after each failed trial, up to this many seconds.",
+        json_schema_extra=_meta("reliability"),
+    )
 
-    # A failed prefill hop is retried on another prefiller this many times, then the policy applies:
-    # fallback serves the request on the decoder alone, fail answers 503.
-    prefill_retries: int = Field(default=1, ge=0)
-    prefill_failure_policy: Literal["fallback", "fail"] = "fallback"
-    # A decoder that fails before the first byte reaches the client is replaced this many times.
-    decode_retries: int = Field(default=1, ge=0)
-    # Learned deadlines (deadlines.py): a prefill hop, a decoder's first token or a non-streamed answer
-    # taking hop_deadline_factor times what recent ones of its size took (at least hop_deadline_floor
-    # seconds; the phase's timeout at most) is abandoned: the prefill for another prefiller or the
-    # decoder alone, a decoder that the client has no byte from yet for another decoder. Until
-    # hop_deadline_samples hops of a kind are learned, the timeouts alone apply; factor 0 turns it off.
-    hop_deadline_factor: float = Field(default=4.0, ge=0)
-    hop_deadline_floor: float = Field(default=2.0, gt=0)
-    hop_deadline_samples: int = Field(default=20, ge=1)
+    prefill_retries: int = Field(
+        default=1,
+        ge=0,
+        description="Other prefillers a failed prefill hop is retried on before `prefill_failure_policy` applies.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    prefill_failure_policy: Literal["fallback", "fail"] = Field(
+        default="fallback",
+        description="When the prefill hop has failed on every prefiller tried: `fallback` serves the request "
+        "on the decoder alone (a failing prefill pool costs only speed), `fail` answers 503.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    decode_retries: int = Field(
+        default=1,
+        ge=0,
+        description="Times a decoder failing before the client saw a byte is replaced (by another one, or by "
+        "the same one when it is the only decoder).",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    hop_deadline_factor: float = Field(
+        default=4.0,
+        ge=0,
+        description="Learned deadlines: a prefill hop, a decoder's first token or a non-streamed answer taking "
+        "this many times what recent ones of its size took is abandoned, a prefill for another prefiller "
+        "then the decoder alone, a decoder the client has no byte from yet for another decoder. Catches hung "
+        "engines long before the timeouts. 0 turns it off.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    hop_deadline_floor: float = Field(
+        default=2.0,
+        gt=0,
+        description="A learned deadline is at least this many seconds (and at most the phase's timeout).",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    hop_deadline_samples: int = Field(
+        default=20,
+        ge=1,
+        description="Hops of a kind to learn from before learned deadlines apply; until then the timeouts alone do.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
 
-    # Admission control: at most max_in_flight requests are served at once (0: no cap); up to
-    # max_queued more wait at most queue_timeout seconds; beyond that, 503 with Retry-After. The
-    # shared pool and each tenant with reserved engines have a budget of these limits each (a tenant's
-    # entry in `tenants` may set its own).
-    max_in_flight: int = Field(default=4096, ge=0)
-    max_queued: int = Field(default=1024, ge=0)
-    queue_timeout: float = Field(default=30.0, gt=0)
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    # The HTTP listener's own limits (nginx's client_header_timeout / client_body_timeout and
-    # large_client_header_buffers): a request's line and headers must arrive within
-    # client_header_timeout seconds and fit in max_header_bytes and max_headers lines (else 408 / 431);
-    # its body within client_body_timeout seconds of its headers (else 408). Connections closed for
-    # these are counted in dpd_router_connections_refused_total.
-    client_header_timeout: float = Field(default=10.0, gt=0)
-    client_body_timeout: float = Field(default=60.0, gt=0)
-    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
-    max_headers: int = Field(default=100, ge=8)
-    # A chat template sent with a request (chat_template, or chat_template_kwargs.chat_template) is
-    # refused with 400, as vLLM refuses it without --trust-request-chat-template. When trusted, it is
-    # rendered in a sandboxed subprocess, stopped after chat_template_timeout seconds.
-    trust_request_chat_template: bool = False
-    chat_template_timeout: float = Field(default=5.0, gt=0)
+    max_in_flight: int = Field(
+        default=4096,
+        ge=0,
+        description="Requests served at once (0: no cap). The shared pool and each tenant with reserved "
+        "engines have a budget of their own (a tenant's entry in `tenants` may set its own limits; keys with a "
+        "tenant but no reserved engines share the shared pool's).",
+        json_schema_extra=_meta("admission", live=True),
+    )
+    max_queued: int = Field(
+        default=1024,
+        ge=0,
+        description="Requests that may wait for a place beyond `max_in_flight`; more get 503 with `Retry-After`.",
+        json_schema_extra=_meta("admission", live=True),
+    )
+    queue_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a queued request waits at most before its 503.",
+        json_schema_extra=_meta("admission", live=True),
+    )
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        description="Larger request bodies get 413.",
+        json_schema_extra=_meta("admission", live=True),
+    )
+    client_header_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a request's line and headers have to arrive (as nginx's `client_header_timeout`); "
+        "else 408 and the connection is closed (`connections_refused_total`).",
+        json_schema_extra=_meta("admission"),
+    )
+    client_body_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a request's body has to arrive after its headers (as nginx's "
+        "`client_body_timeout`); else 408 and the connection is closed.",
+        json_schema_extra=_meta("admission"),
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="A request's line and headers larger than this get 431 and the connection is closed "
+        "(as nginx's `large_client_header_buffers`).",
+        json_schema_extra=_meta("admission"),
+    )
+    max_headers: int = Field(
+        default=100,
+        ge=8,
+        description="Requests with more header lines than this get 431 and the connection is closed.",
+        json_schema_extra=_meta("admission"),
+    )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="A chat template sent with a request (`chat_template`, or "
+        "`chat_template_kwargs.chat_template`) is refused with 400 unless this is on, as vLLM refuses it "
+        "without `--trust-request-chat-template`.",
+        json_schema_extra=_meta("admission"),
+    )
+    chat_template_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="A trusted client template renders in a sandboxed subprocess (capped memory and output), "
+        "stopped after this many seconds with a 400.",
+        json_schema_extra=_meta("admission"),
+    )
 
-    # API keys, as SHA-256 hex digests (`dpd-router hash-key`): plain keys, admin keys, and a YAML
-    # file whose entries may add a tenant, admin rights and per-minute limits. No keys: no auth.
-    api_key_hashes: UrlList = Field(default_factory=list)
-    admin_key_hashes: UrlList = Field(default_factory=list)
-    api_keys_file: Path | None = None
-    # Failed authentications a source address may make per minute before its requests get 429
-    # unchecked for a while (0: no limit).
-    auth_failures_per_minute: float = Field(default=60.0, ge=0)
-    # Tenants pinned to their own engines: {tenant: {prefill_urls: [...], decode_urls: [...]}}, and
-    # optionally their own max_in_flight, max_queued and queue_timeout. Their engines serve no one else,
-    # and their requests (and prompts to tokenize) reach no other engine.
-    tenants: dict[str, TenantPools] = Field(default_factory=dict)
-    # Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).
-    engine_api_key: SecretStr | None = None
+    api_key_hashes: UrlList = Field(
+        default_factory=list,
+        description="SHA-256 hex digests of the API keys (`dpd-router hash-key`); any key turns "
+        "authentication on. No keys: no auth.",
+        json_schema_extra=_meta("auth"),
+    )
+    admin_key_hashes: UrlList = Field(
+        default_factory=list,
+        description="SHA-256 hex digests of the keys for `/admin/*`.",
+        json_schema_extra=_meta("auth"),
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="A YAML file of `keys:` entries with `sha256`, and optionally `tenant`, `admin`, "
+        "`requests_per_minute` and `prompt_tokens_per_minute` (429 with `Retry-After` beyond them).",
+        json_schema_extra=_meta("auth"),
+    )
+    auth_failures_per_minute: float = Field(
+        default=60.0,
+        ge=0,
+        description="Failed authentications a source address may make per minute; past that its requests get "
+        "429 unchecked until it slows down (behind a proxy every client shares the proxy's address; 0: no "
+        "limit).",
+        json_schema_extra=_meta("auth"),
+    )
+    tenants: dict[str, TenantPools] = Field(
+        default_factory=dict,
+        description="Tenants pinned to engines of their own: `{tenant: {prefill_urls, decode_urls}}`, "
+        "optionally with their own `max_in_flight`, `max_queued` and `queue_timeout`. Their engines serve no "
+        "one else, and their requests (and prompts to tokenize) reach no other engine.",
+        json_schema_extra=_meta("auth"),
+    )
+    engine_api_key: SecretStr | None = Field(
+        default=None,
+        description="Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).",
+        json_schema_extra=_meta("engines"),
+    )
 
-    # Where the shared pool's engines come from. static: prefill_urls and decode_urls. kubernetes: engine
-    # pods watched through the Kubernetes API, for each role whose URL list is empty (a role given URLs
-    # keeps them, like a sidecar router's own decoder); tenants' pools stay static. A pod serves once it is
-    # Ready; one that stops being Ready, starts terminating or is deleted drains (no new calls) and leaves
-    # the pool when its last call ends, or drain_timeout seconds after it began draining.
-    discovery: DiscoveryMode = "static"
-    # The pods' namespace (default: the router's own, from its service account, else "default").
-    kubernetes_namespace: str | None = None
-    # Prefill pods carry <role label>=prefill and decode pods <role label>=decode, and both match
-    # kubernetes_selector (for example app.kubernetes.io/instance=my-release). A role's own selector,
-    # when set, replaces that rule for the role. Selectors are Kubernetes label selectors
-    # (key=value, key!=value, key in (a,b), key notin (a,b), key, !key; comma-separated).
-    kubernetes_role_label: str = Field(default="dpd-router.io/role", min_length=1)
-    kubernetes_selector: str = ""
-    kubernetes_prefill_selector: str | None = None
-    kubernetes_decode_selector: str | None = None
-    # An engine's URL is http://<pod IP>:<port>, the port from the pod's annotation, else kubernetes_port.
-    kubernetes_port: int = Field(default=8000, ge=1, le=65535)
-    kubernetes_port_annotation: str = Field(default="dpd-router.io/port", min_length=1)
-    # The API server. Unset: in-cluster (KUBERNETES_SERVICE_HOST/PORT, the service account's token and CA).
-    # Set (out of the cluster, tests): this URL, with the bearer token read from kubernetes_token_file
-    # (re-read when the server answers 401) and TLS verified against kubernetes_ca_file when given.
-    kubernetes_api_url: str | None = None
-    kubernetes_token_file: Path | None = None
-    kubernetes_ca_file: Path | None = None
-    drain_timeout: float = Field(default=120.0, gt=0)
+    discovery: DiscoveryMode = Field(
+        default="static",
+        description="Where the shared pool's engines come from. `static`: `prefill_urls` and `decode_urls`. "
+        "`kubernetes`: engine pods watched through the Kubernetes API, for each role whose URL list is empty "
+        "(a role given URLs keeps them, like a sidecar router's own decoder); tenants' pools stay static.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_namespace: str | None = Field(
+        default=None,
+        description="The engine pods' namespace. Unset: the router's own, from its service account, else `default`.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_role_label: str = Field(
+        default="dpd-router.io/role",
+        min_length=1,
+        description="Prefill pods carry `<label>=prefill` and decode pods `<label>=decode` (the Helm chart "
+        "labels its engines so).",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_selector: str = Field(
+        default="",
+        description="A Kubernetes label selector both roles' pods must also match, for example "
+        "`app.kubernetes.io/instance=my-release`.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_prefill_selector: str | None = Field(
+        default=None,
+        description="When set, replaces the role label and `kubernetes_selector` rule for prefill pods.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_decode_selector: str | None = Field(
+        default=None,
+        description="When set, replaces the role label and `kubernetes_selector` rule for decode pods.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="An engine pod serves at `http://<pod IP>:<port>`: this port, unless the pod's "
+        "`kubernetes_port_annotation` names another.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_port_annotation: str = Field(
+        default="dpd-router.io/port",
+        min_length=1,
+        description="The pod annotation that names an engine's port.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_api_url: str | None = Field(
+        default=None,
+        description="The API server. Unset: in-cluster (`KUBERNETES_SERVICE_HOST`/`PORT`, the service "
+        "account's token and CA); set, out of the cluster: this URL with `kubernetes_token_file` and "
+        "`kubernetes_ca_file`.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_token_file: Path | None = Field(
+        default=None,
+        description="With `kubernetes_api_url`: the bearer token's file, read again when the server answers 401.",
+        json_schema_extra=_meta("discovery"),
+    )
+    kubernetes_ca_file: Path | None = Field(
+        default=None,
+        description="With `kubernetes_api_url`: the CA bundle the API server's TLS is verified against.",
+        json_schema_extra=_meta("discovery"),
+    )
+    drain_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="A pod that stops being Ready, starts terminating or is deleted drains (no new calls) and "
+        "leaves the pool when its last call ends, or this many seconds after it began draining.",
+        json_schema_extra=_meta("discovery"),
+    )
 
-    # OpenTelemetry spans for each request and its two hops (needs the `otel` extra).
-    otel_tracing: bool = False
+    otel_tracing: bool = Field(
+        default=False,
+        description="OpenTelemetry spans for each request and its two hops (needs the `otel` extra; configure "
+        "the exporter as usual).",
+        json_schema_extra=_meta("observability"),
+    )
 
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: LogFormat = "json"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info",
+        description="The log level.",
+        json_schema_extra=_meta("observability", live=True),
+    )
+    log_format: LogFormat = Field(
+        default="json",
+        description="One structured line per request, as `json` or `text`.",
+        json_schema_extra=_meta("observability"),
+    )
 
     @field_validator("prefill_urls", "decode_urls", mode="before")
     @classmethod
@@ -459,6 +945,26 @@ class Settings(BaseSettings):
         if config_file is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
         return tuple(sources)
+
+
+def setting_group(name: str) -> str:
+    """The group a Settings field belongs to, from its metadata."""
+    return str(_field_meta(name)["group"])
+
+
+def is_live(name: str) -> bool:
+    """Whether a Settings field changes on a running router without a restart, from its metadata."""
+    return _field_meta(name).get("live") is True
+
+
+def _field_meta(name: str) -> dict[str, Any]:
+    extra = Settings.model_fields[name].json_schema_extra
+    return dict(extra) if isinstance(extra, dict) else {}
+
+
+def live_settings() -> frozenset[str]:
+    """The settings that change on a running router without a restart: the fields marked `live`."""
+    return frozenset(name for name in Settings.model_fields if is_live(name))
 
 
 def _config_file_from(init_settings: PydanticBaseSettingsSource) -> Path | None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dpd_router.config import Settings, SettingsError, load_settings, updated_settings
+from dpd_router.config import Settings, SettingsError, live_settings, load_settings, updated_settings
 from dpd_router.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -25,43 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpd_router.config")
 
-LIVE_SETTINGS = frozenset(
-    {
-        "routing_threshold",
-        "threshold_mode",
-        "interference_weight",
-        "min_threshold",
-        "max_threshold",
-        "explore_share",
-        "ttft_slo",
-        "ttft_slo_max_tokens",
-        "itl_slo",
-        "itl_slo_share",
-        "prefill_strategy",
-        "session_header",
-        "balance_abs_threshold",
-        "balance_rel_threshold",
-        "prefill_busy_queue_depth",
-        "prefill_busy_max_tokens",
-        "prefill_busy_queue_tokens",
-        "prefill_retries",
-        "prefill_failure_policy",
-        "decode_retries",
-        "hop_deadline_factor",
-        "hop_deadline_floor",
-        "hop_deadline_samples",
-        "connect_timeout",
-        "prefill_timeout",
-        "first_token_timeout",
-        "idle_timeout",
-        "request_timeout",
-        "max_in_flight",
-        "max_queued",
-        "queue_timeout",
-        "max_body_bytes",
-        "log_level",
-    }
-)
+LIVE_SETTINGS = live_settings()
 SECRET_SETTINGS = frozenset({"engine_api_key", "api_key_hashes", "admin_key_hashes"})
 
 

@@ -69,8 +69,9 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
             self._head_lines = 0
             self._refusal: str | None = None
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-            super().connection_made(transport)  # type: ignore[arg-type]
+        # uvicorn's connection_made narrows asyncio's BaseTransport to Transport (it ignores that as well).
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
+            super().connection_made(transport)
             self._arm(limits.header_timeout, "header_timeout")
 
         def connection_lost(self, exc: Exception | None) -> None:

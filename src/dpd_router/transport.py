@@ -4,7 +4,7 @@ Why: at 64 concurrent streams, httpx's own pool (httpcore) spent about two third
 CPU walking every pooled connection (and probing each idle socket with a syscall) on each request
 and each response end; the router used 8 ms of CPU per short request. aiohttp keeps its idle
 connections per host in a queue and parses HTTP in C: 2.9 ms per request, same requests
-(`benchmarks/README.md`, router overhead). The rest of the router keeps speaking httpx: requests,
+(`docs/benchmarks.md`, router overhead). The rest of the router keeps speaking httpx: requests,
 responses, timeouts and, above all, exceptions. The mapping is the part that matters: the gateway
 resends a request only when the engine can never have seen it, and that is `httpx.ConnectError`
 or `httpx.ConnectTimeout` alone.

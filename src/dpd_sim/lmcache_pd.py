@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import zmq
@@ -63,7 +63,7 @@ class DisaggSpec:
         return cls(req_id, host, tuple(init_ports), tuple(alloc_ports))
 
 
-def _ports(value: Any) -> bool:
+def _ports(value: object) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
         and bool(value)

@@ -3,7 +3,7 @@
 The router's metric names and labels come from a live `/metrics`: the router runs on 127.0.0.1 in
 front of simulated engines and serves a mix of requests (direct, disaggregated, one fallback)
 first. Engine metrics (vllm:*) are scraped from the engines directly in a cluster; they are checked
-against vLLM's documented names (shared/design/PROTOCOLS.md) and the simulator's live ones.
+against vLLM's documented names (docs/connectors.md, "Engine endpoints") and the simulator's live ones.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ ADAPTER = DEPLOY / "prometheus-adapter" / "values.yaml"
 
 # Labels Prometheus adds when it scrapes (the Operator's defaults plus the chart's relabelings).
 SCRAPE_LABELS = {"namespace", "pod", "service", "endpoint", "container", "job", "instance", "dpd_release", "dpd_pool"}
-# vLLM's engine metrics as PROTOCOLS.md lists them (v1 names), and their labels.
+# vLLM's engine metrics as docs/connectors.md lists them (v1 names), and their labels.
 VLLM_GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 VLLM_COUNTERS = {
     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", "vllm:prompt_tokens",

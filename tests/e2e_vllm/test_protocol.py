@@ -1,4 +1,4 @@
-"""The real engines speak the NIXL protocol PROTOCOLS.md section 2 describes (no router involved)."""
+"""The real engines speak the NIXL protocol docs/connectors.md describes (no router involved)."""
 
 from __future__ import annotations
 

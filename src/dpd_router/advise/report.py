@@ -114,7 +114,8 @@ class Report:
         data = asdict(self)
         for row, bucket in zip(data["ttft"], self.ttft, strict=True):
             row["span"] = bucket.span
-        return _json_safe(data)
+        safe: dict[str, Any] = _json_safe(data)
+        return safe
 
 
 def _json_safe(value: Any) -> Any:

@@ -3,7 +3,7 @@ response; the gateway never builds one."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -23,7 +23,7 @@ class StreamedAnswer:
     upstream, records it, releases what it holds) and must run once it is sent or will not be, also
     when it never began."""
 
-    events: AsyncIterator[bytes]
+    events: AsyncIterable[bytes]
     close: Callable[[], Awaitable[None]]
     headers: Mapping[str, str]
     media_type: str = "text/event-stream"

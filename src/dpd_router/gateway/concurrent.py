@@ -49,7 +49,7 @@ async def unless_prefill_fails(
     raise failure
 
 
-async def _failure_to_blame(failure: DecodeFailed, pending: asyncio.Task[StagedKV], grace: float) -> Exception:
+async def _failure_to_blame(failure: DecodeFailed, pending: asyncio.Task[StagedKV], grace: float) -> BaseException:
     """The decode call failed before its first token: the prefill's failure if it has one (or has
     not finished within `grace` seconds: a failed hand-off), else the decoder's."""
     if not pending.done():

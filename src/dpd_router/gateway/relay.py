@@ -73,7 +73,7 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
         trace.cached_tokens = trace.decoder_cached_tokens
         return False
     trace.cached_tokens = cached_tokens
-    if not isinstance(reported, int) or reported == cached_tokens:
+    if not isinstance(details, dict) or not isinstance(reported, int) or reported == cached_tokens:
         return False
     details["cached_tokens"] = cached_tokens
     return True
@@ -130,7 +130,8 @@ class EventStream:
 
     @property
     def media_type(self) -> str:
-        return self._upstream.headers.get("content-type", "text/event-stream")
+        media_type: str = self._upstream.headers.get("content-type", "text/event-stream")
+        return media_type
 
     async def prime(self, deadline: float) -> None:
         """Read until the first token arrives (by loop time `deadline`); raise DecodeFailedEarly if

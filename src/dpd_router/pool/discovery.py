@@ -19,10 +19,11 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import AsyncIterable, Callable, Collection, Iterable
 
 from lightkube import ApiError, AsyncClient, ConfigError, KubeConfig, NotReadyError, operators
 from lightkube.config.models import Cluster, User
+from lightkube.core.generic_client import ListAsyncIterable
 from lightkube.resources.core_v1 import Pod
 
 from dpd_router.config import Settings, SettingsError
@@ -43,7 +44,8 @@ WATCH_SECONDS = 300
 # How long startup waits for the first list of each role before serving without it.
 INITIAL_SYNC_TIMEOUT = 10.0
 
-LabelSelector = list[tuple[str, operators.Operator]]
+# A list of pairs, not lightkube's dict: a selector may repeat a key (`tier!=a,tier!=b`).
+LabelSelector = list[tuple[str, operators.SequenceOperator | operators.BinaryOperator | operators.UnaryOperator]]
 
 _KEY = r"[A-Za-z0-9](?:[-A-Za-z0-9_./]*[A-Za-z0-9])?"
 _VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
@@ -217,7 +219,10 @@ class PodWatch:
                 delay = min(delay * 2, self._backoff_max)
 
     async def _list(self) -> str | None:
-        pods = self._client.list(Pod, namespace=self._namespace, labels=self._selector)
+        # lightkube annotates `labels` as a dict, while its build_selector also takes our list of pairs.
+        pods: ListAsyncIterable[Pod] = self._client.list(  # type: ignore[call-overload]  # labels: pairs
+            Pod, namespace=self._namespace, labels=self._selector
+        )
         ready: dict[str, str] = {}
         async for pod in pods:
             url = self._url(pod)
@@ -234,7 +239,8 @@ class PodWatch:
 
     async def _watch(self, version: str | None) -> None:
         """Apply watch events until the watch fails (lightkube reopens one the server ended)."""
-        events = self._client.watch(
+        # lightkube annotates `labels` as a dict, while its build_selector also takes our list of pairs.
+        events: AsyncIterable[tuple[str, Pod]] = self._client.watch(  # type: ignore[call-overload]  # labels: pairs
             Pod,
             namespace=self._namespace,
             labels=self._selector,

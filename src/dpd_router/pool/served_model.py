@@ -30,7 +30,9 @@ class ServedModel:
                 listing = orjson.loads(response.content) if response.status_code == 200 else None
             except (httpx.HTTPError, orjson.JSONDecodeError):
                 continue
-            models = listing.get("data") if isinstance(listing, dict) else None
+            if not isinstance(listing, dict):
+                continue
+            models = listing.get("data")
             if not models:
                 continue
             self._learn(listing, models)

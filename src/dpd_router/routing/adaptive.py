@@ -70,7 +70,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -586,7 +586,7 @@ class AdaptiveModel:
     def cost_rows(self) -> list[tuple[str, str, str, float]]:
         """(model, endpoint, term, value) for every learned cost, for metrics."""
         rows: list[tuple[str, str, str, float]] = []
-        tables: list[tuple[str, dict[str, LinearCost] | dict[str, HopCost] | dict[str, DecayedMean]]] = [
+        tables: list[tuple[str, Mapping[str, LinearCost | HopCost | DecayedMean]]] = [
             ("handoff", {"": self.handoff}),
             ("direct_prefill", self._direct),
             ("direct_wait", self._wait),

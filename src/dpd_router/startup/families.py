@@ -50,7 +50,9 @@ class Engines:
     @property
     def by_tenant(self) -> dict[str | None, Pool]:
         """Each pool under its tenant; None: the shared pool."""
-        return {None: self.shared, **self.tenants}
+        pools: dict[str | None, Pool] = {None: self.shared}
+        pools.update(self.tenants.items())
+        return pools
 
 
 @dataclass(frozen=True)

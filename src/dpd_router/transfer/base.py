@@ -199,8 +199,12 @@ async def send_prefill(
 
 def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
     """(prompt tokens, the prefiller's cached prompt tokens) from a prefill answer's usage."""
-    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        usage = {}
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = {}
     prompt_tokens = usage.get("prompt_tokens")
     return (prompt_tokens if isinstance(prompt_tokens, int) else None), int(details.get("cached_tokens") or 0)
 

@@ -1,6 +1,6 @@
 """vLLM's NixlConnector protocol: a max_tokens=1 prefill, then the decoder pulls the blocks.
 
-See PROTOCOLS.md section 2. The prefiller's `kv_transfer_params` are passed on verbatim:
+See docs/connectors.md, "NIXL". The prefiller's `kv_transfer_params` are passed on verbatim:
 rewriting `remote_host` breaks deployments whose side channel differs from the HTTP host.
 
 The prefiller holds the staged blocks under a lease (30 s) until a decoder pulls them. When no

@@ -1,6 +1,6 @@
 """SGLang's disaggregation: prefiller and decoder get the same request at once and meet in a bootstrap room.
 
-See PROTOCOLS.md section 4. Both engines receive the client's body plus `bootstrap_host` (the
+See docs/connectors.md, "SGLang". Both engines receive the client's body plus `bootstrap_host` (the
 prefiller's host), `bootstrap_port` (its bootstrap server, 8998 unless configured) and
 `bootstrap_room` (a random 63-bit id; one per prompt of a batch, with a host and a port each).
 The decoder registers with the prefiller's bootstrap server, receives the KV and streams the

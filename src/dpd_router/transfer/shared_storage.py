@@ -1,6 +1,6 @@
 """vLLM's ExampleConnector (shared storage): the prefiller writes the KV to a shared directory.
 
-See PROTOCOLS.md section 6. The prefill hop is the client's request cut to one token and not
+See docs/connectors.md, "Shared storage". The prefill hop is the client's request cut to one token and not
 streamed; a 200 answer means the prefiller computed the prompt and saved its KV. The decoder then
 receives the client's request unchanged and finds the KV on disk by the prompt's hash: no
 `kv_transfer_params` travel in either direction.

@@ -1,6 +1,6 @@
 """LMCache's disaggregated prefill (`LMCacheConnectorV1` with `enable_pd`): the prefiller pushes the KV.
 
-See PROTOCOLS.md section 3. The prefill hop is a `/v1/completions` call with the prompt as token
+See docs/connectors.md, "LMCache PD". The prefill hop is a `/v1/completions` call with the prompt as token
 ids, one token, and a `disagg_spec` naming the decoder's LMCache receiver (its host, and one init
 and one alloc port per decoder TP rank). The prefiller answers with the first token
 (`kv_transfer_params.first_tok`) and, once the KV has landed in the decoder's buffer, each of its
