@@ -309,6 +309,7 @@ async def test_api_keys_and_tenant_isolation(cluster: SimCluster, tokenizer_dir:
         f"  - sha256: {hash_key('acme-key')}\n    tenant: acme\n"
         f"  - sha256: {hash_key('public-key')}\n"
         f"  - sha256: {hash_key('tiny-key')}\n    requests_per_minute: 1\n"
+        f"  - sha256: {hash_key('few-tokens-key')}\n    prompt_tokens_per_minute: 50\n"
     )
     shared_p, acme_p = cluster.prefill_urls
     shared_d, acme_d = cluster.decode_urls
@@ -348,6 +349,15 @@ async def test_api_keys_and_tenant_isolation(cluster: SimCluster, tokenizer_dir:
         assert (await client.post("/v1/chat/completions", json=chat_body(SHORT), headers=tiny)).status_code == 200
         limited = await client.post("/v1/chat/completions", json=chat_body(SHORT), headers=tiny)
         assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        assert await metric(base_url, "dpd_router_rate_limited_total", {"limit": "requests"}) == 1
+
+        # A budget of prompt tokens is charged once the prompt is counted: a long prompt overdraws it,
+        # and the next request waits until it is paid back.
+        few = {"Authorization": "Bearer few-tokens-key"}
+        assert (await client.post("/v1/chat/completions", json=chat_body(LONG), headers=few)).status_code == 200
+        overdrawn = await client.post("/v1/chat/completions", json=chat_body(SHORT), headers=few)
+        assert overdrawn.status_code == 429 and "Prompt tokens per minute" in overdrawn.json()["error"]["message"]
+        assert await metric(base_url, "dpd_router_rate_limited_total", {"limit": "prompt_tokens"}) == 1
 
 
 async def test_oversized_bodies_and_prompts_are_refused_before_any_engine(

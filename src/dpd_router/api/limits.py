@@ -13,9 +13,8 @@ if TYPE_CHECKING:
     from dpd_router.metrics import RouterMetrics
 
 # Refusals counted where they happen, not by `count_refusal`: the gatekeeper counts its throttled
-# addresses (auth_throttled); gateway.py counts the prompt-token refusals it raises, until it leaves that
-# to `count_refusal` (remove "prompt_tokens" here then).
-COUNTED_ELSEWHERE: frozenset[RateLimit] = frozenset({"auth_failures", "prompt_tokens"})
+# addresses (auth_throttled).
+COUNTED_ELSEWHERE: frozenset[RateLimit] = frozenset({"auth_failures"})
 
 
 @dataclass

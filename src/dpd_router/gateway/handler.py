@@ -24,9 +24,10 @@ import httpx
 
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.client_request import ClientRequest
+from dpd_router.config import Settings
 from dpd_router.context_window import check_context_length, prompt_too_long
 from dpd_router.deadlines import HopDeadlines
-from dpd_router.errors import PrefillFailed, PrefillUnavailable, RateLimited, RouterError
+from dpd_router.errors import PrefillFailed, PrefillUnavailable, RouterError
 from dpd_router.gateway.answer import Answer
 from dpd_router.gateway.completion import Completion, HeldKV
 from dpd_router.gateway.concurrent import abandon
@@ -81,10 +82,10 @@ class Gateway:
         """Stop prefill calls whose clients left (before the connector that would release their KV closes)."""
         await self._prefill.close()
 
-    def reconfigure(self, timeouts: PhaseTimeouts, retries: RetryPolicy) -> None:
+    def reconfigure(self, settings: Settings) -> None:
         """Apply live timeout and retry settings to the requests that start from now on."""
-        self._timeouts = timeouts
-        self._retries = retries
+        self._timeouts = PhaseTimeouts.from_settings(settings)
+        self._retries = RetryPolicy.from_settings(settings)
 
     @property
     def planners(self) -> Mapping[str | None, Planner]:
@@ -167,7 +168,7 @@ class Gateway:
         trace.tokenize_seconds = prompt.seconds
         self._metrics.tokenize.observe(prompt.seconds)
         self._check_context_length(request, prompt)
-        self._take_prompt_tokens(principal, prompt)
+        principal.limits.take_prompt_tokens(prompt.num_tokens)
         return prompt
 
     async def _plan(
@@ -222,13 +223,6 @@ class Gateway:
         limit = self._model.max_model_len
         if limit is not None:
             check_context_length(request, prompt, limit)
-
-    def _take_prompt_tokens(self, principal: Principal, prompt: Prompt) -> None:
-        try:
-            principal.limits.take_prompt_tokens(prompt.num_tokens)
-        except RateLimited:
-            self._metrics.rate_limited.labels("prompt_tokens").inc()
-            raise
 
     async def _serve(self, exchange: Exchange, plan: Plan) -> Answer:
         """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte.

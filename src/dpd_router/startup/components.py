@@ -30,7 +30,7 @@ from dpd_router.startup.families import (
     build_serving,
     build_upkeep,
 )
-from dpd_router.startup.live_parts import GatewayPolicies, LogLevel, ThresholdGauge
+from dpd_router.startup.live_parts import LogLevel, ThresholdGauge
 from dpd_router.startup.tokenizers import load_tokenizers
 from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter
@@ -140,7 +140,7 @@ def live_parts(metrics: RouterMetrics, routing: Routing, serving: Serving, acces
     gateway's timeouts and retries, admission, the threshold gauge, the log level."""
     return [
         *routing.planners.values(),
-        GatewayPolicies(serving.gateway),
+        serving.gateway,
         access.admission,
         ThresholdGauge(metrics),
         LogLevel(),

@@ -1,23 +1,12 @@
 """The running parts with live settings that do not take Settings themselves, each behind the
-`Reconfigurable` contract (live.py): the gateway's timeouts and retries, the threshold gauge, the log level."""
+`Reconfigurable` contract (live.py): the threshold gauge, the log level."""
 
 from __future__ import annotations
 
 import logging
 
 from dpd_router.config import Settings
-from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
-
-
-class GatewayPolicies:
-    """The gateway's phase timeouts and retry policy, built from the settings in force."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
-
-    def reconfigure(self, settings: Settings) -> None:
-        self._gateway.reconfigure(PhaseTimeouts.from_settings(settings), RetryPolicy.from_settings(settings))
 
 
 class ThresholdGauge:
