@@ -13,7 +13,7 @@ or `httpx.ConnectTimeout` alone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 
 import aiohttp
@@ -125,3 +125,44 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             session, self._session = self._session, None
             await session.close()
             await asyncio.sleep(0)  # let the connector's transports finish closing
+
+
+class EngineCalls:
+    """The request path's calls to engines, made on the transport itself.
+
+    An engine call uses nothing of what httpx's client adds per request (merging a base URL,
+    headers and cookies, auth and redirect handling, the cookie jar it fills from every answer):
+    building the request and handing it to the transport is the whole call. The client (over the
+    same transport, and so the same connection pool) keeps serving the other calls.
+    """
+
+    # Engine URLs parsed once: the pool's endpoints and their few paths, however many requests.
+    MAX_URLS = 4096
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, headers: Mapping[str, str]) -> None:
+        self._transport = transport
+        self._headers = dict(headers)
+        self._urls: dict[str, httpx.URL] = {}
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], *, connect_timeout: float
+    ) -> httpx.Response:
+        """POST `body` to `url`; the answer's status and headers, its body left to stream."""
+        request = httpx.Request(
+            "POST",
+            self._url(url),
+            headers={**self._headers, **headers},
+            content=body,
+            extensions={"timeout": {"connect": connect_timeout, "pool": connect_timeout, "read": None, "write": None}},
+        )
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        return response
+
+    def _url(self, url: str) -> httpx.URL:
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= self.MAX_URLS:  # engines came and went: start over rather than grow
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        return parsed

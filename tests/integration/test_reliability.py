@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from dpd_router.api.auth import hash_key
-from dpd_router.startup.families import build_client
+from dpd_router.startup.families import build_transport
 from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import (
     MODEL,
@@ -181,12 +181,10 @@ async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
     async with SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster:
         decoder = cluster.decode_urls[0]
 
-        def flaky_client(settings: Any) -> httpx.AsyncClient:
-            client = build_client(settings)
-            client._transport = RefusesFirstConnects(client._transport, decoder, count=1)
-            return client
+        def flaky_transport(settings: Any) -> httpx.AsyncBaseTransport:
+            return RefusesFirstConnects(build_transport(settings), decoder, count=1)
 
-        monkeypatch.setattr("dpd_router.startup.components.build_client", flaky_client)
+        monkeypatch.setattr("dpd_router.startup.components.build_transport", flaky_transport)
         async with (
             running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
             httpx.AsyncClient(base_url=base_url, timeout=30) as client,

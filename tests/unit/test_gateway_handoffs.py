@@ -33,6 +33,7 @@ from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.lmcache.connector import LMCacheConnector
 from dpd_router.transfer.lmcache.receivers import ReceiverMap
+from dpd_router.transport import EngineCalls
 
 PREFILLER = "http://10.0.0.1:8000"
 DECODER = "http://10.0.0.9:8000"
@@ -131,7 +132,8 @@ def gateway(engines: Engines, *, decoders: tuple[str, ...] = (DECODER,)) -> tupl
         prefill_urls=[PREFILLER], decode_urls=list(decoders), routing_threshold=8, threshold_mode="static"
     )
     metrics = RouterMetrics()
-    client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+    transport = httpx.MockTransport(engines)
+    client = httpx.AsyncClient(transport=transport)
     connector = LMCacheConnector(
         client,
         timeout=httpx.Timeout(5.0),
@@ -142,7 +144,7 @@ def gateway(engines: Engines, *, decoders: tuple[str, ...] = (DECODER,)) -> tupl
     pool = Pool(settings.prefill_urls, settings.decode_urls)
     planner = build_planner(settings, pool, metrics)
     built = Gateway(
-        client=client,
+        engines=EngineCalls(transport, {}),
         tokenizers={None: Tokens()},
         planners={None: planner},
         connector=connector,

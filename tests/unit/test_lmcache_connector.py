@@ -635,7 +635,11 @@ async def test_a_notification_address_taken_stops_the_router_before_anything_els
     holder.bind(address)
     clients: list[httpx.AsyncClient] = []
     built = components.build_client
-    monkeypatch.setattr(components, "build_client", lambda settings: clients.append(built(settings)) or clients[-1])
+    monkeypatch.setattr(
+        components,
+        "build_client",
+        lambda settings, transport: clients.append(built(settings, transport)) or clients[-1],
+    )
 
     async def no_tokenizer(*args: Any) -> Any:
         raise AssertionError("nothing else is started once the notification socket cannot be bound")

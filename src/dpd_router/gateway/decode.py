@@ -26,8 +26,12 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
+from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.gateway")
+
+# The decoder's answer as it was sent: the relay passes bytes through and reads them as they are.
+_PLAIN = {"Accept-Encoding": "identity"}
 
 # Seconds before the only decoder is tried again (times the attempt number).
 SAME_DECODER_BACKOFF = 0.25
@@ -36,10 +40,8 @@ SAME_DECODER_BACKOFF = 0.25
 class DecodeHop:
     """Sends decode calls and reads their answers; built once, shared by all requests."""
 
-    def __init__(
-        self, client: httpx.AsyncClient, connector: Connector, metrics: RouterMetrics, model: ServedModel
-    ) -> None:
-        self._client = client
+    def __init__(self, engines: EngineCalls, connector: Connector, metrics: RouterMetrics, model: ServedModel) -> None:
+        self._engines = engines
         self._connector = connector
         self._metrics = metrics
         self._model = model
@@ -82,22 +84,17 @@ class DecodeHop:
 
     async def open(self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, deadline: Deadline) -> httpx.Response:
         """Send the decode call and wait for its status line (reads are timed by the caller)."""
-        connect = exchange.timeouts.connect
-        outgoing = self._client.build_request(
-            "POST",
-            f"{decoder.url}{call.path}",
-            content=call.body,
-            headers={
-                "X-Request-Id": exchange.request_id,
-                "Content-Type": "application/json",
-                "Accept-Encoding": "identity",
-            },
-            timeout=httpx.Timeout(None, connect=connect, pool=connect),
-        )
+        headers = {
+            "X-Request-Id": exchange.request_id,
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+        }
         late = "The decoder did not answer in time."
         with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke the connection"):
             async with asyncio.timeout_at(deadline.at):
-                return await self._client.send(outgoing, stream=True)
+                return await self._engines.post(
+                    f"{decoder.url}{call.path}", call.body, headers, connect_timeout=exchange.timeouts.connect
+                )
 
     async def primed_stream(
         self,

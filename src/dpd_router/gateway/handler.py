@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-import httpx
-
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.client_request import ClientRequest
 from dpd_router.config import Settings
@@ -44,6 +42,7 @@ from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
+from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.gateway")
 
@@ -54,7 +53,7 @@ class Gateway:
     def __init__(
         self,
         *,
-        client: httpx.AsyncClient,
+        engines: EngineCalls,
         tokenizers: Mapping[str | None, TokenCounter],
         planners: Mapping[str | None, Planner],
         connector: Connector,
@@ -73,7 +72,7 @@ class Gateway:
         self._timeouts = timeouts
         self._retries = retries
         self._prefill = PrefillHop(connector, metrics)
-        self._decode = DecodeHop(client, connector, metrics, model)
+        self._decode = DecodeHop(engines, connector, metrics, model)
         self._head_first = HeadFirst(self._decode, metrics)
         # One per pool, as planners: a tenant's engines may be faster or slower than the shared ones.
         self._deadlines = {tenant: HopDeadlines() for tenant in planners}

@@ -28,13 +28,16 @@ from dpd_router.startup.families import (
     build_engines,
     build_routing,
     build_serving,
+    build_transport,
     build_upkeep,
+    engine_headers,
 )
 from dpd_router.startup.live_parts import LogLevel, ThresholdGauge
 from dpd_router.startup.tokenizers import load_tokenizers
 from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter
 from dpd_router.transfer.base import Connector
+from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.app")
 
@@ -59,7 +62,8 @@ class Components:
 
     @classmethod
     async def start(cls, settings: Settings) -> Components:
-        client = build_client(settings)
+        transport = build_transport(settings)
+        client = build_client(settings, transport)
         # First, before anything else runs: a notification address that cannot be bound stops the
         # router here, with nothing else to close.
         connector = build_connector(settings, client)
@@ -69,14 +73,16 @@ class Components:
             await client.aclose()
             raise
         try:
-            return await cls._build(settings, client, connector)
+            return await cls._build(settings, client, EngineCalls(transport, engine_headers(settings)), connector)
         except BaseException:
             await connector.close()
             await client.aclose()
             raise
 
     @classmethod
-    async def _build(cls, settings: Settings, client: httpx.AsyncClient, connector: Connector) -> Components:
+    async def _build(
+        cls, settings: Settings, client: httpx.AsyncClient, engine_calls: EngineCalls, connector: Connector
+    ) -> Components:
         warn_about_connector(settings)
         metrics = RouterMetrics()
         engines = await build_engines(settings, metrics)
@@ -87,7 +93,7 @@ class Components:
         access = build_access(settings, engines, metrics)
         serving = build_serving(
             settings,
-            client=client,
+            engine_calls=engine_calls,
             connector=connector,
             metrics=metrics,
             model=model,

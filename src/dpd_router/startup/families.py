@@ -33,7 +33,7 @@ from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
-from dpd_router.transport import AiohttpTransport
+from dpd_router.transport import AiohttpTransport, EngineCalls
 
 log = logging.getLogger("dpd_router.app")
 
@@ -86,16 +86,22 @@ class Serving:
     observer: Observer
 
 
-def build_client(settings: Settings) -> httpx.AsyncClient:
-    """The one HTTP client of the process: keep-alive pools sized for thousands of streams."""
+def build_transport(settings: Settings) -> httpx.AsyncBaseTransport:
+    """The process's one connection pool to the engines: keep-alive pools sized for thousands of streams."""
     limits = httpx.Limits(
         max_connections=settings.max_connections,
         max_keepalive_connections=settings.max_keepalive_connections,
         keepalive_expiry=settings.keepalive_expiry,
     )
+    if settings.upstream_transport == "aiohttp":
+        return AiohttpTransport(limits)
+    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+
+
+def build_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
+    """The client for the engine calls off the request path (health, load, tokenize, connectors)."""
     return httpx.AsyncClient(
-        transport=AiohttpTransport(limits) if settings.upstream_transport == "aiohttp" else None,
-        limits=limits,
+        transport=transport,
         timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),
         headers=engine_headers(settings),
         trust_env=False,
@@ -189,7 +195,7 @@ def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -
 def build_serving(
     settings: Settings,
     *,
-    client: httpx.AsyncClient,
+    engine_calls: EngineCalls,
     connector: Connector,
     metrics: RouterMetrics,
     model: ServedModel,
@@ -200,7 +206,7 @@ def build_serving(
         metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[routing.adaptive.learn_from]
     )
     gateway = Gateway(
-        client=client,
+        engines=engine_calls,
         tokenizers=tokenizers,
         planners=routing.planners,
         connector=connector,
