@@ -82,6 +82,7 @@ class Router:
     discovery: Discovery | None = None
     _maintenance: asyncio.Task[None] | None = None
     _scraping: asyncio.Task[None] | None = None
+    _publishing: asyncio.Task[None] | None = None  # a worker's metrics copied to the shared files
 
     @classmethod
     async def start(cls, settings: Settings) -> Router:
@@ -111,7 +112,7 @@ class Router:
             for tenant, pools in settings.tenants.items()
         }
         every_engine = Pool.union([pool, *tenant_pools.values()])
-        metrics = RouterMetrics()
+        metrics = RouterMetrics(multiprocess=settings.workers > 1)
         for endpoint in every_engine.endpoints():
             metrics.watch_endpoint(endpoint)
         discovery = await start_discovery(settings, pool, tenant_pools.values(), metrics)
@@ -152,6 +153,7 @@ class Router:
             keys_file=settings.api_keys_file,
             key_hashes=settings.api_key_hashes,
             admin_key_hashes=settings.admin_key_hashes,
+            workers=settings.workers,
         )
         unknown_tenants = keys.tenants() - set(tenant_pools)
         if unknown_tenants:
@@ -191,7 +193,9 @@ class Router:
             observer=observer,
             health=health,
             scraper=scraper,
-            gatekeeper=Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute),
+            gatekeeper=Gatekeeper(
+                keys, metrics, failures_per_minute=settings.auth_failures_per_minute / settings.workers
+            ),
             admission=admission,
             kv_events=kv_events,
             lmcache=lmcache,
@@ -203,6 +207,8 @@ class Router:
         await router.maintain_once()
         router._maintenance = asyncio.create_task(router._maintain(), name="router-maintenance")
         router._scraping = asyncio.create_task(scraper.run(), name="load-scraper")
+        if metrics.multiprocess:
+            router._publishing = asyncio.create_task(metrics.publish_every(), name="metrics-publisher")
         if kv_events is not None:
             kv_events.start()
         log.info(
@@ -238,7 +244,9 @@ class Router:
         if self.discovery is not None:
             await self.discovery.close()
         await self.live.close()
-        await cancel_and_wait(task for task in (self._maintenance, self._scraping) if task is not None)
+        await cancel_and_wait(
+            task for task in (self._maintenance, self._scraping, self._publishing) if task is not None
+        )
         if self.kv_events is not None:
             await self.kv_events.close()
         await self.gateway.close()
