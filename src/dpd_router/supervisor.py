@@ -136,7 +136,8 @@ class Supervisor:
     def _start(self, slot: Slot) -> None:
         process = self._context.Process(
             target=run_worker,
-            args=(dict(self._settings._overrides), self._sock, slot.index),
+            # `workers` pinned: a replacement keeps the share of the limits its siblings keep, whatever the file says.
+            args=({**self._settings._overrides, "workers": len(self._slots)}, self._sock, slot.index),
             name=f"dpd-router-worker-{slot.index}",
         )
         process.start()
@@ -155,8 +156,10 @@ class Supervisor:
             log.info("router worker %d (pid %d) stopped, exit code %s", slot.index, process.pid, process.exitcode)
             return
         lived = now - slot.started_at
-        slot.backoff = MIN_BACKOFF if lived >= STABLE_AFTER else min(slot.backoff * 2, MAX_BACKOFF)
-        delay = 0.0 if lived >= STABLE_AFTER else slot.backoff
+        if lived >= STABLE_AFTER:
+            slot.backoff, delay = MIN_BACKOFF, 0.0
+        else:
+            delay, slot.backoff = slot.backoff, min(slot.backoff * 2, MAX_BACKOFF)
         slot.restart_at = now + delay
         log.error(
             "router worker %d (pid %d) died with exit code %s after %.1f s; replacing it in %.1f s",
@@ -179,7 +182,8 @@ class Supervisor:
         self._signal_workers(signal.SIGINT if forced else signal.SIGTERM)
 
     def _on_sighup(self, signum: int, frame: FrameType | None) -> None:
-        self._signal_workers(signal.SIGHUP)
+        if not self._stopping:  # a draining worker may have given up its SIGHUP handler: the signal would end it
+            self._signal_workers(signal.SIGHUP)
 
     def _signal_workers(self, signum: int) -> None:
         for slot in self._slots:
