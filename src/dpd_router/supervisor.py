@@ -121,8 +121,11 @@ class Supervisor:
             self._start(slot)
         while True:
             running = [slot.process for slot in self._slots if slot.process is not None]
-            if self._stopping and not running:
-                break
+            if self._stopping:
+                # Here, not in the handler, which may have run while a worker's start was passing the socket on.
+                self._sock.close()  # the workers close theirs as they drain: new connections are refused, not queued
+                if not running:
+                    break
             multiprocessing.connection.wait([process.sentinel for process in running], timeout=MIN_BACKOFF)
             now = time.monotonic()
             for slot in self._slots:
@@ -142,6 +145,8 @@ class Supervisor:
         )
         process.start()
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
+        if self._stopping and process.pid is not None:  # the stop signal came while it was starting
+            os.kill(process.pid, signal.SIGTERM)
         log.info("router worker %d started (pid %s)", slot.index, process.pid, extra={"fields": {"pid": process.pid}})
 
     def _reap(self, slot: Slot, now: float) -> None:
@@ -178,7 +183,6 @@ class Supervisor:
         if not self._stopping:
             log.info("draining every router worker (signal %s)", signal.Signals(signum).name)
         self._stopping = True
-        self._sock.close()  # the workers close theirs as they drain: new connections are refused, not queued
         self._signal_workers(signal.SIGINT if forced else signal.SIGTERM)
 
     def _on_sighup(self, signum: int, frame: FrameType | None) -> None:
