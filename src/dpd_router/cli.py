@@ -42,6 +42,7 @@ SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
         str,
         "KV transfer protocol: nixl (default), shared_storage, lmcache (LMCache PD) or sglang (SGLang bootstrap)",
     ),
+    "--workers": ("workers", int, "router processes serving the port, one a core (default 1)"),
     "--log-level": ("log_level", str, "debug, info, warning or error (default info)"),
     "--log-format": ("log_format", str, "json or text (default json)"),
 }
@@ -152,6 +153,10 @@ def _serve(settings: Settings) -> int:
     from dpd_router.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:
+        from dpd_router.supervisor import serve_workers
+
+        return serve_workers(settings)
     build_server(settings).run()
     return 0
 
@@ -205,6 +210,9 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
             log_format="text",
             **demo.router_settings(),
         )
+        if settings.workers != 1:
+            print("dpd-router: the demo runs one router process (workers 1)", file=sys.stderr)
+            return 2
         configure_logging(settings.log_level, settings.log_format)
         server = build_server(settings, loop="none")
         announce = asyncio.create_task(_announce(server, settings, engines.prefill_urls, engines.decode_urls))

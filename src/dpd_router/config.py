@@ -179,6 +179,18 @@ class Settings(BaseSettings):
     port: int = Field(
         default=8000, ge=0, le=65535, description="The port to listen on.", json_schema_extra=_meta("server")
     )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Router processes serving the port, each a full router (the chart sets it from the router's "
+        "CPU request). With more than one, a supervisor process holds the listening socket, forwards SIGTERM "
+        "and SIGHUP to every worker and replaces a worker that dies; `/metrics` sums every worker. Limits are "
+        "kept per process, so each worker enforces its share: `max_in_flight`, `max_queued`, per-key "
+        "`requests_per_minute` and `prompt_tokens_per_minute` and `auth_failures_per_minute` divided by "
+        "`workers` (counts rounded up), which holds the pod's limit approximately, not exactly.",
+        json_schema_extra=_meta("server"),
+    )
     client_keepalive_timeout: int = Field(
         default=75,
         ge=1,

@@ -1,15 +1,29 @@
-"""Every Prometheus metric the router exports, defined once, in a registry of its own."""
+"""Every Prometheus metric the router exports, defined once, in a registry of its own.
+
+Under `dpd-router serve --workers N` (supervisor.py) every worker writes its values to the files of
+prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the supervisor before the
+workers start), and a scrape, whichever worker answers it, reads them all: counters and histograms
+sum every worker's (dead ones' included, so they never go backwards); each gauge says how its
+workers' values combine (`multiprocess_mode`, ignored by a single process). Gauges read from the
+process's own state at scrape time (endpoint in-flight, health, load, cache index sizes) cannot be
+read across processes, so each worker copies them into its files every PUBLISH_INTERVAL seconds.
+The adaptive model's gauges stay the answering worker's own: each worker learns its own.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -31,6 +45,10 @@ TOKEN_GAP_BUCKETS = (
 TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 21))
 # Prompt-length buckets for TTFT by prompt length: powers of two from 128 to 128k tokens.
 PROMPT_LENGTH_BOUNDS = tuple(2**k for k in range(7, 18))
+# Seconds between a worker's copies of its scrape-time gauges into the shared files (multiprocess mode).
+PUBLISH_INTERVAL = 1.0
+# The environment variable prometheus-client reads, at import, to write values to files.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def prompt_length_bucket(tokens: int) -> str:
@@ -42,9 +60,18 @@ def prompt_length_bucket(tokens: int) -> str:
 
 
 class RouterMetrics:
-    """The router's metrics; one instance per app, passed to whoever records."""
+    """The router's metrics; one instance per app, passed to whoever records.
 
-    def __init__(self) -> None:
+    `multiprocess`: this process is one of several workers (see the module's docstring); it takes
+    effect only when prometheus-client writes to files (MULTIPROC_DIR_ENV set before it was imported).
+    """
+
+    def __init__(self, *, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess and MULTIPROC_DIR_ENV in os.environ
+        # Scrape-time gauges a worker copies to its files: (gauge, labels) -> (series, reader).
+        self._published: dict[tuple[int, tuple[str, ...]], tuple[Gauge, Callable[[], float]]] = {}
+        self._publishers: list[Callable[[], None]] = []
+        self._local_collectors: list[Collector] = []  # scraped from the answering worker alone
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -163,29 +190,35 @@ class RouterMetrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "Requests being served now.", registry=r)
+        self.in_flight = Gauge(
+            f"{PREFIX}_in_flight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
+        )
         self.routing_threshold = Gauge(
             f"{PREFIX}_routing_threshold_tokens",
             "Prompt tokens at or above which a request is disaggregated.",
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.endpoint_healthy = Gauge(
             f"{PREFIX}_endpoint_healthy",
             "1 when the endpoint may receive traffic, 0 when it is marked unhealthy.",
             ["endpoint", "role"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.endpoint_breaker_open = Gauge(
             f"{PREFIX}_endpoint_circuit_open",
             "1 while the endpoint's circuit breaker refuses new calls (open), else 0.",
             ["endpoint", "role"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.endpoint_breaker_opened = Gauge(
             f"{PREFIX}_endpoint_circuit_opened",
             "How many times the endpoint's circuit breaker has opened since the router started.",
             ["endpoint", "role"],
             registry=r,
+            multiprocess_mode="sum",
         )
         self.retries = Counter(
             f"{PREFIX}_retries",
@@ -209,6 +242,7 @@ class RouterMetrics:
             "Requests waiting for an in-flight slot, by admission budget (pool: shared, or a tenant's).",
             ["pool"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_wait = Histogram(
             f"{PREFIX}_admission_queue_wait_seconds",
@@ -242,6 +276,7 @@ class RouterMetrics:
             "Calls the router has open to the endpoint now.",
             ["endpoint", "role"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.endpoint_load = Gauge(
             f"{PREFIX}_endpoint_load",
@@ -249,6 +284,7 @@ class RouterMetrics:
             "(requests), kv_cache_usage and prefix_cache_hit_rate (0..1), age_seconds (since that scrape).",
             ["endpoint", "role", "signal"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.load_scrapes = Counter(
             f"{PREFIX}_load_scrapes",
@@ -261,6 +297,7 @@ class RouterMetrics:
             "Blocks held in the router's cache indexes (prefix: its own placements; kv_events: engines' reports).",
             ["index"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.kv_events = Counter(
             f"{PREFIX}_kv_events",
@@ -287,12 +324,20 @@ class RouterMetrics:
     def watch_endpoint(self, endpoint: Endpoint) -> None:
         """Export the endpoint's live state; in-flight, health and load are read at scrape time, O(1)."""
         labels = (endpoint.url, endpoint.role)
-        self.endpoint_in_flight.labels(*labels).set_function(lambda: endpoint.in_flight)
-        self.endpoint_healthy.labels(*labels).set_function(lambda: 1 if endpoint.available else 0)
-        self.endpoint_breaker_open.labels(*labels).set_function(lambda: 0 if endpoint.breaker.allows() else 1)
-        self.endpoint_breaker_opened.labels(*labels).set_function(lambda: endpoint.breaker.times_opened)
+        self._watch(self.endpoint_in_flight, labels, lambda: endpoint.in_flight)
+        self._watch(self.endpoint_healthy, labels, lambda: 1 if endpoint.available else 0)
+        self._watch(self.endpoint_breaker_open, labels, lambda: 0 if endpoint.breaker.allows() else 1)
+        self._watch(self.endpoint_breaker_opened, labels, lambda: endpoint.breaker.times_opened)
         for signal, read in _LOAD_SIGNALS.items():
-            self.endpoint_load.labels(endpoint.url, endpoint.role, signal).set_function(_load_reader(endpoint, read))
+            self._watch(self.endpoint_load, (*labels, signal), _load_reader(endpoint, read))
+
+    def _watch(self, gauge: Gauge, labels: tuple[str, ...], read: Callable[[], float]) -> None:
+        """Export `read()` as the gauge's series: at scrape time, or (a worker) copied every PUBLISH_INTERVAL."""
+        series = gauge.labels(*labels)
+        if self.multiprocess:
+            self._published[(id(gauge), labels)] = (series, read)
+        else:
+            series.set_function(read)
 
     def forget_endpoint(self, endpoint: Endpoint) -> None:
         """Stop exporting an endpoint that left the pool, so series of departed engines do not pile up."""
@@ -309,11 +354,13 @@ class RouterMetrics:
         series += [(self.endpoint_load, (*labels, signal)) for signal in _LOAD_SIGNALS]
         series += [(self.load_scrapes, (*labels, outcome)) for outcome in _SCRAPE_OUTCOMES]
         for metric, values in series:
+            # A worker's files keep the series' last value (they cannot drop one) until the worker ends.
+            self._published.pop((id(metric), values), None)
             with contextlib.suppress(KeyError):  # prometheus-client before 0.21 raises for an absent series
                 metric.remove(*values)
 
     def watch_cache_index(self, name: str, size: Callable[[], int]) -> None:
-        self.cache_index_blocks.labels(name).set_function(size)
+        self._watch(self.cache_index_blocks, (name,), size)
 
     def watch_adaptive(
         self,
@@ -322,14 +369,52 @@ class RouterMetrics:
     ) -> None:
         """Export the adaptive model, read at scrape time: the effective threshold per decoder at its
         present load, and the learned costs (model, endpoint, term -> value)."""
-        self.registry.register(_AdaptiveCollector(thresholds, costs))
+        collector = _AdaptiveCollector(thresholds, costs)
+        self.registry.register(collector)
+        self._local_collectors.append(collector)
 
     def watch_refused_connections(self, counts: Mapping[str, int], reasons: Iterable[str]) -> None:
-        """Export the listener's count of connections it closed, by reason (read at scrape time)."""
-        self.registry.register(_RefusedConnectionsCollector(counts, tuple(reasons)))
+        """Export the listener's count of connections it closed, by reason (read at scrape time; a
+        worker adds what it closed since its last copy to a counter every worker's add up in)."""
+        if not self.multiprocess:
+            self.registry.register(_RefusedConnectionsCollector(counts, tuple(reasons)))
+            return
+        counter = Counter(f"{PREFIX}_connections_refused", REFUSED_HELP, ["reason"], registry=self.registry)
+        copied: collections.Counter[str] = collections.Counter()
+        reasons = tuple(reasons)
+        for reason in reasons:
+            counter.labels(reason)
+
+        def publish() -> None:
+            for reason in reasons:
+                now = counts.get(reason, 0)
+                if now > copied[reason]:
+                    counter.labels(reason).inc(now - copied[reason])
+                    copied[reason] = now
+
+        self._publishers.append(publish)
+
+    def publish(self) -> None:
+        """Copy this worker's scrape-time values into its multiprocess files."""
+        for series, read in list(self._published.values()):
+            series.set(read())
+        for publish in self._publishers:
+            publish()
+
+    async def publish_every(self, seconds: float = PUBLISH_INTERVAL) -> None:
+        while True:
+            self.publish()
+            await asyncio.sleep(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        self.publish()  # the answering worker's own values as they are now
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # prometheus-client leaves it untyped
+        for collector in self._local_collectors:
+            registry.register(collector)
+        return generate_latest(registry)
 
 
 _LOAD_SIGNALS: dict[str, Callable[[EngineLoad], float | None]] = {
@@ -355,18 +440,19 @@ def _load_reader(endpoint: Endpoint, read: Callable[[EngineLoad], float | None])
     return current
 
 
+REFUSED_HELP = (
+    "Client connections the listener answered 408 or 431 and closed: headers or body not in time "
+    "(header_timeout, body_timeout), headers too large or too many (header_too_large, too_many_headers)."
+)
+
+
 class _RefusedConnectionsCollector(Collector):
     def __init__(self, counts: Mapping[str, int], reasons: tuple[str, ...]) -> None:
         self._counts = counts
         self._reasons = reasons
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            f"{PREFIX}_connections_refused",
-            "Client connections the listener answered 408 or 431 and closed: headers or body not in time "
-            "(header_timeout, body_timeout), headers too large or too many (header_too_large, too_many_headers).",
-            labels=["reason"],
-        )
+        family = CounterMetricFamily(f"{PREFIX}_connections_refused", REFUSED_HELP, labels=["reason"])
         for reason in self._reasons:
             family.add_metric([reason], self._counts.get(reason, 0))
         yield family

@@ -105,7 +105,8 @@ def test_router_deployment_probes_spreads_and_survives_disruption() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": port}
     assert container["ports"][0]["containerPort"] == port
     assert deployment["spec"]["replicas"] == 2
-    assert container["resources"]["requests"]["cpu"]
+    assert container["resources"]["requests"]["cpu"] == "2"
+    assert release.router_settings()["workers"] == 2, "one router process a requested core"
     term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
@@ -309,3 +310,14 @@ def test_dashboard_configmap_carries_the_dashboard_file() -> None:
 def test_schema_rejects_a_misspelt_value() -> None:
     with pytest.raises(helm.HelmValuesError, match="replica"):
         render({"router": {"replicaz": 3}})
+
+
+@pytest.mark.parametrize(("cpu", "workers"), [("500m", 1), ("2500m", 2), ("4", 4), (3, 3), ("1.5", 1)])
+def test_router_runs_a_worker_a_requested_core(cpu: str | int, workers: int) -> None:
+    release = render({"router": {"resources": {"requests": {"cpu": cpu}}}})
+    assert release.router_settings()["workers"] == workers
+
+
+def test_router_workers_setting_wins_over_the_cpu_request() -> None:
+    release = render({"router": {"settings": {"workers": 1}}})
+    assert release.router_settings()["workers"] == 1

@@ -12,6 +12,7 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass
 
+from dpd_router.api.limits import worker_share
 from dpd_router.config import Settings
 from dpd_router.errors import AdmissionRejected
 from dpd_router.metrics import RouterMetrics
@@ -112,15 +113,20 @@ class AdmissionLimits:
 
     @classmethod
     def for_pool(cls, settings: Settings, tenant: str | None) -> AdmissionLimits:
-        """The shared pool's limits (tenant None), or a tenant's: its own where its entry sets them."""
+        """The shared pool's limits (tenant None), or a tenant's: its own where its entry sets them.
+        Counts are this process's share of them (`workers` processes each keep their own)."""
         pools = None if tenant is None else settings.tenants.get(tenant)
-        shared = cls(settings.max_in_flight, settings.max_queued, settings.queue_timeout)
-        if pools is None:
-            return shared
+        limits = cls(settings.max_in_flight, settings.max_queued, settings.queue_timeout)
+        if pools is not None:
+            limits = cls(
+                max_in_flight=limits.max_in_flight if pools.max_in_flight is None else pools.max_in_flight,
+                max_queued=limits.max_queued if pools.max_queued is None else pools.max_queued,
+                queue_timeout=limits.queue_timeout if pools.queue_timeout is None else pools.queue_timeout,
+            )
         return cls(
-            max_in_flight=shared.max_in_flight if pools.max_in_flight is None else pools.max_in_flight,
-            max_queued=shared.max_queued if pools.max_queued is None else pools.max_queued,
-            queue_timeout=shared.queue_timeout if pools.queue_timeout is None else pools.queue_timeout,
+            max_in_flight=worker_share(limits.max_in_flight, settings.workers),
+            max_queued=worker_share(limits.max_queued, settings.workers),
+            queue_timeout=limits.queue_timeout,
         )
 
 

@@ -100,7 +100,9 @@ class KeyRing:
         keys_file: Path | None,
         key_hashes: list[str],
         admin_key_hashes: list[str],
+        workers: int = 1,
     ) -> KeyRing:
+        """The keys; each key's per-minute rates are divided among `workers` processes, which keep them apart."""
         principals: dict[str, Principal] = {}
         for digest in key_hashes:
             principals[checked_digest(digest)] = Principal(key_id=digest[:12])
@@ -114,8 +116,8 @@ class KeyRing:
                     tenant=entry.get("tenant"),
                     admin=bool(entry.get("admin", False)),
                     limits=KeyLimits(
-                        requests=_bucket(entry.get("requests_per_minute")),
-                        prompt_tokens=_bucket(entry.get("prompt_tokens_per_minute")),
+                        requests=_bucket(entry.get("requests_per_minute"), workers),
+                        prompt_tokens=_bucket(entry.get("prompt_tokens_per_minute"), workers),
                     ),
                 )
         return cls(principals)
@@ -208,12 +210,12 @@ class _FailedSource:
     warned_at: float | None = None
 
 
-def _bucket(rate: Any) -> TokenBucket | None:
+def _bucket(rate: Any, workers: int) -> TokenBucket | None:
     if rate is None:
         return None
     if not isinstance(rate, int | float) or rate <= 0:
         raise ValueError(f"a rate limit must be a positive number, got {rate!r}")
-    return TokenBucket(float(rate))
+    return TokenBucket(float(rate) / workers)
 
 
 def _read_keys_file(path: Path) -> list[dict[str, Any]]:

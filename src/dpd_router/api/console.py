@@ -7,6 +7,7 @@ histograms are sent cumulative; the page differences consecutive polls into rate
 
 from __future__ import annotations
 
+import os
 import time
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,10 @@ class ConsoleApi:
                 "prefill_strategy": settings["prefill_strategy"],
                 "kv_connector": settings["kv_connector"],
                 "admin_key_needed": self._gatekeeper.keys.configured,
+                # Under `--workers N` the state below is this worker's (its pools, settings, recent
+                # requests); the counters and histograms, read from /metrics, are every worker's.
+                "worker": os.getpid(),
+                "workers": settings["workers"],
             },
             "pools": [
                 {"name": pool.name, "endpoints": [_endpoint(e) for e in pool.endpoints()]} for pool in self._pool.parts

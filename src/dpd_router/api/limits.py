@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 COUNTED_ELSEWHERE: frozenset[RateLimit] = frozenset({"auth_failures"})
 
 
+def worker_share(limit: int, workers: int) -> int:
+    """One worker's part of a count limit kept per process (`workers` setting): rounded up, so the
+    pod admits at least its limit and at most `workers - 1` more; 0 (no limit, or none allowed) stays 0."""
+    return -(-limit // workers) if limit > 0 else limit
+
+
 @dataclass
 class TokenBucket:
     """`rate_per_minute` tokens refill continuously up to a burst of one minute's worth."""

@@ -84,7 +84,7 @@ class Components:
         cls, settings: Settings, client: httpx.AsyncClient, engine_calls: EngineCalls, connector: Connector
     ) -> Components:
         warn_about_connector(settings)
-        metrics = RouterMetrics()
+        metrics = RouterMetrics(multiprocess=settings.workers > 1)
         engines = await build_engines(settings, metrics)
         ThresholdGauge(metrics).reconfigure(settings)
         model = ServedModel(settings.model)

@@ -182,12 +182,14 @@ def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -
         keys_file=settings.api_keys_file,
         key_hashes=settings.api_key_hashes,
         admin_key_hashes=settings.admin_key_hashes,
+        workers=settings.workers,
     )
     unknown_tenants = keys.tenants() - set(engines.tenants)
     if unknown_tenants:
         log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
     return Access(
-        Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute),
+        # Each worker process throttles its share of the failures (supervisor.py).
+        Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute / settings.workers),
         Admissions(metrics, settings),
     )
 
@@ -231,6 +233,7 @@ def build_upkeep(
     return Upkeep(
         engines.every,
         client,
+        metrics=metrics,
         health=HealthChecker(
             engines.every,
             client,

@@ -7,6 +7,7 @@ import logging
 
 import httpx
 
+from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
@@ -18,13 +19,15 @@ log = logging.getLogger("dpd_router.app")
 
 
 class Upkeep:
-    """Runs a health round every `interval` seconds and the load scraper, from `start` to `close`."""
+    """Runs a health round every `interval` seconds and the load scraper (and, in a worker process, the
+    metrics publisher), from `start` to `close`."""
 
     def __init__(
         self,
         pool: Pool,
         client: httpx.AsyncClient,
         *,
+        metrics: RouterMetrics,
         health: HealthChecker,
         scraper: LoadScraper,
         model: ServedModel,
@@ -36,6 +39,7 @@ class Upkeep:
         self.health = health
         self.scraper = scraper
         self._client = client
+        self._metrics = metrics
         self._model = model
         self._lmcache = lmcache
         self._interval = interval
@@ -49,6 +53,8 @@ class Upkeep:
             asyncio.create_task(self._maintain(), name="router-maintenance"),
             asyncio.create_task(self.scraper.run(), name="load-scraper"),
         ]
+        if self._metrics.multiprocess:  # a worker's scrape-time gauges, copied to the shared files
+            self._tasks.append(asyncio.create_task(self._metrics.publish_every(), name="metrics-publisher"))
 
     async def maintain_once(self) -> None:
         await self.health.probe_all()

@@ -112,3 +112,11 @@ def test_live_limits_reach_every_budget_a_tenant_did_not_set_itself() -> None:
     budgets.reconfigure(load_settings(**tenant_settings(max_in_flight=5, queue_timeout=1.0)))
     assert (budgets.for_tenant(None).max_in_flight, budgets.for_tenant("acme").max_in_flight) == (5, 5)
     assert (budgets.for_tenant("beta").max_in_flight, budgets.for_tenant("beta").queue_timeout) == (1, 1.0)
+
+
+def test_each_of_several_workers_admits_its_share_and_keeps_it_across_live_changes() -> None:
+    budgets = Admissions(RouterMetrics(), load_settings(**tenant_settings(max_in_flight=5, max_queued=9, workers=2)))
+    shared, beta = budgets.for_tenant(None), budgets.for_tenant("beta")
+    assert (shared.max_in_flight, shared.max_queued, beta.max_in_flight) == (3, 5, 1)
+    budgets.reconfigure(load_settings(**tenant_settings(max_in_flight=8, workers=2)))
+    assert shared.max_in_flight == 4

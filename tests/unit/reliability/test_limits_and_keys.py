@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from dpd_router.api.auth import KeyRing, hash_key
-from dpd_router.api.limits import KeyLimits, TokenBucket
+from dpd_router.api.limits import KeyLimits, TokenBucket, worker_share
 from dpd_router.errors import Forbidden, RateLimited, Unauthorized
 
 
@@ -77,3 +77,19 @@ def test_admin_keys_alone_protect_only_the_admin_endpoints() -> None:
     assert not ring.enabled
     assert ring.authenticate(None).key_id == "anonymous"
     assert ring.authenticate_admin("Bearer ops").admin
+
+
+def test_each_of_several_workers_keeps_its_share_of_a_keys_rates(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(
+        f"keys:\n  - sha256: {hash_key('k')}\n    requests_per_minute: 90\n    prompt_tokens_per_minute: 1000\n"
+    )
+    ring = KeyRing.load(keys_file=keys_file, key_hashes=[], admin_key_hashes=[], workers=4)
+    limits = ring.authenticate("Bearer k").limits
+    assert limits.requests is not None and limits.requests.rate_per_minute == 22.5
+    assert limits.prompt_tokens is not None and limits.prompt_tokens.rate_per_minute == 250
+
+
+def test_a_workers_share_of_a_count_is_rounded_up_and_zero_stays_zero() -> None:
+    assert [worker_share(limit, 4) for limit in (0, 1, 4, 5, 256)] == [0, 1, 1, 2, 64]
+    assert worker_share(7, 1) == 7

@@ -114,6 +114,7 @@ tokenizer), then router.settings on top. Every key is a dpd-router setting.
 */}}
 {{- define "dpd-router.routerSettings" -}}
 {{- $settings := dict "host" "0.0.0.0" "port" (int (include "dpd-router.routerPort" .)) "model" .Values.model.name }}
+{{- $_ := set $settings "workers" (include "dpd-router.routerWorkers" . | int) }}
 {{- if .Values.discovery.enabled }}
 {{- /* The router watches this release's engine pods; a sidecar keeps its own decoder as decode_urls. */}}
 {{- $_ := set $settings "discovery" "kubernetes" }}
@@ -134,6 +135,19 @@ tokenizer), then router.settings on top. Every key is a dpd-router setting.
 {{- $_ := set $settings "tokenizer" (printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.router.tokenizerSubPath) }}
 {{- end }}
 {{- toYaml (mergeOverwrite $settings (deepCopy .Values.router.settings)) }}
+{{- end }}
+
+{{/*
+Router processes in a router container (the `workers` setting): one a whole core of its CPU request
+(router.resources.requests.cpu, "2" or "2500m"), at least one. router.settings.workers wins.
+*/}}
+{{- define "dpd-router.routerWorkers" -}}
+{{- $cpu := toString (dig "requests" "cpu" "1" .Values.router.resources) -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- max 1 (div (trimSuffix "m" $cpu | int) 1000) -}}
+{{- else -}}
+{{- max 1 (floor $cpu | int) -}}
+{{- end -}}
 {{- end }}
 
 {{/* The JSON given to `vllm serve --kv-transfer-config`. */}}

@@ -1,0 +1,252 @@
+"""`dpd-router serve --workers 2` as a real supervisor process in front of simulated engines: both
+workers serve, /metrics counts every request once, a killed worker is replaced without losing the
+other's requests, SIGHUP reaches every worker, SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from dpd_sim.cluster import SimCluster
+
+from .conftest import MODEL, chat_body, metric
+
+ROOT = Path(__file__).resolve().parents[2]
+THRESHOLD = 100_000  # every prompt goes straight to a decoder
+LONG_STREAM = 200  # tokens: seconds at the engines' 10 ms a token
+
+
+@pytest.fixture(scope="module")
+async def engines(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
+    """Decoders slow enough (10 ms a token) that a long stream is still running when a test acts."""
+    slow = ["--decode-step-base", "0.01"]
+    async with SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow) as cluster:
+        yield cluster
+
+
+@dataclass
+class Supervised:
+    process: subprocess.Popen[bytes]
+    base_url: str
+    config: Path
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@asynccontextmanager
+async def supervised_router(engines: SimCluster, tokenizer_dir: Path, tmp_path: Path) -> AsyncIterator[Supervised]:
+    """`python -m dpd_router.cli serve --workers 2` on a free port; yields once both workers answer."""
+    port = free_port()
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "host": "127.0.0.1",
+                "port": port,
+                "prefill_urls": engines.prefill_urls,
+                "decode_urls": engines.decode_urls,
+                "tokenizer": str(tokenizer_dir),
+                "routing_threshold": THRESHOLD,
+                "threshold_mode": "static",
+                "health_interval": 0.5,
+                "config_watch_interval": 0,  # only SIGHUP rereads the file
+            }
+        )
+    )
+    log = tmp_path / "router.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    with log.open("wb") as sink:
+        process = subprocess.Popen(  # noqa: ASYNC220 - started once, before the test's work begins
+            [sys.executable, "-m", "dpd_router.cli", "serve", "--config", str(config), "--workers", "2"],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    router = Supervised(process, f"http://127.0.0.1:{port}", config, log)
+    try:
+        await worker_states(router, count=2, within=60)
+        yield router
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(process.wait, 30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def state_of_a_worker(base_url: str) -> dict[str, Any]:
+    """/admin/state from whichever worker accepts a fresh connection."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        response = await client.get("/admin/state")
+        response.raise_for_status()
+        state: dict[str, Any] = response.json()
+        return state
+
+
+async def worker_states(router: Supervised, *, count: int, within: float = 30.0) -> dict[int, dict[str, Any]]:
+    """The /admin/state of `count` different workers, asked on fresh connections until that many answered."""
+    states: dict[int, dict[str, Any]] = {}
+    async with asyncio.timeout(within):
+        while len(states) < count:
+            assert router.process.poll() is None, router.log.read_text()
+            try:
+                state = await state_of_a_worker(router.base_url)
+            except httpx.TransportError:
+                await asyncio.sleep(0.1)
+                continue
+            states[state["router"]["worker"]] = state
+    return states
+
+
+@asynccontextmanager
+async def pinned_clients(count: int, base_url: str) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """Clients of one keep-alive connection each, so a client's requests all reach the worker it first reached."""
+    limits = httpx.Limits(max_connections=1, keepalive_expiry=60)  # not httpx's 5 s: a later request would reconnect
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) for _ in range(count)]
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def worker_of(client: httpx.AsyncClient) -> int:
+    response = await client.get("/admin/state")
+    response.raise_for_status()
+    return int(response.json()["router"]["worker"])
+
+
+async def stream_tokens(client: httpx.AsyncClient, content: str, first: asyncio.Event | None = None) -> int:
+    """Stream a long completion; the number of content chunks received, once [DONE] has arrived."""
+    chunks = 0
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=chat_body(content, max_tokens=LONG_STREAM, stream=True)
+    ) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return chunks
+            event = orjson.loads(line[6:])
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                chunks += 1
+                if first is not None:
+                    first.set()
+    raise AssertionError("the stream ended without [DONE]")
+
+
+async def test_both_workers_serve_and_metrics_count_every_request_once(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    async with supervised_router(engines, tokenizer_dir, tmp_path) as router:
+        sent = 0
+
+        async def one(i: int) -> None:
+            async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:  # a fresh connection each
+                response = await client.post("/v1/chat/completions", json=chat_body(f"hello {i}"))
+                assert response.status_code == 200, response.text
+
+        # The kernel gives each connection to whichever worker accepts first: send until both have served.
+        served: dict[int, int] = {}
+        while sent < 200 and not (len(served) == 2 and all(served.values())):
+            await asyncio.gather(*(one(sent + i) for i in range(20)))
+            sent += 20
+            states = await worker_states(router, count=2)
+            served = {pid: len(state["recent"]) for pid, state in states.items()}
+        assert len(served) == 2 and all(served.values()), f"a worker served nothing: {served}"
+        for _ in range(8):  # fresh connections: the scrapes land on either worker
+            assert await metric(router.base_url, "dpd_router_requests_total") == sent
+            assert await metric(router.base_url, "dpd_router_in_flight_requests") == 0
+
+
+async def test_a_killed_worker_is_replaced_and_the_other_loses_nothing(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    async with supervised_router(engines, tokenizer_dir, tmp_path) as router:
+        async with pinned_clients(100, router.base_url) as clients:
+            # Connections until each worker holds at least 3 (the kernel picks the worker of each).
+            by_worker: dict[int, list[httpx.AsyncClient]] = {}
+            for client in clients:
+                by_worker.setdefault(await worker_of(client), []).append(client)
+                if len(by_worker) == 2 and all(len(group) >= 3 for group in by_worker.values()):
+                    break
+            assert len(by_worker) == 2 and all(len(group) >= 3 for group in by_worker.values()), {
+                pid: len(group) for pid, group in by_worker.items()
+            }
+            victim, survivor = sorted(by_worker)
+            started = {pid: [asyncio.Event() for _ in group] for pid, group in by_worker.items()}
+            streams = {
+                pid: [
+                    asyncio.create_task(stream_tokens(client, f"story {pid} {n}", event))
+                    for n, (client, event) in enumerate(zip(group, started[pid], strict=True))
+                ]
+                for pid, group in by_worker.items()
+            }
+            async with asyncio.timeout(30):
+                await asyncio.gather(*(event.wait() for events in started.values() for event in events))
+            os.kill(victim, signal.SIGKILL)
+            finished = await asyncio.gather(*streams[survivor])
+            assert finished == [LONG_STREAM] * len(streams[survivor])
+            killed = await asyncio.gather(*streams[victim], return_exceptions=True)
+            assert all(isinstance(result, BaseException) for result in killed)
+        # Replaced: two workers again, the victim not among them, and new requests all served.
+        states = await worker_states(router, count=2, within=30)
+        assert victim not in states and survivor in states
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            for i in range(5):
+                assert (await client.post("/v1/chat/completions", json=chat_body(f"after {i}"))).status_code == 200
+        assert "died with exit code -9" in router.log.read_text()
+
+
+async def test_sighup_reaches_every_worker(engines: SimCluster, tokenizer_dir: Path, tmp_path: Path) -> None:
+    async with supervised_router(engines, tokenizer_dir, tmp_path) as router:
+        settings = yaml.safe_load(router.config.read_text())
+        settings["routing_threshold"] = 2048
+        router.config.write_text(yaml.safe_dump(settings))
+        router.process.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(20):
+            while True:
+                states = await worker_states(router, count=2)
+                if all(state["router"]["routing_threshold"] == 2048 for state in states.values()):
+                    break
+                await asyncio.sleep(0.1)
+        reloads = {"source": "sighup", "outcome": "applied"}
+        for _ in range(4):
+            assert await metric(router.base_url, "dpd_router_config_reloads_total", reloads) == 2
+            assert await metric(router.base_url, "dpd_router_routing_threshold_tokens") == 2048
+
+
+async def test_sigterm_drains_a_stream_in_flight(engines: SimCluster, tokenizer_dir: Path, tmp_path: Path) -> None:
+    async with supervised_router(engines, tokenizer_dir, tmp_path) as router:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+            first = asyncio.Event()
+            stream = asyncio.create_task(stream_tokens(client, "a long story", first))
+            async with asyncio.timeout(30):
+                await first.wait()
+            router.process.send_signal(signal.SIGTERM)
+            assert await stream == LONG_STREAM
+        assert await asyncio.to_thread(router.process.wait, 30) == 0
+        assert "every router worker has stopped" in router.log.read_text()
