@@ -23,10 +23,10 @@ least as long as the key, or at least half the prompt (a short conversation's ea
 shorter match is a prefix many prompts share (a system prompt another conversation left there);
 each replica knows its own such matches and following them is what split a prefix over several
 endpoints. (With `kvaware`, a prefix the engines report counts at any length: every replica hears
-the same reports.) Among candidates holding
-the longest such prefix, the key's rendezvous order picks, so replicas that know the same holders
-agree. A match at least as long as the key sits where the key hashes to anyway, unless the balance
-rule or a change of the pool put it elsewhere: then the cache wins, the prefix is there.
+the same reports.) Among candidates holding the longest such prefix, the key's rendezvous order
+picks, so replicas that know the same holders agree. A match at least as long as the key sits where
+the key hashes to anyway, unless the balance rule or a change of the pool put it elsewhere: then the
+cache wins, the prefix is there.
 """
 
 from __future__ import annotations
