@@ -302,8 +302,9 @@ class Settings(BaseSettings):
     prefill_strategy: PrefillStrategy = Field(
         default="prefixaware",
         description="How a prefiller is chosen: `roundrobin`, `session` (hash of a session key), "
-        "`prefixaware` (where the prompt's prefix went before), `kvaware` (where the engines report the "
-        "prefix cached) or `leastloaded`.",
+        "`prefixaware` (where the prompt's own prefix went before, else where its first 1024 tokens hash to: "
+        "the same engine on every router replica; a swamped engine gives way to the least loaded), `kvaware` "
+        "(where the engines report the prefix cached, else as `prefixaware`) or `leastloaded`.",
         json_schema_extra=_meta("routing", live=True),
     )
     session_header: str = Field(

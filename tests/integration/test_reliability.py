@@ -221,11 +221,14 @@ async def test_decoders_failing_only_their_probes_still_serve_until_their_calls_
             return ready.status_code == 503
 
         await wait_until(both_unhealthy)
-        answers = [await client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}")) for i in range(8)]
+        # Distinct prompts: each hashes to either decoder first (prefix affinity), so the dead one gets its
+        # share of first calls; 24 make fewer than the breaker's 3 failures a 1 in 50,000 chance.
+        count = 24
+        answers = [await client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}")) for i in range(count)]
         # A call the dead one fails is retried on the other; after a few, its breaker keeps it out.
-        assert [answer.status_code for answer in answers] == [200] * 8
-        assert (await engine_stats(busy))["requests_total"] == 8
-        assert await metric(base_url, "dpd_router_last_resort_routes_total") == 8
+        assert [answer.status_code for answer in answers] == [200] * count
+        assert (await engine_stats(busy))["requests_total"] == count
+        assert await metric(base_url, "dpd_router_last_resort_routes_total") == count
 
         await client.post(f"{busy}/sim/fault", json={"mode": "dead"})
         await wait_until(lambda: _all_refused(client))

@@ -249,7 +249,8 @@ async def test_a_decoder_that_cannot_be_reached_gets_its_kv_drained_and_the_next
 
     engines = Engines(refused_then_whole)
     built, _ = gateway(engines, decoders=(OTHER_DECODER, DECODER))
-    built.planners[None].pool.decoders[1].in_flight += 1  # busier: the plan takes the one that refuses
+    # Swamped (past balance_abs_threshold): whatever the prompt's prefix hashes to, the plan takes the one that refuses.
+    built.planners[None].pool.decoders[1].in_flight += 40
     answer = await built.handle(chat(), "req-1")
     assert answer.status == 200
     prefills = [orjson.loads(call.content) for call in engines.calls if str(call.url).startswith(PREFILLER)]

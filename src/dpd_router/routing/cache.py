@@ -49,11 +49,21 @@ class CacheLocator:
 
     def matched_tokens(self, request: RoutingRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, int]:
         """Per candidate, the cached prefix in tokens by the first source that finds any; {} if none does."""
+        return self.locate(request, candidates)[1]
+
+    def locate(
+        self, request: RoutingRequest, candidates: Sequence[Endpoint]
+    ) -> tuple[CacheSource | None, dict[Endpoint, int]]:
+        """`matched_tokens` and the source that answered (None when none did).
+
+        The prefix index is this process's own record; the other sources report the engines' caches,
+        which every router process sees alike.
+        """
         for source in self._sources:
             found = source.matched_tokens(request, candidates)
             if found and any(tokens > 0 for tokens in found.values()):
-                return found
-        return {}
+                return source, found
+        return None, {}
 
     def cached_tokens(self, request: RoutingRequest, endpoint: Endpoint) -> int:
         return self.matched_tokens(request, (endpoint,)).get(endpoint, 0)

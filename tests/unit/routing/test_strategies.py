@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 
@@ -9,12 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpd_router.config import Settings
+from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, EngineLoad
+from dpd_router.pool.pool import Pool
 from dpd_router.routing.cache import CacheLocator, KVHintSource
 from dpd_router.routing.load import Balance, load_score
+from dpd_router.routing.planner import build_planner
 from dpd_router.routing.prefix_index import PrefixIndex
+from dpd_router.routing.rendezvous import rendezvous_choice
 from dpd_router.routing.request import RoutingRequest, session_key
 from dpd_router.routing.strategies import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session
+from dpd_router.routing.strategies.prefixaware import KEY_TOKENS
 from dpd_router.tokenizer import Prompt
 
 BALANCE = Balance(abs_threshold=32, rel_threshold=1.5)
@@ -153,12 +160,100 @@ def test_prefixaware_takes_the_endpoint_with_the_longest_prefix() -> None:
     assert strategy.select([a, b, c], request(shared + [7] * 40)) is b
 
 
-def test_prefixaware_without_a_match_takes_the_least_loaded() -> None:
+def key_of(ids: list[int], *, block_size: int = 16, key_tokens: int = KEY_TOKENS) -> str:
+    """The hashed prefix the strategy uses: the chained hash of the prompt's first key_tokens (whole blocks)."""
+    hashes = request(ids).block_hashes(block_size)
+    return f"{hashes[min(len(hashes), key_tokens // block_size) - 1]:016x}"
+
+
+def test_prefixaware_places_a_new_prefix_by_the_rendezvous_hash_of_its_leading_blocks() -> None:
     strategy, index = prefix_aware()
-    a, b = engines(2)
+    a, b, c = engines(3)
     index.record(request(list(range(64))), [a])
+    a.in_flight = 1  # no longer the least loaded turn decides: the prefix does
+    for start in range(100, 2000, 97):
+        ids = list(range(start, start + 80))
+        assert strategy.select([a, b, c], request(ids)) is rendezvous_choice([a, b, c], key_of(ids))
+
+
+def test_prefixaware_hashes_the_first_key_tokens_only_so_every_turn_of_a_conversation_agrees() -> None:
+    strategy, _ = prefix_aware()
+    candidates = engines(5)
+    first_turn = [random.Random(3).randrange(50_000) for _ in range(KEY_TOKENS + 300)]
+    chosen = strategy.select(candidates, request(first_turn))
+    for turn in range(1, 6):
+        later = first_turn + [turn] * (500 * turn)
+        assert strategy.select(candidates, request(later)) is chosen
+
+
+def test_two_independent_planners_place_the_same_new_prompt_on_the_same_prefiller() -> None:
+    urls = [f"http://10.1.0.{i}:8000" for i in range(3)]
+    config = Settings(
+        prefill_urls=urls, decode_urls=["http://10.2.0.1:8000"], routing_threshold=1024, threshold_mode="static"
+    )
+    # Separate pools and prefix indexes, as in two router replicas: nothing shared but the URLs.
+    first, second = (build_planner(config, Pool(urls, config.decode_urls), RouterMetrics()) for _ in "ab")
+    rng = random.Random(11)
+    used: set[str] = set()
+    for conversation in range(40):
+        turn = [rng.randrange(50_000) for _ in range(rng.randrange(1100, 5000))]
+        # The replicas see different traffic: each places the other's turns and its own, in turn.
+        placed: set[str] = set()
+        for replica in (first, second, second, first) if conversation % 2 else (second, first, first, second):
+            prefiller = replica.plan(Prompt(turn, len(turn), 0.0)).prefiller
+            assert prefiller is not None
+            placed.add(prefiller.url)
+            turn = turn + [rng.randrange(50_000) for _ in range(300)]
+        assert len(placed) == 1, (conversation, placed)
+        used |= placed
+    assert used == set(urls)
+
+
+def test_prefixaware_spreads_distinct_prefixes_evenly() -> None:
+    strategy, index = prefix_aware()
+    candidates = engines(3)
+    rng = random.Random(5)
+    counts = dict.fromkeys(candidates, 0)
+    for _ in range(300):
+        ids = [rng.randrange(50_000) for _ in range(rng.randrange(16, 3000))]
+        chosen = strategy.select(candidates, request(ids))
+        index.record(request(ids), [chosen])
+        counts[chosen] += 1
+    assert all(0.20 <= count / 300 <= 0.47 for count in counts.values()), counts
+
+
+def test_prefixaware_a_new_prefix_whose_hashed_endpoint_is_swamped_goes_to_the_least_loaded() -> None:
+    strategy, _ = prefix_aware()
+    candidates = engines(3)
+    ids = list(range(500, 700))
+    hashed = rendezvous_choice(candidates, key_of(ids))
+    lightest = next(endpoint for endpoint in candidates if endpoint is not hashed)
+    for endpoint in candidates:
+        scraped(endpoint, running=10)
+    scraped(hashed, running=10, waiting=20)  # 50 against 10: past 32 and past 1.5x
+    scraped(lightest, running=5)
+    assert strategy.select(candidates, request(ids)) is lightest
+    scraped(hashed, running=30)  # 30 against 5: within the absolute threshold
+    assert strategy.select(candidates, request(ids)) is hashed
+
+
+def test_prefixaware_a_prompt_shorter_than_a_block_takes_the_least_loaded() -> None:
+    strategy, _ = prefix_aware()
+    a, b = engines(2)
     a.in_flight = 1
-    assert strategy.select([a, b], request(list(range(100, 164)))) is b
+    assert strategy.select([a, b], request(list(range(15)))) is b
+
+
+def test_prefixaware_a_short_shared_prefix_does_not_override_the_hash() -> None:
+    strategy, index = prefix_aware()
+    candidates = engines(3)
+    system = list(range(9000, 9000 + 160))  # 10 blocks: shorter than the key and than half the prompt
+    conversations = [system + list(range(start, start + 1200)) for start in range(0, 60_000, 6000)]
+    holder = candidates[0]
+    index.record(request(system + [1] * 64), [holder])
+    for ids in conversations:
+        assert strategy.select(candidates, request(ids)) is rendezvous_choice(candidates, key_of(ids))
+    assert {strategy.select(candidates, request(ids)) for ids in conversations} == set(candidates)
 
 
 def test_prefixaware_passes_over_a_holder_out_of_balance_with_the_others() -> None:
@@ -174,12 +269,15 @@ def test_prefixaware_passes_over_a_holder_out_of_balance_with_the_others() -> No
     assert strategy.select([a, b], request(list(range(64)))) is a
 
 
-def test_prefixaware_ties_among_equal_prefixes_go_to_the_least_loaded() -> None:
+def test_prefixaware_ties_among_equal_prefixes_go_to_the_holder_the_prefix_hashes_to() -> None:
     strategy, index = prefix_aware()
     a, b, c = engines(3)
-    index.record(request(list(range(64))), [a, b])
-    a.in_flight = 2
-    assert strategy.select([a, b, c], request(list(range(64)))) is b
+    ids = list(range(64))
+    index.record(request(ids), [a, b])
+    hashed = rendezvous_choice([a, b], key_of(ids))
+    hashed.in_flight = 2  # busier, but well within balance
+    assert strategy.select([a, b, c], request(ids)) is hashed
+    assert strategy.select([c, b, a], request(ids)) is hashed
 
 
 def test_prefixaware_ignores_prefixes_on_endpoints_that_are_not_candidates() -> None:
@@ -187,7 +285,8 @@ def test_prefixaware_ignores_prefixes_on_endpoints_that_are_not_candidates() -> 
     a, b, c = engines(3)
     index.record(request(list(range(64))), [a])
     c.in_flight = 1
-    assert strategy.select([b, c], request(list(range(64)))) is b
+    # The prompt is placed as if new: by its hash among the candidates, whatever a holds.
+    assert strategy.select([b, c], request(list(range(64)))) is rendezvous_choice([b, c], key_of(list(range(64))))
 
 
 # kvaware
@@ -236,8 +335,10 @@ def test_kvaware_falls_back_to_the_prefix_index_when_no_source_places_the_prompt
     assert strategy.select([a, b], request(hint={})) is b
 
 
-def test_kvaware_with_no_match_anywhere_takes_the_least_loaded() -> None:
-    a, b = engines(2)
-    a.in_flight = 1
+def test_kvaware_with_no_match_anywhere_takes_the_rendezvous_choice() -> None:
+    candidates = engines(3)
+    candidates[0].in_flight = 1
     strategy = KVAware(CacheLocator(PrefixIndex(block_size=16, capacity=10), [FixedSource(None)]), BALANCE)
-    assert strategy.select([a, b], request()) is b
+    for start in range(0, 4000, 250):
+        ids = list(range(start, start + 64))
+        assert strategy.select(candidates, request(ids)) is rendezvous_choice(candidates, key_of(ids))

@@ -1,4 +1,33 @@
-"""`prefixaware`: send a prompt where its longest prefix already is, unless that endpoint is swamped."""
+"""`prefixaware`: a prompt's prefix decides its endpoint, the same on every router worker and replica.
+
+A prompt goes where its own prefix already is; a prefix the router has not placed yet goes to the
+endpoint its leading blocks hash to (rendezvous hashing, routing/rendezvous.py), not to whichever
+endpoint this process happens to find least loaded. Two replicas with no shared state therefore
+send the same new prefix to the same endpoint, and each then finds it where the other put it.
+An endpoint out of balance with the lightest candidate (`Balance`) gives way to the least loaded.
+
+The hashed prefix ("the key") is the prompt's first `key_tokens` tokens, whole blocks of the
+prefix index's `block_size` (all its full blocks when the prompt is shorter). Why that length:
+
+- It must be a prefix of every turn of a conversation, or the conversation would hash somewhere
+  else at each turn. A conversation's first turn that reaches a prefiller is at least
+  `routing_threshold` tokens (4096 by default), so a key of 1024 tokens is the same for all its turns.
+- It should reach past what many unrelated prompts share: the chat template's header and a short
+  system prompt. Hashing only the first block would send every prompt with the same system prompt
+  to one endpoint; 1024 tokens take in the start of the conversation itself, so conversations with a
+  shorter shared system prompt spread over the endpoints. Conversations sharing a longer system prompt
+  share the key, and the one endpoint that holds it serves them until the balance rule spreads them.
+
+A prefix the router's own index places overrides the hash only when it is the prompt's own: at
+least as long as the key, or at least half the prompt (a short conversation's earlier turn). A
+shorter match is a prefix many prompts share (a system prompt another conversation left there);
+each replica knows its own such matches and following them is what split a prefix over several
+endpoints. (With `kvaware`, a prefix the engines report counts at any length: every replica hears
+the same reports.) Among candidates holding the longest such prefix, the key's rendezvous order
+picks, so replicas that know the same holders agree. A match at least as long as the key sits where
+the key hashes to anyway, unless the balance rule or a change of the pool put it elsewhere: then the
+cache wins, the prefix is there.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +37,57 @@ from collections.abc import Sequence
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.routing.cache import CacheLocator
 from dpd_router.routing.load import Balance, load_score
+from dpd_router.routing.rendezvous import rendezvous_choice
 from dpd_router.routing.request import RoutingRequest
 from dpd_router.routing.strategies.base import Strategy
 from dpd_router.routing.strategies.leastloaded import LeastLoaded
 
+# The length of the hashed prefix: see the module's docstring.
+KEY_TOKENS = 1024
+
 
 class PrefixAware:
-    """Longest cached prefix first, guarded by `balance`; least-loaded when nothing matches.
+    """The prompt's own cached prefix first, else the rendezvous choice of its key, guarded by `balance`.
 
-    Among candidates holding equally long prefixes the least loaded wins. When the winner's load
-    is out of balance with the lightest candidate's, the prefix is not worth the queue and the
-    least-loaded candidate is taken instead. The cache view is the router's own prefix index.
+    When the chosen endpoint's load is out of balance with the lightest candidate's, the prefix is not
+    worth the queue and `fallback` (least loaded) picks among all candidates. A prompt shorter than one
+    block has no key and goes to `fallback` too. The cache view is the router's own prefix index.
     """
 
     name = "prefixaware"
 
-    def __init__(self, cache: CacheLocator, balance: Balance, fallback: Strategy | None = None) -> None:
+    def __init__(
+        self,
+        cache: CacheLocator,
+        balance: Balance,
+        fallback: Strategy | None = None,
+        *,
+        key_tokens: int = KEY_TOKENS,
+    ) -> None:
         self.cache = cache
         self._balance = balance
         self._fallback = fallback if fallback is not None else LeastLoaded()
+        self._key_blocks = max(1, -(-key_tokens // cache.block_size))
 
     def select(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
-        matched = self.cache.matched_tokens(request, candidates)
-        longest = max(matched.values(), default=0)
-        if longest <= 0:
+        if len(candidates) == 1:
+            return candidates[0]
+        block_size = self.cache.block_size
+        hashes = request.block_hashes(block_size)
+        if not hashes:
             return self._fallback.select(candidates, request)
-        holders = [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
-        chosen = holders[0] if len(holders) == 1 else self._fallback.select(holders, request)
-        if len(holders) < len(candidates):
-            now = time.monotonic()
-            lightest = min(load_score(endpoint, now) for endpoint in candidates)
-            if self._balance.overloaded(load_score(chosen, now), lightest):
-                return self._fallback.select(candidates, request)
+        key_blocks = min(len(hashes), self._key_blocks)
+        key = f"{hashes[key_blocks - 1]:016x}"  # chained: it stands for every block up to it
+        source, matched = self.cache.locate(request, candidates)
+        longest = max(matched.values(), default=0)
+        # Engine-reported caches are seen alike by every replica: any match of theirs counts.
+        owned = min(key_blocks, (len(hashes) + 1) // 2) * block_size if source is self.cache.index else 1
+        eligible = candidates
+        if longest >= owned:
+            eligible = [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
+        chosen = rendezvous_choice(eligible, key)
+        now = time.monotonic()
+        lightest = min(load_score(endpoint, now) for endpoint in candidates)
+        if self._balance.overloaded(load_score(chosen, now), lightest):
+            return self._fallback.select(candidates, request)
         return chosen

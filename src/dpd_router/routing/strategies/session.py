@@ -1,25 +1,19 @@
 """`session`: the same session key always reaches the same endpoint, on every router replica.
 
-Rendezvous (highest-random-weight) hashing: each candidate scores `hash(url, key)` and the highest
-wins. No ring to rebuild and no state to share; when one of N endpoints leaves, only the keys it
-held move (about 1/N of them), and an endpoint that joins takes about 1/(N+1) of the keys.
+Rendezvous (highest-random-weight) hashing of the key (routing/rendezvous.py): no ring to rebuild
+and no state to share; when one of N endpoints leaves, only the keys it held move (about 1/N of
+them), and an endpoint that joins takes about 1/(N+1) of the keys.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.routing.rendezvous import rendezvous_choice
 from dpd_router.routing.request import RoutingRequest
 from dpd_router.routing.strategies.base import Strategy
 from dpd_router.routing.strategies.leastloaded import LeastLoaded
-
-
-def rendezvous_weight(key: str, node: str) -> int:
-    """A stable 64-bit score of `node` for `key` (blake2b, identical in every process)."""
-    digest = hashlib.blake2b(f"{node}\x00{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
 
 
 class Session:
@@ -34,4 +28,4 @@ class Session:
         key = request.session_key
         if not key:
             return self._fallback.select(candidates, request)
-        return max(candidates, key=lambda endpoint: rendezvous_weight(key, endpoint.url))
+        return rendezvous_choice(candidates, key)

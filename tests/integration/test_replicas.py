@@ -1,0 +1,96 @@
+"""Router replicas as separate processes in front of the same engines: one behaviour, no shared state."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import httpx
+
+from dpd_sim.cluster import SimCluster
+from tests.integration.conftest import MODEL
+from tests.integration.test_routing import ask, document, prefiller_of
+
+THRESHOLD = 256
+# Longer than prefixaware's hashed key (1024 tokens), so every question about one document shares it.
+DOCUMENT_WORDS = 400
+QUESTIONS = ("What is the first word?", "Summarise it.", "How many words are there?")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@asynccontextmanager
+async def router_process(cluster: SimCluster, tokenizer_dir: Path, log: Path, hash_seed: int) -> AsyncIterator[str]:
+    """`dpd-router serve` in its own process (its own PYTHONHASHSEED); yields its base URL once ready."""
+    port = free_port()
+    args = ["--host", "127.0.0.1", "--port", str(port), "--tokenizer", str(tokenizer_dir)]
+    args += ["--routing-threshold", str(THRESHOLD), "--threshold-mode", "static", "--prefill-strategy", "prefixaware"]
+    args += ["--model", MODEL, "--log-level", "warning"]
+    for url in cluster.prefill_urls:
+        args += ["--prefill", url]
+    for url in cluster.decode_urls:
+        args += ["--decode", url]
+    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed)}
+    with log.open("wb") as output:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dpd_router.cli", "serve", *args, stdout=output, stderr=output, env=env
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as http, asyncio.timeout(60):
+            while True:
+                assert process.returncode is None, f"the router exited before it was ready: see {log}"
+                try:
+                    if (await http.get(f"{base_url}/ready")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+        yield base_url
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+async def test_two_router_processes_prefill_each_prefix_on_one_prefiller(tokenizer_dir: Path, tmp_path: Path) -> None:
+    async with AsyncExitStack() as stack:
+        cluster = await stack.enter_async_context(SimCluster(prefill=3, decode=2, tokenizer=tokenizer_dir, model=MODEL))
+        routers = [
+            await stack.enter_async_context(router_process(cluster, tokenizer_dir, tmp_path / f"router-{i}.log", seed))
+            for i, seed in enumerate((1, 2))
+        ]
+        rng = random.Random(22)
+        # Every prefix reaches both replicas; the third send goes to either.
+        senders = {seed: rng.sample([*routers, rng.choice(routers)], 3) for seed in range(12)}
+        sent: dict[int, list[str]] = {seed: [] for seed in senders}
+
+        async def send(seed: int, turn: int) -> None:
+            request_id = f"replica-{seed}-{turn}-{uuid.uuid4().hex[:8]}"
+            content = f"{document(seed, words=DOCUMENT_WORDS)}\n\n{QUESTIONS[turn]}"
+            await ask(senders[seed][turn], content, request_id=request_id)
+            sent[seed].append(request_id)
+
+        for turn in range(3):  # each round in parallel: the replicas' in-flight counts differ as they place
+            await asyncio.gather(*(send(seed, turn) for seed in senders))
+
+        placed = {seed: {await prefiller_of(cluster, request_id) for request_id in ids} for seed, ids in sent.items()}
+        assert all(len(prefillers) == 1 and None not in prefillers for prefillers in placed.values()), placed
+        used = set().union(*placed.values())
+        assert len(used) >= 2, "distinct prefixes spread over the prefillers"
