@@ -139,11 +139,37 @@ async def bring_up(args: argparse.Namespace, exits: list[Any]) -> dict[str, str]
     return urls
 
 
-async def one_run(url: str, requests: list[loadgen.Request], concurrency: int, args: argparse.Namespace, label: str):
+def cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time (user and system, every thread) a process has used so far; None without one."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_run(
+    url: str,
+    requests: list[loadgen.Request],
+    concurrency: int,
+    args: argparse.Namespace,
+    label: str,
+    pid: int | None = None,
+) -> dict[str, Any]:
+    """One load run; with the router's `pid`, also its CPU milliseconds per request served."""
+    before = cpu_seconds(pid)
     result = await loadgen.run(
         [url], requests, concurrency=concurrency, duration=args.max_seconds, label=label, progress=not args.quiet
     )
-    return report.summarize(result.records, result.wall)
+    after = cpu_seconds(pid)
+    summary = report.summarize(result.records, result.wall)
+    served = summary["ok"]
+    summary["cpu_ms_per_request"] = (
+        (after - before) * 1000 / served if before is not None and after is not None and served else None
+    )
+    return summary
 
 
 async def latency_runs(args: argparse.Namespace, urls: dict[str, Any], prompts: Prompts) -> list[dict[str, Any]]:
@@ -160,7 +186,8 @@ async def latency_runs(args: argparse.Namespace, urls: dict[str, Any], prompts: 
                 order = setups[repeat % len(setups) :] + setups[: repeat % len(setups)]
                 for setup in order:
                     label = f"r{repeat} {setup:15} c={concurrency:<3} {size}"
-                    summary = await one_run(urls[setup], requests, concurrency, args, label)
+                    pid = urls["_pids"].get(setup)
+                    summary = await one_run(urls[setup], requests, concurrency, args, label, pid)
                     runs.append(
                         {"kind": "latency", "setup": setup, "size": size, "concurrency": concurrency}
                         | {"repeat": repeat, "summary": summary}
@@ -220,7 +247,7 @@ async def streaming_runs(args: argparse.Namespace, urls: dict[str, Any], prompts
                     continue
                 requests = prompts.short(args.streams, 32, args.stream_tokens, seed=90 + repeat)
                 label = f"r{repeat} {setup:15} {args.streams} streams ({pace})"
-                summary = await one_run(urls[key], requests, args.streams, args, label)
+                summary = await one_run(urls[key], requests, args.streams, args, label, urls["_pids"].get(key))
                 runs.append({"kind": "streaming", "pace": pace, "setup": setup, "repeat": repeat, "summary": summary})
     return runs
 
@@ -297,6 +324,7 @@ def medians(runs: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
         "errors": sum(s["errors"] for s in chosen),
         "req_per_s": report.median_of(s["req_per_s"] for s in chosen),
         "chunks_per_s": report.median_of(s["chunks_per_s"] for s in chosen),
+        "cpu_ms_per_request": report.median_of(s.get("cpu_ms_per_request") for s in chosen),
         **{m: {q: report.median_of(s[m][q] for s in chosen) for q in ("p50", "p99")} for m in ("e2e", "ttft", "itl")},
     }
 
@@ -320,6 +348,12 @@ def added(runs: list[dict[str, Any]], setup: str, q: str, metric: str = "e2e", *
         if base is not None and run["summary"][metric][q] is not None and base["summary"][metric][q] is not None:
             diffs.append(run["summary"][metric][q] - base["summary"][metric][q])
     return report.median_of(diffs)
+
+
+def cpu_ms(m: dict[str, Any]) -> float | None:
+    """A median CPU time per request in seconds (report.ms prints seconds as milliseconds)."""
+    value = m.get("cpu_ms_per_request")
+    return None if value is None else value / 1000
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -351,13 +385,24 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
                 rows.append(
                     [size, concurrency, setup, report.ms(m["e2e"]["p50"], 2), report.ms(m["e2e"]["p99"], 2)]
                     + ([report.ms(a50, 2), report.ms(a99, 2)] if setup != "direct" else ["", ""])
-                    + [report.num(m["req_per_s"], 0), m["errors"]]
+                    + [report.num(m["req_per_s"], 0), report.ms(cpu_ms(m), 2), m["errors"]]
                 )
     md += [
-        "## Latency per request (E2E of a streamed request) and added latency",
+        "## Latency per request (E2E of a streamed request), added latency, and the router's CPU per request",
         "",
         report.table(
-            ["prompt", "conc", "setup", "E2E p50 ms", "E2E p99 ms", "added p50 ms", "added p99 ms", "req/s", "errors"],
+            [
+                "prompt",
+                "conc",
+                "setup",
+                "E2E p50 ms",
+                "E2E p99 ms",
+                "added p50 ms",
+                "added p99 ms",
+                "req/s",
+                "router CPU ms/req",
+                "errors",
+            ],
             rows,
         ),
         "",
@@ -415,7 +460,16 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
                 itl = m["itl"]
                 chunks = report.num(m["chunks_per_s"], 0)
                 rows.append(
-                    [pace, setup, chunks, share, report.ms(itl["p50"], 2), report.ms(itl["p99"], 2), m["errors"]]
+                    [
+                        pace,
+                        setup,
+                        chunks,
+                        share,
+                        report.ms(itl["p50"], 2),
+                        report.ms(itl["p99"], 2),
+                        report.ms(cpu_ms(m), 2),
+                        m["errors"],
+                    ]
                 )
         md += [
             f"## Streamed chunks/s at {args.streams} concurrent streams of {args.stream_tokens} tokens",
@@ -423,7 +477,19 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
             "`max`: the engine steps as fast as it can; `paced`: one decode step every "
             f"{args.paced_step * 1000:.0f} ms (so {args.streams / args.paced_step:,.0f} chunks/s offered).",
             "",
-            report.table(["engine", "setup", "chunks/s", "of direct", "ITL p50 ms", "ITL p99 ms", "errors"], rows),
+            report.table(
+                [
+                    "engine",
+                    "setup",
+                    "chunks/s",
+                    "of direct",
+                    "ITL p50 ms",
+                    "ITL p99 ms",
+                    "router CPU ms/stream",
+                    "errors",
+                ],
+                rows,
+            ),
             "",
         ]
     targets = []

@@ -381,8 +381,10 @@ def routing_rules(settings: Settings, cache: CacheLocator | None) -> RoutingRule
     if cache is not None:
         balance = Balance(settings.balance_abs_threshold, settings.balance_rel_threshold)
         prefill = prefill_strategy(settings.prefill_strategy, cache=cache, balance=balance)
-        # Decoders always follow prefix affinity; with `kvaware`, as the engines report it.
-        decode = KVAware(cache, balance) if settings.prefill_strategy == "kvaware" else PrefixAware(cache, balance)
+        # Decoders always follow prefix affinity; with `kvaware`, as the engines report it. A new prefix
+        # goes to the least loaded decoder: a stream holds its decoder for the whole answer.
+        strategy = KVAware if settings.prefill_strategy == "kvaware" else PrefixAware
+        decode = strategy(cache, balance, hash_new_prefixes=False)
     return RoutingRules(
         threshold=settings.routing_threshold,
         threshold_mode=settings.threshold_mode,

@@ -52,6 +52,7 @@ class PrefixAware:
     When the chosen endpoint's load is out of balance with the lightest candidate's, the prefix is not
     worth the queue and `fallback` (least loaded) picks among all candidates. A prompt shorter than one
     block has no key and goes to `fallback` too. The cache view is the router's own prefix index.
+    Without `hash_new_prefixes` (the decoders' choice), a prefix nobody holds goes to `fallback`.
     """
 
     name = "prefixaware"
@@ -63,15 +64,19 @@ class PrefixAware:
         fallback: Strategy | None = None,
         *,
         key_tokens: int = KEY_TOKENS,
+        hash_new_prefixes: bool = True,
     ) -> None:
         self.cache = cache
         self._balance = balance
         self._fallback = fallback if fallback is not None else LeastLoaded()
         self._key_blocks = max(1, -(-key_tokens // cache.block_size))
+        self._hash_new = hash_new_prefixes
 
     def select(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
         if len(candidates) == 1:
             return candidates[0]
+        if not self._hash_new:
+            return self._cached_else_least_loaded(candidates, request)
         block_size = self.cache.block_size
         hashes = request.block_hashes(block_size)
         if not hashes:
@@ -90,4 +95,22 @@ class PrefixAware:
         lightest = min(load_score(endpoint, now) for endpoint in candidates)
         if self._balance.overloaded(load_score(chosen, now), lightest):
             return self._fallback.select(candidates, request)
+        return chosen
+
+    def _cached_else_least_loaded(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
+        """The decoders' rule: the longest cached prefix of any length (a decoder holding a shared system
+        prompt computes less of the prompt), the least loaded among its holders, and the least loaded of
+        all for a prefix nobody holds. A decoder's stream stays on it for the whole answer, so spreading
+        by load matters more there than agreeing with other replicas on a new prefix."""
+        _, matched = self.cache.locate(request, candidates)
+        longest = max(matched.values(), default=0)
+        if longest <= 0:
+            return self._fallback.select(candidates, request)
+        holders = [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
+        chosen = holders[0] if len(holders) == 1 else self._fallback.select(holders, request)
+        if len(holders) < len(candidates):
+            now = time.monotonic()
+            lightest = min(load_score(endpoint, now) for endpoint in candidates)
+            if self._balance.overloaded(load_score(chosen, now), lightest):
+                return self._fallback.select(candidates, request)
         return chosen
