@@ -26,16 +26,34 @@ def redis_server_binary() -> str:
 
 @dataclass
 class RedisServer:
-    process: asyncio.subprocess.Process
+    binary: str
     port: int
+    process: asyncio.subprocess.Process | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    async def start(self) -> None:
+        """Serving on its port (again, after `kill`): no persistence, loopback only."""
+        self.process = process = await asyncio.create_subprocess_exec(
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        async with asyncio.timeout(10):
+            while not await _answers(self.port):
+                if process.returncode is not None:
+                    raise RuntimeError(f"redis-server exited with {process.returncode} on port {self.port}")
+                await asyncio.sleep(0.02)
+
     async def kill(self) -> None:
         """Gone mid-run, as a crashed or unreachable Redis would be."""
-        if self.process.returncode is None:
+        if self.process is not None and self.process.returncode is None:
             self.process.terminate()
             await self.process.wait()
 
@@ -61,25 +79,10 @@ async def _answers(port: int) -> bool:
 
 @asynccontextmanager
 async def redis_server() -> AsyncIterator[RedisServer]:
-    """A throwaway redis-server: no persistence, loopback only, stopped on exit."""
-    binary = redis_server_binary()
-    port = _free_port()
-    process = await asyncio.create_subprocess_exec(
-        binary,
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    server = RedisServer(process, port)
+    """A throwaway redis-server on a free loopback port, stopped on exit."""
+    server = RedisServer(redis_server_binary(), _free_port())
     try:
-        async with asyncio.timeout(10):
-            while not await _answers(port):
-                if process.returncode is not None:
-                    raise RuntimeError(f"redis-server exited with {process.returncode} on port {port}")
-                await asyncio.sleep(0.02)
+        await server.start()
         yield server
     finally:
         await server.kill()

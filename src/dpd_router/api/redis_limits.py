@@ -83,18 +83,22 @@ class RedisBuckets:
         self._timeout = timeout
         self._retry_after = retry_after
         self._clock = clock
-        self._client: redis.Redis = redis.Redis.from_url(
+        # A blocking pool: past `max_connections` checks in flight, a check waits for a connection (within
+        # the timeout) instead of failing as a non-blocking pool's would, which would read as an outage.
+        pool = redis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             # One retry, at once: a pooled connection the server closed (a restart) is replaced, while a
             # server that is down fails within the timeout; the local buckets take over, not a backoff.
             retry=Retry(NoBackoff(), 1),
-            max_connections=max_connections,
         )
+        self._client: redis.Redis = redis.Redis(connection_pool=pool)
         self._script = self._client.register_script(TAKE_SCRIPT)
         self._down_until: float | None = None  # set during an outage: when to try the store again
-        self._outage_logged = False
+        self._failed_at: float | None = None  # the outage's last failure
 
     async def take(self, key: str, rate_per_minute: float, amount: float, *, now: float | None = None) -> float | None:
         """Spend `amount` from the shared bucket `key` refilling at `rate_per_minute`: 0 when allowed, else
@@ -102,23 +106,27 @@ class RedisBuckets:
         if self._down_until is not None and self._clock() < self._down_until:
             return None
         args: list[Any] = [rate_per_minute, amount, "" if now is None else now]
+        started = self._clock()
         try:
             async with asyncio.timeout(self._timeout):
                 reply = await self._script(keys=[KEY_PREFIX + key], args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)
             return None
-        if self._down_until is not None:
-            self._down_until = None
-            self._outage_logged = False
+        # Over only when a check that started after the last failure succeeds (one sent before it may still
+        # come back, from a server that has just gone).
+        if self._failed_at is not None and started >= self._failed_at:
+            self._down_until = self._failed_at = None
             log.info("limits store %s reachable again: per-key limits are shared again", self._safe_url)
         return float(reply)
 
     def _failed(self, exc: BaseException) -> None:
         self._metrics.limits_store_errors.inc()
-        self._down_until = self._clock() + self._retry_after
-        if not self._outage_logged:
-            self._outage_logged = True
+        now = self._clock()
+        self._down_until = now + self._retry_after
+        new_outage = self._failed_at is None
+        self._failed_at = now
+        if new_outage:
             log.warning(
                 "limits store %s unreachable (%s): per-key limits are kept per process (limit / workers) until "
                 "it answers again",

@@ -108,6 +108,35 @@ async def test_a_store_that_is_down_is_counted_logged_once_and_left_alone_for_a_
         await store.aclose()
 
 
+async def test_the_end_of_an_outage_is_logged_once_and_the_shared_buckets_decide_again(
+    redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    store = RedisBuckets(redis.url, RouterMetrics(), clock=clock, retry_after=1.0)
+    try:
+        await redis.kill()
+        assert await store.take("k:requests", 1, 1) is None
+        await redis.start()  # empty: the bucket starts full again
+        clock.now += 1.0
+        with caplog.at_level(logging.INFO, logger="dpd_router.limits"):
+            assert await store.take("k:requests", 1, 1) == 0
+            assert await store.take("k:requests", 1, 1) == pytest.approx(60.0, abs=0.5)
+        backs = [r for r in caplog.records if "reachable again" in r.getMessage()]
+        assert len(backs) == 1
+    finally:
+        await store.aclose()
+
+
+async def test_more_checks_in_flight_than_connections_wait_for_one_instead_of_failing(redis: RedisServer) -> None:
+    metrics = RouterMetrics()
+    store = RedisBuckets(redis.url, metrics, max_connections=2, timeout=2.0)
+    try:
+        waits = await asyncio.gather(*(store.take(f"k{i % 5}:requests", 1000, 1) for i in range(50)))
+        assert waits == [0] * 50 and errors(metrics) == 0
+    finally:
+        await store.aclose()
+
+
 async def test_a_store_that_does_not_answer_is_given_up_on_within_the_timeout() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # accepts and reads, never answers
