@@ -61,6 +61,15 @@ def _normalise_url(url: str) -> str:
     return url
 
 
+def without_password(url: str) -> str:
+    """A store URL (`limits_store`) fit to show and log: its user and password, if any, replaced."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url
+    return f"{scheme}{sep}<redacted>@{authority.rpartition('@')[2]}{slash}{path}"
+
+
 PortList = Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode]
 
 

@@ -20,6 +20,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from dpd_router.config import without_password
+
 if TYPE_CHECKING:
     from dpd_router.metrics import RouterMetrics
 
@@ -137,9 +139,7 @@ class RedisBuckets:
 
     @property
     def _safe_url(self) -> str:
-        """The URL without its password."""
-        scheme, sep, rest = self._url.partition("://")
-        return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+        return without_password(self._url)
 
     async def aclose(self) -> None:
         await self._client.aclose()
