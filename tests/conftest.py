@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from dpd_sim.tokenizer_kit import ensure_tokenizer
+from tests.redis_server import RedisServer, redis_server
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +22,10 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.name == "e2e_vllm" and not any("e2e_vllm" in str(arg) for arg in config.args):
         return True
     return None
+
+
+@pytest.fixture
+async def redis() -> AsyncIterator[RedisServer]:
+    """A real redis-server of the test's own (tests/redis_server.py); the test may kill it."""
+    async with redis_server() as server:
+        yield server

@@ -61,6 +61,15 @@ def _normalise_url(url: str) -> str:
     return url
 
 
+def without_password(url: str) -> str:
+    """A store URL (`limits_store`) fit to show and log: its user and password, if any, replaced."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url
+    return f"{scheme}{sep}<redacted>@{authority.rpartition('@')[2]}{slash}{path}"
+
+
 PortList = Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode]
 
 
@@ -188,7 +197,8 @@ class Settings(BaseSettings):
         "and SIGHUP to every worker and replaces a worker that dies; `/metrics` sums every worker. Limits are "
         "kept per process, so each worker enforces its share: `max_in_flight`, `max_queued`, per-key "
         "`requests_per_minute` and `prompt_tokens_per_minute` and `auth_failures_per_minute` divided by "
-        "`workers` (counts rounded up), which holds the pod's limit approximately, not exactly.",
+        "`workers` (counts rounded up), which holds the pod's limit approximately, not exactly; `limits_store` "
+        "shares the per-key ones exactly.",
         json_schema_extra=_meta("server"),
     )
     client_keepalive_timeout: int = Field(
@@ -707,6 +717,16 @@ class Settings(BaseSettings):
         "`requests_per_minute` and `prompt_tokens_per_minute` (429 with `Retry-After` beyond them).",
         json_schema_extra=_meta("auth"),
     )
+    limits_store: str | None = Field(
+        default=None,
+        description="Where per-key `requests_per_minute` and `prompt_tokens_per_minute` budgets are kept: unset, "
+        "each router process keeps its own share (the limit divided by `workers`, and again per replica); "
+        "`redis://HOST:PORT/DB` (or `rediss://`, with `user:password@` if needed), one budget shared by every "
+        "worker and replica, spent atomically in Redis. While Redis is unreachable or slower than 100 ms, "
+        "each process decides on its own share again (counted in `dpd_router_limits_store_errors_total`, "
+        "logged once per outage).",
+        json_schema_extra=_meta("auth"),
+    )
     auth_failures_per_minute: float = Field(
         default=60.0,
         ge=0,
@@ -890,6 +910,16 @@ class Settings(BaseSettings):
     @classmethod
     def _check_hashes(cls, value: list[str]) -> list[str]:
         return [checked_digest(digest) for digest in value]
+
+    @field_validator("limits_store")
+    @classmethod
+    def _check_limits_store(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"limits_store must be a redis://, rediss:// or unix:// URL, got {value.split('@')[-1]!r}")
+        return value
 
     @field_validator("kubernetes_api_url")
     @classmethod

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dpd_router.config import Settings, SettingsError, live_settings, load_settings, updated_settings
+from dpd_router.config import (
+    Settings,
+    SettingsError,
+    live_settings,
+    load_settings,
+    updated_settings,
+    without_password,
+)
 from dpd_router.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -68,6 +75,8 @@ class LiveConfig:
                 values[name] = f"<{len(value)} configured>"
             elif value is not None:
                 values[name] = "<redacted>"
+        if self.settings.limits_store is not None:
+            values["limits_store"] = without_password(self.settings.limits_store)
         return values
 
     async def update(self, changes: dict[str, Any], *, source: str = "admin") -> dict[str, Any]:

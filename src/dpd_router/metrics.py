@@ -263,6 +263,12 @@ class RouterMetrics:
             ["limit"],
             registry=r,
         )
+        self.limits_store_errors = Counter(
+            f"{PREFIX}_limits_store_errors",
+            "Per-key limit checks the shared limits store (limits_store) failed or was too slow to answer; "
+            "the process decided on its own share of the limit instead.",
+            registry=r,
+        )
         self.auth_failures = Counter(
             f"{PREFIX}_auth_failures", "Requests refused for a missing, unknown or insufficient API key.", registry=r
         )

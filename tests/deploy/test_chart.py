@@ -321,3 +321,45 @@ def test_router_runs_a_worker_a_requested_core(cpu: str | int, workers: int) -> 
 def test_router_workers_setting_wins_over_the_cpu_request() -> None:
     release = render({"router": {"settings": {"workers": 1}}})
     assert release.router_settings()["workers"] == 1
+
+
+def test_router_replicas_may_scale_on_cpu_and_keep_a_disruption_budget() -> None:
+    assert render_example(None).values["router"]["replicas"] >= 2, "one replica left serving through a rollout"
+    release = render({"router": {"autoscaling": {"enabled": True, "maxReplicas": 8}}})
+    deployment = release.component("Deployment", "router")
+    assert "replicas" not in deployment["spec"], "the autoscaler owns the replica count"
+    hpa = release.component("HorizontalPodAutoscaler", "router")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    (target,) = hpa["spec"]["metrics"]
+    assert target["resource"]["name"] == "cpu" and target["resource"]["target"]["averageUtilization"] == 70
+    assert release.component("PodDisruptionBudget", "router")["spec"]["selector"] == deployment["spec"]["selector"]
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(hpa, version, strict=True)
+    assert not [
+        hpa
+        for hpa in render_example(None).of_kind("HorizontalPodAutoscaler")
+        if hpa["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+    ], "off by default: the replicas are fixed"
+
+
+def test_limits_store_is_set_from_a_url_or_a_secret() -> None:
+    assert "limits_store" not in render_example(None).router_settings()
+    url = "redis://redis-master.cache:6379/0"
+    assert render({"router": {"limitsStore": {"url": url}}}).router_settings()["limits_store"] == url
+    Settings.model_validate({"limits_store": url, "decode_urls": ["http://decode:8000"]})
+    release = render({"router": {"limitsStore": {"secretKeyRef": {"name": "router-redis", "key": "url"}}}})
+    (container,) = release.component("Deployment", "router")["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    assert env["DPD_LIMITS_STORE"]["valueFrom"] == {"secretKeyRef": {"name": "router-redis", "key": "url"}}
+    with pytest.raises(helm.HelmValuesError, match="limitsStore"):
+        render({"router": {"limitsStore": {"url": "http://redis:6379"}}})
+
+
+def test_a_limits_store_secret_needs_its_name_and_key() -> None:
+    with pytest.raises(helm.HelmValuesError, match="secretKeyRef"):
+        render({"router": {"limitsStore": {"secretKeyRef": {"name": "router-redis"}}}})

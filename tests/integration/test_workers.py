@@ -21,13 +21,17 @@ import orjson
 import pytest
 import yaml
 
+from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
+from tests.redis_server import RedisServer
 
 from .conftest import MODEL, chat_body, metric
 
 ROOT = Path(__file__).resolve().parents[2]
 THRESHOLD = 100_000  # every prompt goes straight to a decoder
 LONG_STREAM = 200  # tokens: seconds at the engines' 10 ms a token
+# Sent to /admin/state always: ignored while no key is configured, the admin key of a test that configures keys.
+ADMIN = {"Authorization": "Bearer workers-admin-key"}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +57,11 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def supervised_router(engines: SimCluster, tokenizer_dir: Path, tmp_path: Path) -> AsyncIterator[Supervised]:
-    """`python -m dpd_router.cli serve --workers 2` on a free port; yields once both workers answer."""
+async def supervised_router(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path, **settings: Any
+) -> AsyncIterator[Supervised]:
+    """`python -m dpd_router.cli serve --workers 2` on a free port (with these extra settings); yields once
+    both workers answer."""
     port = free_port()
     config = tmp_path / "router.yaml"
     config.write_text(
@@ -69,6 +76,7 @@ async def supervised_router(engines: SimCluster, tokenizer_dir: Path, tmp_path: 
                 "threshold_mode": "static",
                 "health_interval": 0.5,
                 "config_watch_interval": 0,  # only SIGHUP rereads the file
+                **settings,
             }
         )
     )
@@ -99,7 +107,7 @@ async def supervised_router(engines: SimCluster, tokenizer_dir: Path, tmp_path: 
 async def state_of_a_worker(base_url: str) -> dict[str, Any]:
     """/admin/state from whichever worker accepts a fresh connection."""
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
-        response = await client.get("/admin/state")
+        response = await client.get("/admin/state", headers=ADMIN)
         response.raise_for_status()
         state: dict[str, Any] = response.json()
         return state
@@ -133,7 +141,7 @@ async def pinned_clients(count: int, base_url: str) -> AsyncIterator[list[httpx.
 
 
 async def worker_of(client: httpx.AsyncClient) -> int:
-    response = await client.get("/admin/state")
+    response = await client.get("/admin/state", headers=ADMIN)
     response.raise_for_status()
     return int(response.json()["router"]["worker"])
 
@@ -250,3 +258,35 @@ async def test_sigterm_drains_a_stream_in_flight(engines: SimCluster, tokenizer_
             assert await stream == LONG_STREAM
         assert await asyncio.to_thread(router.process.wait, 30) == 0
         assert "every router worker has stopped" in router.log.read_text()
+
+
+async def test_a_shared_limits_store_holds_each_keys_whole_limit_across_workers(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path, redis: RedisServer
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - sha256: {hash_key('four-a-minute')}\n    requests_per_minute: 4\n"
+        f"  - sha256: {hash_key('workers-admin-key')}\n    admin: true\n"
+    )
+    settings = {"api_keys_file": str(keys), "limits_store": redis.url}
+    headers = {"Authorization": "Bearer four-a-minute"}
+    async with (
+        supervised_router(engines, tokenizer_dir, tmp_path, **settings) as router,
+        pinned_clients(12, router.base_url) as clients,
+    ):
+        by_worker: dict[int, httpx.AsyncClient] = {}
+        for client in clients:
+            by_worker.setdefault(await worker_of(client), client)
+        assert len(by_worker) == 2, "the kernel gave every connection to one worker"
+        first, second = by_worker.values()
+
+        async def ask(client: httpx.AsyncClient) -> int:
+            response = await client.post("/v1/chat/completions", json=chat_body("hello"), headers=headers)
+            return response.status_code
+
+        # Each worker's own share would be 2: the third on one worker passing shows the whole limit is
+        # the store's, and the fifth, refused by the other worker, that both spend the one budget.
+        assert [await ask(first) for _ in range(3)] == [200, 200, 200]
+        assert [await ask(second) for _ in range(2)] == [200, 429]
+        assert await metric(router.base_url, "dpd_router_limits_store_errors_total") == 0

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from dpd_router.cli import _settings_from, build_parser
-from dpd_router.config import SettingsError, load_settings
+from dpd_router.config import SettingsError, load_settings, without_password
+from dpd_router.live import LiveConfig
+from dpd_router.metrics import RouterMetrics
 
 
 def test_defaults_match_the_managed_service(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,3 +94,16 @@ def test_unknown_yaml_key_is_refused(tmp_path: Path) -> None:
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="config"):
         load_settings(config=str(tmp_path / "nope.yaml"))
+
+
+def test_limits_store_takes_a_redis_url_and_is_shown_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DPD_DECODE_URLS", "http://127.0.0.1:9000")
+    assert load_settings().limits_store is None
+    assert load_settings(limits_store="  ").limits_store is None
+    with pytest.raises(SettingsError, match="limits_store"):
+        load_settings(limits_store="http://redis:6379")
+    url = "redis://router:s3cret@redis.cache:6379/2"
+    live = LiveConfig(load_settings(limits_store=url), [], RouterMetrics())
+    assert live.effective()["limits_store"] == "redis://<redacted>@redis.cache:6379/2"
+    assert without_password("rediss://redis.cache:6380/0") == "rediss://redis.cache:6380/0"
+    assert without_password("redis://:p@ss@h:1/0") == "redis://<redacted>@h:1/0"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from dpd_router.api.limits import KeyLimits, TokenBucket
+from dpd_router.api.limits import KeyLimits, SharedBuckets, SharedBudget, TokenBucket
 from dpd_router.errors import Forbidden, RateLimited, RouterError, Unauthorized
 from dpd_router.keys import checked_digest
 from dpd_router.keys import hash_key as hash_key  # where tests and scripts have imported it from
@@ -101,8 +101,10 @@ class KeyRing:
         key_hashes: list[str],
         admin_key_hashes: list[str],
         workers: int = 1,
+        store: SharedBuckets | None = None,
     ) -> KeyRing:
-        """The keys; each key's per-minute rates are divided among `workers` processes, which keep them apart."""
+        """The keys; each key's per-minute rates are divided among `workers` processes, which keep them apart,
+        unless a shared `store` keeps them whole (the shares then stand in while it cannot answer)."""
         principals: dict[str, Principal] = {}
         for digest in key_hashes:
             principals[checked_digest(digest)] = Principal(key_id=digest[:12])
@@ -111,14 +113,23 @@ class KeyRing:
         if keys_file is not None:
             for entry in _read_keys_file(keys_file):
                 digest = checked_digest(str(entry["sha256"]))
+                requests = _bucket(entry.get("requests_per_minute"), workers)
+                prompt_tokens = _bucket(entry.get("prompt_tokens_per_minute"), workers)
+                shared = None
+                if store is not None and (requests is not None or prompt_tokens is not None):
+                    shared = SharedBudget(
+                        store,
+                        digest[:12],
+                        requests_per_minute=None if requests is None else float(entry["requests_per_minute"]),
+                        prompt_tokens_per_minute=(
+                            None if prompt_tokens is None else float(entry["prompt_tokens_per_minute"])
+                        ),
+                    )
                 principals[digest] = Principal(
                     key_id=digest[:12],
                     tenant=entry.get("tenant"),
                     admin=bool(entry.get("admin", False)),
-                    limits=KeyLimits(
-                        requests=_bucket(entry.get("requests_per_minute"), workers),
-                        prompt_tokens=_bucket(entry.get("prompt_tokens_per_minute"), workers),
-                    ),
+                    limits=KeyLimits(requests=requests, prompt_tokens=prompt_tokens, shared=shared),
                 )
         return cls(principals)
 

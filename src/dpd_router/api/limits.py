@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dpd_router.errors import RateLimit, RateLimited
 
@@ -63,28 +63,61 @@ class TokenBucket:
         return (amount - self.level) * 60.0 / self.rate_per_minute
 
 
+class SharedBuckets(Protocol):
+    """Token buckets every worker and replica spends from (`limits_store`; redis_limits.py)."""
+
+    async def take(self, key: str, rate_per_minute: float, amount: float) -> float | None:
+        """0 when spent, else the seconds until it could be; None when the store cannot say."""
+        ...
+
+
+@dataclass(frozen=True)
+class SharedBudget:
+    """One key's full per-minute rates, kept in the shared store under its key id."""
+
+    store: SharedBuckets
+    key_id: str
+    requests_per_minute: float | None = None
+    prompt_tokens_per_minute: float | None = None
+
+
 @dataclass
 class KeyLimits:
-    """The buckets of one API key; None means unlimited."""
+    """The buckets of one API key; None means unlimited.
+
+    With a shared store, the key's full budget is spent there, once for the whole deployment; the
+    process's own buckets (its share of the budget) decide only when the store cannot answer.
+    """
 
     requests: TokenBucket | None = None
     prompt_tokens: TokenBucket | None = None
+    shared: SharedBudget | None = None
 
-    def take_request(self) -> None:
+    async def take_request(self) -> None:
         if self.requests is not None:
-            wait = self.requests.take(1)
+            wait = await self._take("requests", self.requests, 1)
             if wait:
                 raise RateLimited("Requests per minute exceeded for this API key.", kind="requests", retry_after=wait)
 
-    def take_prompt_tokens(self, tokens: int) -> None:
+    async def take_prompt_tokens(self, tokens: int) -> None:
         if self.prompt_tokens is not None:
-            wait = self.prompt_tokens.take(tokens)
+            wait = await self._take("prompt_tokens", self.prompt_tokens, tokens)
             if wait:
                 raise RateLimited(
                     f"Prompt tokens per minute exceeded for this API key ({tokens} tokens asked).",
                     kind="prompt_tokens",
                     retry_after=wait,
                 )
+
+    async def _take(self, kind: RateLimit, local: TokenBucket, amount: float) -> float:
+        shared = self.shared
+        if shared is not None:
+            rate = shared.requests_per_minute if kind == "requests" else shared.prompt_tokens_per_minute
+            if rate is not None:
+                wait = await shared.store.take(f"{shared.key_id}:{kind}", rate, amount)
+                if wait is not None:
+                    return wait
+        return local.take(amount)
 
 
 def count_refusal(metrics: RouterMetrics, refusal: RateLimited) -> None:

@@ -111,7 +111,7 @@ class OpenAIApi:
         try:
             # Who is asking, from the headers alone: a body nobody may send is never read.
             principal = self._gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
-            principal.limits.take_request()
+            await principal.limits.take_request()
             raw = await _read_body(request, settings.max_body_bytes)
             trusted = settings.trust_request_chat_template
             if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request

@@ -167,7 +167,7 @@ class Gateway:
         trace.tokenize_seconds = prompt.seconds
         self._metrics.tokenize.observe(prompt.seconds)
         self._check_context_length(request, prompt)
-        principal.limits.take_prompt_tokens(prompt.num_tokens)
+        await principal.limits.take_prompt_tokens(prompt.num_tokens)
         return prompt
 
     async def _plan(

@@ -136,6 +136,8 @@ class Components:
             await self.routing.kv_events.close()
         await self.serving.gateway.close()
         await self.connector.close()
+        if self.access.limits_store is not None:
+            await self.access.limits_store.aclose()
         for tokenizer in {id(tokenizer): tokenizer for tokenizer in self.tokenizers.values()}.values():
             await tokenizer.aclose()
         await self.client.aclose()

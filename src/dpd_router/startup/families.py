@@ -15,6 +15,7 @@ import httpx
 
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
+from dpd_router.api.redis_limits import RedisBuckets
 from dpd_router.config import Settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
@@ -76,6 +77,7 @@ class Access:
 
     gatekeeper: Gatekeeper
     admission: Admissions
+    limits_store: RedisBuckets | None = None
 
 
 @dataclass(frozen=True)
@@ -178,11 +180,14 @@ def build_routing(
 
 
 def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -> Access:
+    # Connects lazily, on the first check: a store down at startup only means local limits for now.
+    store = RedisBuckets(settings.limits_store, metrics) if settings.limits_store else None
     keys = KeyRing.load(
         keys_file=settings.api_keys_file,
         key_hashes=settings.api_key_hashes,
         admin_key_hashes=settings.admin_key_hashes,
         workers=settings.workers,
+        store=store,
     )
     unknown_tenants = keys.tenants() - set(engines.tenants)
     if unknown_tenants:
@@ -191,6 +196,7 @@ def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -
         # Each worker process throttles its share of the failures (supervisor.py).
         Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute / settings.workers),
         Admissions(metrics, settings),
+        store,
     )
 
 

@@ -134,6 +134,9 @@ tokenizer), then router.settings on top. Every key is a dpd-router setting.
 {{- if .Values.router.tokenizerSubPath }}
 {{- $_ := set $settings "tokenizer" (printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.router.tokenizerSubPath) }}
 {{- end }}
+{{- with .Values.router.limitsStore.url }}
+{{- $_ := set $settings "limits_store" . }}
+{{- end }}
 {{- toYaml (mergeOverwrite $settings (deepCopy .Values.router.settings)) }}
 {{- end }}
 
@@ -196,6 +199,13 @@ podAntiAffinity:
   env:
     - name: DPD_CONFIG
       value: /etc/dpd-router/router.yaml
+    {{- with .Values.router.limitsStore.secretKeyRef }}
+    - name: DPD_LIMITS_STORE
+      valueFrom:
+        secretKeyRef:
+          name: {{ .name }}
+          key: {{ .key }}
+    {{- end }}
     {{- with .Values.router.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
