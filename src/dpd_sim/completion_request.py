@@ -18,6 +18,10 @@ Api = Literal["text", "chat"]
 DEFAULT_MAX_TOKENS = 16
 
 
+# The most choices one request may ask for: each is a sequence the simulator holds in memory.
+MAX_CHOICES = 1024
+
+
 class InvalidRequest(Exception):
     """The body cannot be served; answered as an OpenAI error object."""
 
@@ -90,6 +94,9 @@ class RequestParser:
             n = 1
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequest("n must be at least 1.", param="n")
+        if n > MAX_CHOICES:
+            # A real engine runs out of memory or time on such a request; the simulator refuses it.
+            raise InvalidRequest(f"n must be at most {MAX_CHOICES} in the simulator.", param="n")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise InvalidRequest("seed must be an integer")

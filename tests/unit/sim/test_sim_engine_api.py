@@ -338,3 +338,13 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_like_v
     assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == [0, 1, 2, 3], "the role chunk counts none"
     assert all("prompt_tokens_details" not in chunk["usage"] for chunk in chunks)
     assert final["choices"] == [] and "prompt_tokens_details" in final["usage"] and done == "[DONE]"
+
+
+async def test_more_choices_than_the_simulator_holds_are_refused_not_allocated(engine: EngineFactory) -> None:
+    """A request for 2**63 - 1 choices once took a simulated decoder to 23 GB and the OOM killer."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2**63 - 1}
+    async with engine() as e:
+        refused = await e.client.post("/v1/chat/completions", json=body)
+        served = await e.client.post("/v1/chat/completions", json={**body, "n": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    assert served.status_code == 200 and len(served.json()["choices"]) == 3
