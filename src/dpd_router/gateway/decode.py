@@ -30,9 +30,6 @@ from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.gateway")
 
-# The decoder's answer as it was sent: the relay passes bytes through and reads them as they are.
-_PLAIN = {"Accept-Encoding": "identity"}
-
 # Seconds before the only decoder is tried again (times the attempt number).
 SAME_DECODER_BACKOFF = 0.25
 
@@ -87,7 +84,7 @@ class DecodeHop:
         headers = {
             "X-Request-Id": exchange.request_id,
             "Content-Type": "application/json",
-            "Accept-Encoding": "identity",
+            "Accept-Encoding": "identity",  # the relay passes the bytes through as the decoder wrote them
         }
         late = "The decoder did not answer in time."
         with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke the connection"):
