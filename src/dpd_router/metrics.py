@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from dpd_router.pool.endpoint import Endpoint, EngineLoad
 
 PREFIX = "dpd_router"
+# Request metrics carry an `arm` label first: the experiment arm whose routing settings served the request
+# ("live" without experiments), or "shadow" for the copies sent to a shadow endpoint. Dashboards that sum
+# over it see the whole router; `dpd-router advise` compares the arms.
 
 # From a millisecond to ten minutes: relay overhead, TTFT and whole generations share these.
 LATENCY_BUCKETS = (
@@ -75,12 +78,12 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            f"{PREFIX}_requests", "Requests finished, by path and outcome.", ["path", "outcome"], registry=r
+            f"{PREFIX}_requests", "Requests finished, by arm, path and outcome.", ["arm", "path", "outcome"], registry=r
         )
         self.route_decisions = Counter(
             f"{PREFIX}_route_decisions",
-            "Routing decisions by the path taken and the reason for it.",
-            ["path", "reason"],
+            "Routing decisions by arm, the path taken and the reason for it.",
+            ["arm", "path", "reason"],
             registry=r,
         )
         self.prefill_fallbacks = Counter(
@@ -91,40 +94,56 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
-            "Time from a streamed request's arrival to its first generated token relayed, by path.",
-            ["path"],
+            "Time from a streamed request's arrival to its first generated token relayed, by arm and path.",
+            ["arm", "path"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             f"{PREFIX}_inter_token_latency_seconds",
-            "Gaps between consecutive output chunks relayed to streaming clients, by path.",
-            ["path"],
+            "Gaps between consecutive output chunks relayed to streaming clients, by arm and path.",
+            ["arm", "path"],
             buckets=TOKEN_GAP_BUCKETS,
             registry=r,
         )
         self.ttft_by_prompt = Histogram(
             f"{PREFIX}_ttft_by_prompt_length_seconds",
-            "Time to first token by path and prompt-length bucket (the label is the bucket's upper bound in "
+            "Time to first token by arm, path and prompt-length bucket (the label is the bucket's upper bound in "
             "tokens): the evidence for choosing the routing threshold.",
-            ["path", "prompt_tokens"],
+            ["arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_by_prompt = Histogram(
+            f"{PREFIX}_e2e_by_prompt_length_seconds",
+            "Time from arrival to the last byte by arm, path and prompt-length bucket (the label is the bucket's "
+            "upper bound in tokens): with TTFT and ITL by prompt length, what compares arms and the shadow.",
+            ["arm", "path", "prompt_tokens"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl_by_prompt = Histogram(
+            f"{PREFIX}_itl_by_prompt_length_seconds",
+            "Gaps between consecutive output chunks relayed to streaming clients, by arm, path and the stream's "
+            "prompt-length bucket (the label is the bucket's upper bound in tokens).",
+            ["arm", "path", "prompt_tokens"],
+            buckets=TOKEN_GAP_BUCKETS,
             registry=r,
         )
         self.phase = Histogram(
             f"{PREFIX}_phase_seconds",
-            "Where the time to first token went, by path and phase: queue (admission wait), tokenize, "
+            "Where the time to first token went, by arm, path and phase: queue (admission wait), tokenize, "
             "prefill (the KV-staging call), first_token (decode call start to the first token relayed), "
             "router (the rest: parsing, planning, waiting for the event loop). A request's phases add up to its TTFT.",
-            ["path", "phase"],
+            ["arm", "path", "phase"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.uncached_prompt_tokens = Counter(
             f"{PREFIX}_uncached_prompt_tokens",
             "Prompt tokens the serving engines had to compute (the prompt minus the prefix already cached on "
-            "the chosen decoder, as the router estimates it), by path: the prefill work each pool does.",
-            ["path"],
+            "the chosen decoder, as the router estimates it), by arm and path: the prefill work each pool does.",
+            ["arm", "path"],
             registry=r,
         )
         self.kv_transfer_ineffective = Counter(
@@ -151,15 +170,15 @@ class RouterMetrics:
         )
         self.tpot = Histogram(
             f"{PREFIX}_time_per_output_token_seconds",
-            "Mean time between output chunks after the first, per streamed request, by path.",
-            ["path"],
+            "Mean time between output chunks after the first, per streamed request, by arm and path.",
+            ["arm", "path"],
             buckets=TOKEN_GAP_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             f"{PREFIX}_e2e_latency_seconds",
-            "Time from the request's arrival to its last byte, by path.",
-            ["path"],
+            "Time from the request's arrival to its last byte, by arm and path.",
+            ["arm", "path"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -178,15 +197,15 @@ class RouterMetrics:
         )
         self.prompt_tokens = Histogram(
             f"{PREFIX}_prompt_tokens",
-            "Prompt tokens per request, by path.",
-            ["path"],
+            "Prompt tokens per request, by arm and path.",
+            ["arm", "path"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
         self.output_tokens = Histogram(
             f"{PREFIX}_output_tokens",
-            "Output tokens per request as the decoder reported them, by path.",
-            ["path"],
+            "Output tokens per request as the decoder reported them, by arm and path.",
+            ["arm", "path"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )

@@ -9,10 +9,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prometheus_client import Counter, Histogram
+
 from dpd_router.metrics import RouterMetrics, prompt_length_bucket
 from dpd_router.outcome import Outcome
 
 log = logging.getLogger("dpd_router.request")
+
+# The `arm` label of requests no experiment arm took.
+DEFAULT_ARM = "live"
 
 # Inter-token gaps kept per request for the ITL histogram: enough for long answers, bounded memory.
 MAX_RECORDED_GAPS = 4096
@@ -31,6 +36,8 @@ class RequestTrace:
     tenant: str | None = None
     # The caller's API key id (the first 12 hex digits of its hash; "anonymous" with auth off).
     key_id: str | None = None
+    # The experiment arm whose routing settings served the request (DEFAULT_ARM without experiments).
+    arm: str = DEFAULT_ARM
     path: str = "direct"
     reason: str = ""
     threshold: int | None = None
@@ -114,6 +121,40 @@ class SpanSink(Protocol):
     def export(self, trace: RequestTrace, ended: float) -> None: ...
 
 
+class _Series:
+    """One arm and path's metric children, bound once: a request's metrics cost no label lookups."""
+
+    def __init__(self, metrics: RouterMetrics, arm: str, path: str) -> None:
+        self._metrics = metrics
+        self._labels = (arm, path)
+        self.e2e = metrics.e2e.labels(arm, path)
+        self.ttft = metrics.ttft.labels(arm, path)
+        self.tpot = metrics.tpot.labels(arm, path)
+        self.itl = metrics.itl.labels(arm, path)
+        self.prompt_tokens = metrics.prompt_tokens.labels(arm, path)
+        self.output_tokens = metrics.output_tokens.labels(arm, path)
+        self.uncached_prompt_tokens = metrics.uncached_prompt_tokens.labels(arm, path)
+        self._requests: dict[str, Counter] = {}
+        self._histograms: dict[tuple[int, str], Histogram] = {}
+
+    def requests(self, outcome: str) -> Counter:
+        child = self._requests.get(outcome)
+        if child is None:
+            child = self._requests[outcome] = self._metrics.requests.labels(*self._labels, outcome)
+        return child
+
+    def phase(self, name: str) -> Histogram:
+        return self.by_prompt(self._metrics.phase, name)
+
+    def by_prompt(self, histogram: Histogram, label: str) -> Histogram:
+        """`histogram`'s child for this arm and path and its third label (a prompt-length bucket, a phase)."""
+        key = (id(histogram), label)
+        child = self._histograms.get(key)
+        if child is None:
+            child = self._histograms[key] = histogram.labels(*self._labels, label)
+        return child
+
+
 # Finished requests the operator console lists (their log lines' fields, kept as they were logged).
 RECENT_REQUESTS = 300
 
@@ -133,33 +174,16 @@ class Observer:
         self.listeners = list(listeners)
         # (wall-clock end, the log line's fields) of the last requests.
         self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
+        self._series: dict[tuple[str, str], _Series] = {}
 
     def finish(self, trace: RequestTrace) -> None:
         if trace.finished:
             return
         trace.finished = True
         now = time.perf_counter()
-        m = self.metrics
-        path = trace.path
-        m.requests.labels(path, trace.outcome).inc()
-        m.e2e.labels(path).observe(now - trace.started)
-        if trace.uncached_tokens is not None:
-            m.uncached_prompt_tokens.labels(path).inc(trace.uncached_tokens)
-        # A whole (non-streamed) answer has no first token to time: TTFT and its phases are for streams.
-        if trace.stream and trace.first_token_at is not None:
-            ttft = trace.first_token_at - trace.started
-            m.ttft.labels(path).observe(ttft)
-            if trace.prompt_tokens is not None:
-                m.ttft_by_prompt.labels(path, prompt_length_bucket(trace.prompt_tokens)).observe(ttft)
-            self._observe_phases(trace)
-            if trace.token_chunks > 1 and trace.last_chunk_at is not None:
-                m.tpot.labels(path).observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
-            if trace.gaps:
-                itl = m.itl.labels(path)
-                for gap in trace.gaps:
-                    itl.observe(gap)
+        self.record(trace, now)
         if transfer_was_ineffective(trace):
-            m.kv_transfer_ineffective.inc()
+            self.metrics.kv_transfer_ineffective.inc()
             log.warning(
                 "KV transfer ineffective for request %s: the decoder %s reported %s cached prompt tokens of the %s "
                 "the prefiller %s staged, so it recomputed the prompt. Check that both engines run the same "
@@ -172,10 +196,6 @@ class Observer:
                 trace.prefiller,
                 extra={"fields": {"request_id": trace.request_id, "event": "kv_transfer_ineffective"}},
             )
-        if trace.prompt_tokens is not None:
-            m.prompt_tokens.labels(path).observe(trace.prompt_tokens)
-        if trace.completion_tokens is not None:
-            m.output_tokens.labels(path).observe(trace.completion_tokens)
         self._log(trace, now)
         if self.spans is not None:
             self.spans.export(trace, now)
@@ -184,7 +204,46 @@ class Observer:
             for listener in self.listeners:
                 listener(outcome)
 
-    def _observe_phases(self, trace: RequestTrace) -> None:
+    def record(self, trace: RequestTrace, now: float) -> None:
+        """The request's latency and size metrics, under its arm and path (a shadow copy's too)."""
+        series = self._series_of(trace.arm, trace.path)
+        series.requests(trace.outcome).inc()
+        e2e = now - trace.started
+        series.e2e.observe(e2e)
+        bucket = None if trace.prompt_tokens is None else prompt_length_bucket(trace.prompt_tokens)
+        if bucket is not None:
+            series.by_prompt(self.metrics.e2e_by_prompt, bucket).observe(e2e)
+        if trace.uncached_tokens is not None:
+            series.uncached_prompt_tokens.inc(trace.uncached_tokens)
+        # A whole (non-streamed) answer has no first token to time: TTFT and its phases are for streams.
+        if trace.stream and trace.first_token_at is not None:
+            ttft = trace.first_token_at - trace.started
+            series.ttft.observe(ttft)
+            if bucket is not None:
+                series.by_prompt(self.metrics.ttft_by_prompt, bucket).observe(ttft)
+            self._observe_phases(trace, series)
+            if trace.token_chunks > 1 and trace.last_chunk_at is not None:
+                series.tpot.observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
+            if trace.gaps:
+                itl = series.itl
+                by_prompt = None if bucket is None else series.by_prompt(self.metrics.itl_by_prompt, bucket)
+                for gap in trace.gaps:
+                    itl.observe(gap)
+                    if by_prompt is not None:
+                        by_prompt.observe(gap)
+        if trace.prompt_tokens is not None:
+            series.prompt_tokens.observe(trace.prompt_tokens)
+        if trace.completion_tokens is not None:
+            series.output_tokens.observe(trace.completion_tokens)
+
+    def _series_of(self, arm: str, path: str) -> _Series:
+        series = self._series.get((arm, path))
+        if series is None:
+            series = self._series[(arm, path)] = _Series(self.metrics, arm, path)
+        return series
+
+    @staticmethod
+    def _observe_phases(trace: RequestTrace, series: _Series) -> None:
         """Split the TTFT into what each step took; `router` is the rest (parsing, planning, and
         waiting for the event loop), so the phases of a request add up to its TTFT."""
         assert trace.first_token_at is not None
@@ -195,14 +254,13 @@ class Observer:
             "prefill": None if trace.prefill_overlaps_decode else trace.prefill_seconds,
             "first_token": None if trace.decode_started is None else trace.first_token_at - trace.decode_started,
         }
-        phase = self.metrics.phase
         accounted = 0.0
         for name, seconds in measured.items():
             if seconds is not None:
-                phase.labels(trace.path, name).observe(seconds)
+                series.phase(name).observe(seconds)
                 accounted += seconds
         ttft = trace.first_token_at - trace.started
-        phase.labels(trace.path, "router").observe(max(ttft - accounted, 0.0))
+        series.phase("router").observe(max(ttft - accounted, 0.0))
 
     def _log(self, trace: RequestTrace, now: float) -> None:
         fields: dict[str, Any] = {
@@ -211,6 +269,7 @@ class Observer:
             "key_id": trace.key_id,
             "kind": trace.kind,
             "stream": trace.stream,
+            "arm": trace.arm,
             "path": trace.path,
             "reason": trace.reason,
             "prompt_tokens": trace.prompt_tokens,

@@ -195,7 +195,7 @@ async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_b
     events = [event for event in (await play(response)).split(b"\n\n") if event]
     assert b'"content":" river"' in events[1], "the prefiller's token went first"
     assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
-    assert sample(metrics, "dpd_router_requests_total", path="disaggregated", outcome="error") == 1
+    assert sample(metrics, "dpd_router_requests_total", arm="live", path="disaggregated", outcome="error") == 1
     assert sample(metrics, "dpd_router_client_disconnects_total", phase="serve") == 0
 
 
@@ -213,7 +213,7 @@ async def test_a_client_leaving_before_the_continuation_answers_is_counted_and_t
     (drain,) = engines.to(DECODER, drain=True)
     assert drain["prompt"] == [*PROMPT_IDS, 42] and drain["max_tokens"] == 1
     assert sample(metrics, "dpd_router_client_disconnects_total", phase="serve") == 1
-    assert sample(metrics, "dpd_router_requests_total", path="disaggregated", outcome="client_disconnect") == 1
+    assert sample(metrics, "dpd_router_requests_total", arm="live", path="disaggregated", outcome="client_disconnect") == 1
 
 
 async def test_kv_a_decoder_took_is_not_drained() -> None:

@@ -171,9 +171,13 @@ def test_observer_records_metrics_once() -> None:
     observer.finish(trace)
     observer.finish(trace)
     value = metrics.registry.get_sample_value
-    assert value("dpd_router_requests_total", {"path": "disaggregated", "outcome": "ok"}) == 1
-    assert value("dpd_router_time_to_first_token_seconds_count", {"path": "disaggregated"}) == 1
-    assert value("dpd_router_time_to_first_token_seconds_sum", {"path": "disaggregated"}) == 0.5
+    live = {"arm": "live", "path": "disaggregated"}
+    assert value("dpd_router_requests_total", {**live, "outcome": "ok"}) == 1
+    assert value("dpd_router_time_to_first_token_seconds_count", live) == 1
+    assert value("dpd_router_time_to_first_token_seconds_sum", live) == 0.5
+    # by prompt length too (500 tokens: the 512 bucket), once, under the same arm
+    assert value("dpd_router_ttft_by_prompt_length_seconds_count", {**live, "prompt_tokens": "512"}) == 1
+    assert value("dpd_router_e2e_by_prompt_length_seconds_count", {**live, "prompt_tokens": "512"}) == 1
 
 
 def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tuple[EventStream, RequestTrace, Chunks]:

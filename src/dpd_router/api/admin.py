@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -98,12 +99,11 @@ class AdminApi:
             return refusal
         planner = self._planner
         settings = self._live.settings
-        decisions = {
-            f"{sample.labels['path']}/{sample.labels['reason']}": int(sample.value)
-            for metric in self._metrics.route_decisions.collect()
-            for sample in metric.samples
-            if sample.name.endswith("_total")
-        }
+        decisions: dict[str, int] = collections.Counter()
+        for metric in self._metrics.route_decisions.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):  # summed over arms
+                    decisions[f"{sample.labels['path']}/{sample.labels['reason']}"] += int(sample.value)
         view = planner.adaptive_view()
         summary = _routing_summary(planner, settings, view)
         body = {
@@ -112,7 +112,7 @@ class AdminApi:
             "summary": summary,
             "decoders": view,
             "learned": planner.adaptive.describe() if planner.adaptive is not None else None,
-            "decisions": decisions,
+            "decisions": dict(decisions),
         }
         return _json(body)
 

@@ -275,7 +275,7 @@ class Gateway:
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
         finally:
             if trace.decode_started is not None:
-                self._metrics.route_decisions.labels(trace.path, trace.reason).inc()
+                self._metrics.route_decisions.labels(trace.arm, trace.path, trace.reason).inc()
 
     async def _stage(
         self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]
