@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +121,21 @@ def test_prompts_have_the_exact_token_count_and_differ_from_the_first_token() ->
 
     assert [factory.count(p) for p in prompts] == [300, 300, 300]
     assert len({p[:20] for p in prompts}) == 3
+
+
+def test_capacity_drives_every_setup_with_wrk_and_counts_router_cpu(tmp_path: Path) -> None:
+    if shutil.which("wrk") is None:  # missing, a CI run fails (.ci/run installs it) and a local one skips
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the capacity benchmark's smoke test: install Debian's wrk (.ci/run does)")
+        pytest.skip("no wrk on this machine (apt-get install wrk)")
+    results = run_scenario("capacity", tmp_path, timeout=240)
+
+    assert {(row["cell"], row["setup"]) for row in results["rows"]} == {
+        (cell, setup)
+        for cell in ("whole short c=1", "whole short c=64", "stream short c=1", "stream short c=64", "whole 32k c=1")
+        for setup in ("direct", "dpd-router", "dpd-router-w2")
+    }
+    assert all(run["summary"]["requests"] > 0 and run["summary"]["errors"] == 0 for run in results["runs"])
+    routed = [row for row in results["rows"] if row["setup"] != "direct"]
+    assert all(row["cpu_ms_per_request"] > 0 and row["added_p50"] is not None for row in routed)
+    assert "router CPU ms/req" in (tmp_path / "results.md").read_text()
