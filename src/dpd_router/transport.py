@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
+from typing import NoReturn, Protocol
 
 import aiohttp
 import httpx
@@ -24,30 +25,41 @@ _BODY_HEADERS = frozenset({"content-length", "transfer-encoding"})
 
 
 @contextmanager
-def _as_httpx_errors(request: httpx.Request) -> Iterator[None]:
-    """Re-raise aiohttp's failures as the httpx exceptions the router handles (most specific first)."""
+def _as_httpx_errors(request: httpx.Request | tuple[str, str]) -> Iterator[None]:
+    """Re-raise aiohttp's failures as the httpx exceptions the router handles (most specific first).
+
+    `request` may be (method, url): the httpx request the exception carries is then built only when
+    one is raised, so a call that succeeds never makes one."""
     try:
         yield
-    except aiohttp.ConnectionTimeoutError as exc:
-        raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=request) from exc
-    except aiohttp.SocketTimeoutError as exc:
-        raise httpx.ReadTimeout(str(exc) or "read timed out", request=request) from exc
-    except aiohttp.ClientConnectorError as exc:  # refused, unreachable, DNS: nothing was sent
-        raise httpx.ConnectError(str(exc), request=request) from exc
-    except aiohttp.ServerDisconnectedError as exc:
-        raise httpx.RemoteProtocolError(str(exc) or "server disconnected", request=request) from exc
-    except aiohttp.ClientPayloadError as exc:
-        raise httpx.ReadError(str(exc), request=request) from exc
-    except aiohttp.ClientResponseError as exc:  # a malformed answer
-        raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-    except aiohttp.InvalidURL as exc:
-        raise httpx.UnsupportedProtocol(str(exc), request=request) from exc
-    except aiohttp.ClientOSError as exc:  # reset or broken pipe on an established connection
-        raise httpx.ReadError(str(exc), request=request) from exc
     except aiohttp.ClientError as exc:
-        raise httpx.NetworkError(f"{type(exc).__name__}: {exc}", request=request) from exc
+        _raise_as_httpx(exc, request if isinstance(request, httpx.Request) else httpx.Request(*request))
     except TimeoutError as exc:  # aiohttp's own deadline for taking a pooled connection
-        raise httpx.PoolTimeout("no connection became free in time", request=request) from exc
+        built = request if isinstance(request, httpx.Request) else httpx.Request(*request)
+        raise httpx.PoolTimeout("no connection became free in time", request=built) from exc
+
+
+def _raise_as_httpx(exc: aiohttp.ClientError, request: httpx.Request) -> NoReturn:
+    error: httpx.HTTPError
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        error = httpx.ConnectTimeout(str(exc) or "connect timed out", request=request)
+    elif isinstance(exc, aiohttp.SocketTimeoutError):
+        error = httpx.ReadTimeout(str(exc) or "read timed out", request=request)
+    elif isinstance(exc, aiohttp.ClientConnectorError):  # refused, unreachable, DNS: nothing was sent
+        error = httpx.ConnectError(str(exc), request=request)
+    elif isinstance(exc, aiohttp.ServerDisconnectedError):
+        error = httpx.RemoteProtocolError(str(exc) or "server disconnected", request=request)
+    elif isinstance(exc, aiohttp.ClientPayloadError):
+        error = httpx.ReadError(str(exc), request=request)
+    elif isinstance(exc, aiohttp.ClientResponseError):  # a malformed answer
+        error = httpx.RemoteProtocolError(str(exc), request=request)
+    elif isinstance(exc, aiohttp.InvalidURL):
+        error = httpx.UnsupportedProtocol(str(exc), request=request)
+    elif isinstance(exc, aiohttp.ClientOSError):  # reset or broken pipe on an established connection
+        error = httpx.ReadError(str(exc), request=request)
+    else:
+        error = httpx.NetworkError(f"{type(exc).__name__}: {exc}", request=request)
+    raise error from exc
 
 
 class _Body(httpx.AsyncByteStream):
@@ -63,10 +75,55 @@ class _Body(httpx.AsyncByteStream):
                 yield chunk
 
     async def aclose(self) -> None:
-        if self._response.content.at_eof():
-            self._response.release()  # read to the end: the connection goes back to the pool
-        else:
-            self._response.close()  # cut short: the connection cannot be reused
+        _release(self._response)
+
+
+class EngineAnswer(Protocol):
+    """What the request path reads of an engine's answer: an httpx.Response has it all, and so does
+    the lighter DirectAnswer the aiohttp pool gives without building httpx's models."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class DirectAnswer:
+    """An engine's answer straight from aiohttp: status, headers, and the body as it arrives."""
+
+    __slots__ = ("_call", "_response", "headers", "status_code")
+
+    def __init__(self, response: aiohttp.ClientResponse, call: tuple[str, str]) -> None:
+        self._response = response
+        self._call = call  # (method, url), for the httpx exception a failure raises
+        self.status_code = response.status
+        self.headers: Mapping[str, str] = response.headers
+
+    async def aread(self) -> bytes:
+        with _as_httpx_errors(self._call):
+            return await self._response.read()
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        with _as_httpx_errors(self._call):
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        _release(self._response)
+
+
+def _release(response: aiohttp.ClientResponse) -> None:
+    if response.content.at_eof():
+        response.release()  # read to the end: the connection goes back to the pool
+    else:
+        response.close()  # cut short: the connection cannot be reused
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -90,6 +147,21 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             trust_env=False,
             timeout=aiohttp.ClientTimeout(total=None),
         )
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, connect_timeout: float) -> DirectAnswer:
+        """POST without httpx's request and response models: the request path's engine calls."""
+        if self._session is None:
+            self._session = self._open_session()
+        with _as_httpx_errors(("POST", url)):
+            response = await self._session.post(
+                url,
+                headers=headers,
+                data=body,
+                allow_redirects=False,
+                compress=False,
+                timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout),
+            )
+        return DirectAnswer(response, ("POST", url))
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._session is None:
@@ -132,8 +204,9 @@ class EngineCalls:
 
     An engine call uses nothing of what httpx's client adds per request (merging a base URL,
     headers and cookies, auth and redirect handling, the cookie jar it fills from every answer):
-    building the request and handing it to the transport is the whole call. The client (over the
-    same transport, and so the same connection pool) keeps serving the other calls.
+    on the aiohttp pool the call and its answer skip httpx's models altogether (DirectAnswer);
+    any other transport (tests' mock transports) gets an httpx.Request. The client, over the same
+    transport and so the same connection pool, keeps serving the other calls.
     """
 
     # Engine URLs parsed once: the pool's endpoints and their few paths, however many requests.
@@ -141,13 +214,14 @@ class EngineCalls:
 
     def __init__(self, transport: httpx.AsyncBaseTransport, headers: Mapping[str, str]) -> None:
         self._transport = transport
+        self._direct = transport if isinstance(transport, AiohttpTransport) else None
         self._headers = dict(headers)
         self._urls: dict[str, httpx.URL] = {}
 
-    async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], *, connect_timeout: float
-    ) -> httpx.Response:
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, connect_timeout: float) -> EngineAnswer:
         """POST `body` to `url`; the answer's status and headers, its body left to stream."""
+        if self._direct is not None:
+            return await self._direct.post(url, body, {**self._headers, **headers}, connect_timeout=connect_timeout)
         request = httpx.Request(
             "POST",
             self._url(url),

@@ -26,7 +26,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
-from dpd_router.transport import EngineCalls
+from dpd_router.transport import EngineAnswer, EngineCalls
 
 log = logging.getLogger("dpd_router.gateway")
 
@@ -79,7 +79,7 @@ class DecodeHop:
         exchange.done.kv_taken_by(decoder)
         return StreamedAnswer(stream, stream.close, exchange.headers, media_type=stream.media_type)
 
-    async def open(self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, deadline: Deadline) -> httpx.Response:
+    async def open(self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, deadline: Deadline) -> EngineAnswer:
         """Send the decode call and wait for its status line (reads are timed by the caller)."""
         headers = {
             "X-Request-Id": exchange.request_id,
@@ -96,7 +96,7 @@ class DecodeHop:
     async def primed_stream(
         self,
         exchange: Exchange,
-        upstream: httpx.Response,
+        upstream: EngineAnswer,
         decoder: Endpoint,
         staged: StagedKV | None,
         call: DecodeCall,
@@ -147,7 +147,7 @@ class DecodeHop:
         return self.event_stream(exchange, upstream, call, staged)
 
     def event_stream(
-        self, exchange: Exchange, upstream: httpx.Response, call: DecodeCall, staged: StagedKV | None
+        self, exchange: Exchange, upstream: EngineAnswer, call: DecodeCall, staged: StagedKV | None
     ) -> EventStream:
         """The relay of a decoder's stream (or of the prefill's answer) to this client."""
         return EventStream(
@@ -164,7 +164,7 @@ class DecodeHop:
     async def _whole_answer(
         self,
         exchange: Exchange,
-        upstream: httpx.Response,
+        upstream: EngineAnswer,
         decoder: Endpoint,
         staged: StagedKV | None,
         call: DecodeCall,
@@ -195,7 +195,7 @@ class DecodeHop:
         exchange.done()
         return WholeAnswer(content, exchange.headers)
 
-    async def _engine_refusal(self, exchange: Exchange, upstream: httpx.Response, decoder: Endpoint) -> Answer:
+    async def _engine_refusal(self, exchange: Exchange, upstream: EngineAnswer, decoder: Endpoint) -> Answer:
         """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
         content = await read_refusal(upstream, decoder)
         status = upstream.status_code
@@ -331,7 +331,7 @@ def decode_errors(
         raise DecodeFailed(f"{decoder.url} {broke}: {failure}", kv_consumed=True, failure=failure) from None
 
 
-async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:
+async def read_refusal(upstream: EngineAnswer, decoder: Endpoint) -> bytes:
     """The body of a decoder's non-200 answer, the response closed; a 5xx raises DecodeFailed (retryable)."""
     try:
         content = await upstream.aread()
@@ -346,7 +346,7 @@ async def read_refusal(upstream: httpx.Response, decoder: Endpoint) -> bytes:
     return content
 
 
-async def close_quietly(response: httpx.Response) -> None:
+async def close_quietly(response: EngineAnswer) -> None:
     """Close an upstream response even while the request is being cancelled."""
     with anyio.CancelScope(shield=True):
         await response.aclose()

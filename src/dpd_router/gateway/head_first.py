@@ -15,7 +15,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 import anyio
-import httpx
 
 from dpd_router.errors import RouterError, UpstreamError
 from dpd_router.gateway.answer import StreamedAnswer
@@ -28,6 +27,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.routing.planner import Plan
 from dpd_router.transfer.base import DecodeCall, StagedKV
+from dpd_router.transport import EngineAnswer
 
 log = logging.getLogger("dpd_router.gateway")
 
@@ -110,7 +110,7 @@ class HeadFirst:
                 return stream
 
 
-async def _refused_after_head(upstream: httpx.Response, decoder: Endpoint) -> None:
+async def _refused_after_head(upstream: EngineAnswer, decoder: Endpoint) -> None:
     """A decoder's refusal once the client has the head: a 5xx may be retried elsewhere, a 4xx not."""
     content = await read_refusal(upstream, decoder)
     detail = f"{decoder.url} answered {upstream.status_code}: {content[:300].decode(errors='replace')}"

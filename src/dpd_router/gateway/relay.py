@@ -19,6 +19,7 @@ import httpx
 import orjson
 
 from dpd_router.observe import RequestTrace
+from dpd_router.transport import EngineAnswer
 
 Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -98,7 +99,7 @@ class EventStream:
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: EngineAnswer,
         trace: RequestTrace,
         *,
         cached_tokens: int | None,
