@@ -5,18 +5,20 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router.advise import command
+from dpd_router.advise import bootstrap, command
 from dpd_router.advise import ratio as pool_ratio
 from dpd_router.advise.analysis import analyse
+from dpd_router.advise.bootstrap import Bootstrap
 from dpd_router.advise.collect import metrics_url
 from dpd_router.advise.histogram import Histogram
 from dpd_router.advise.render import render_text
-from dpd_router.advise.report import Options
+from dpd_router.advise.report import Comparison, Options, Report
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.cli import main
 from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
@@ -369,3 +371,255 @@ def test_adaptive_routers_effective_threshold_and_learned_costs_are_reported() -
     # A static router's scrape has no adaptive section.
     static = analyse(scrape("crossover_2k.prom"))
     assert static.adaptive == {} and "Adaptive threshold" not in render_text(static)
+
+
+# ------------------------------------------------------------------------- arms, promotion and verdict
+# The arms_*, shadow_* and short_prompts fixtures carry the request metrics' `arm` label (generate.py's ArmMetrics).
+
+
+def compared(report: Report, request_class: str, metric: str) -> Comparison:
+    assert report.arms is not None
+    return next(c for c in report.arms.comparisons if (c.request_class, c.metric) == (request_class, metric))
+
+
+def raw_total(name: str, sample: str, **labels: str) -> float:
+    return sum(
+        value
+        for (found, items), value in samples(name).items()
+        if found == sample and all(dict(items).get(k) == v for k, v in labels.items())
+    )
+
+
+def test_arms_are_learnt_from_the_label_and_a_scrape_without_it_is_arm_live() -> None:
+    for name, arms in (("arms_clear.prom", ["t2048", "t8192"]), ("shadow_pass.prom", ["live", "shadow"])):
+        report = analyse(scrape(name)).arms
+        assert report is not None and report.arms == arms
+    old = analyse(scrape("crossover_2k.prom")).arms
+    assert old is not None and old.arms == ["live"] and old.comparisons == []
+    assert {row.arm for row in old.stats} == {"live"} and old.classes == ["1-2048", ">2048"]
+    live = {(row.path, row.request_class): row.requests for row in old.stats}
+    assert live[("all", ">2048")] == live[("direct", ">2048")] + live[("disaggregated", ">2048")]
+
+
+def test_arm_counts_add_up_to_the_arm_requests() -> None:
+    report = analyse(scrape("arms_clear.prom"))
+    assert report.arms is not None
+    for arm in ("t2048", "t8192"):
+        rows = [row for row in report.arms.stats if row.arm == arm and row.path != "all"]
+        assert sum(row.requests for row in rows) == raw_total("arms_clear.prom", "dpd_router_requests_total", arm=arm)
+    # The threshold advice sums the arms: they serve the same traffic on the same pools.
+    assert sum(report.requests.values()) == raw_total("arms_clear.prom", "dpd_router_requests_total") == 6000
+
+
+def test_two_arms_with_a_clear_winner() -> None:
+    report = analyse(scrape("arms_clear.prom"), Options(observed_hours=2.0))
+    ttft = compared(report, ">2048", "ttft_p50")
+    assert (ttft.status, ttft.winner, ttft.runner_up) == ("winner", "t2048", "t8192")
+    assert ttft.difference is not None and ttft.difference_low is not None and ttft.difference_high is not None
+    assert 0 < ttft.difference_low <= ttft.difference <= ttft.difference_high
+    assert ttft.more_hours == 0.0 and "t2048 wins" in ttft.note
+    for request_class in ("1-2048", ">2048"):  # t8192's decoders prefill 2-8k prompts: every stream stalls more
+        itl = compared(report, request_class, "itl_p99")
+        assert (itl.status, itl.winner) == ("winner", "t2048")
+    # Short prompts take the same path in both arms: no winner is named where there is no difference.
+    assert report.arms is not None
+    short = [c for c in report.arms.comparisons if c.request_class == "1-2048" and c.metric != "itl_p99"]
+    assert short and all(c.winner is None for c in short)
+    # The winner is the arm whose own traffic, alone, has the lower TTFT: each arm as a separate static run.
+    p50 = {}
+    for arm in ("t2048", "t8192"):
+        arms = analyse(scrape("arms_clear.prom").arms_only(lambda a, arm=arm: a == arm)).arms
+        assert arms is not None and arms.comparisons == [] and arms.arms == [arm]
+        rows = [row for row in arms.stats if row.request_class == ">2048"]
+        whole = next(row for row in rows if row.path == "all") if len(rows) > 1 else rows[0]
+        p50[arm] = whole.metrics["ttft_p50"].value
+    assert min(p50, key=lambda arm: p50[arm]) == ttft.winner
+
+
+def test_two_arms_with_too_little_data_are_undecided_with_the_hours_needed() -> None:
+    report = analyse(scrape("arms_sparse.prom"), Options(observed_hours=1.0))
+    p95 = compared(report, ">2048", "ttft_p95")
+    assert p95.status == "not_enough_data" and p95.winner is None
+    assert p95.traffic_factor is not None and p95.traffic_factor > 1
+    assert p95.more_hours == pytest.approx(p95.traffic_factor - 1.0)
+    assert "not enough data" in p95.note and "more hours of this traffic are needed" in p95.note
+    assert report.arms is not None and all(
+        c.winner is None for c in report.arms.comparisons if c.metric.endswith("p95")
+    )
+    text = render_text(report)
+    assert "Winner per class" in text and "TTFT P95 in >2048: not enough data" in text
+
+
+def test_the_hours_needed_predict_when_the_difference_becomes_significant() -> None:
+    """The interval narrows as 1/sqrt(traffic): with the traffic the estimate asks for, the same difference is
+    significant; with less, it is not yet."""
+    undecided = compared(analyse(scrape("short_prompts.prom"), Options(observed_hours=1.0)), ">2048", "ttft_p50")
+    assert undecided.status == "undecided" and undecided.winner is None
+    assert undecided.traffic_factor is not None and 1.2 < undecided.traffic_factor < 3
+    assert undecided.more_hours == pytest.approx(undecided.traffic_factor - 1.0)
+    assert "more hours of this traffic are needed for it to be significant" in undecided.note
+
+    def repeated(times: int) -> Scrape:
+        total = scrape("short_prompts.prom")
+        for _ in range(times - 1):
+            total = total.plus(scrape("short_prompts.prom"))
+        return total
+
+    enough = math.ceil(undecided.traffic_factor * 1.5)
+    decided = compared(analyse(repeated(enough)), ">2048", "ttft_p50")
+    assert (decided.status, decided.winner) == ("winner", undecided.best)
+    assert decided.difference == pytest.approx(undecided.difference)
+
+
+def test_without_a_duration_the_need_is_a_multiple_of_the_traffic() -> None:
+    p95 = compared(analyse(scrape("arms_sparse.prom")), ">2048", "ttft_p95")
+    assert p95.more_hours is None and p95.traffic_factor is not None
+    assert f"about {p95.traffic_factor:.1f}x the traffic in this scrape" in p95.note
+
+
+def test_bootstrap_is_seeded() -> None:
+    first = analyse(scrape("arms_clear.prom")).to_dict()
+    again = analyse(scrape("arms_clear.prom")).to_dict()
+    other = analyse(scrape("arms_clear.prom"), Options(seed=7)).to_dict()
+    assert first["arms"] == again["arms"] and first["verdict"] == again["verdict"]
+    assert first["arms"]["stats"] != other["arms"]["stats"]
+    assert [c["winner"] for c in first["arms"]["comparisons"]] == [c["winner"] for c in other["arms"]["comparisons"]]
+
+
+def test_bootstrap_resamples_the_bucket_counts() -> None:
+    boot = Bootstrap(resamples=2000, confidence=0.9, seed=3)
+    assert sum(bootstrap.multinomial(boot.rng("m"), 1000, [1.0, 0.0, 2.0, 7.0])) == 1000
+    assert bootstrap.multinomial(boot.rng("m"), 1000, [1.0, 0.0, 2.0, 7.0])[1] == 0
+    draws = [bootstrap.binomial(boot.rng(f"b{i}"), 40, 0.25) for i in range(4000)]
+    assert 9.8 < sum(draws) / len(draws) < 10.2 and max(draws) <= 40  # exact by inversion: mean n * p = 10
+    wide = [bootstrap.binomial(boot.rng(f"w{i}"), 100_000, 0.3) for i in range(500)]
+    assert 29_900 < sum(wide) / len(wide) < 30_100  # normal approximation
+    hist = Histogram([0.1, 0.2, 0.4, 0.8, math.inf], [100.0, 400.0, 800.0, 990.0, 1000.0], 300.0)
+    estimate, values = boot.estimate(hist, 0.5, 20, "h")
+    assert estimate.value == hist.quantile(0.5)[0] and len(values) == 2000
+    assert estimate.low is not None and estimate.high is not None and estimate.low < estimate.value < estimate.high
+    # Four times the observations, the same shape: the interval about half as wide.
+    bigger = Histogram(hist.bounds, [4 * c for c in hist.cumulative], 4 * hist.sum)
+    narrower, _ = boot.estimate(bigger, 0.5, 20, "h")
+    assert narrower.low is not None and narrower.high is not None
+    assert 0.35 < (narrower.high - narrower.low) / (estimate.high - estimate.low) < 0.65
+    assert bootstrap.needed_observations(0.999, 20) == 5000 and bootstrap.needed_observations(0.5, 20) == 20
+    p99, _ = boot.estimate(hist, 0.999, bootstrap.needed_observations(0.999, 20), "h")
+    assert p99.capped and p99.value == 0.8 and not p99.enough and p99.needed == 5000
+
+
+def test_promotion_passes_when_the_hop_pays_against_a_monolithic_shadow() -> None:
+    report = analyse(scrape("shadow_pass.prom"))
+    promotion = report.promotion
+    assert promotion is not None and promotion.status == "pass" and promotion.summary.startswith("Promote")
+    count = raw_total("shadow_pass.prom", "dpd_router_phase_seconds_count", arm="live", path="disaggregated",
+                      phase="first_token")  # fmt: skip
+    total = raw_total("shadow_pass.prom", "dpd_router_phase_seconds_sum", arm="live", path="disaggregated",
+                      phase="first_token")  # fmt: skip
+    assert promotion.transfer_overhead == pytest.approx(total / count)
+    assert [c.request_class for c in promotion.classes] == ["2049-4096", "4097-8192", "8193-16384", "16385-32768"]
+    for check in promotion.classes:
+        assert (check.disaggregated_source, check.monolithic_source) == ("live disaggregated", "shadow monolithic")
+        assert check.status == "pass" and check.significant and check.margin is not None
+        assert check.disaggregated.value is not None and check.monolithic.value is not None
+        assert check.margin == pytest.approx(
+            check.disaggregated.value - check.monolithic.value - promotion.transfer_overhead
+        )
+        assert check.margin <= 0
+    # The shadow's copies repeat live requests: the threshold and ratio advice leaves them out.
+    assert report.requests == {"direct": 1786.0, "disaggregated": 1214.0}
+    assert report.prompt_tokens["requests"] == raw_total("shadow_pass.prom", "dpd_router_requests_total", arm="live")
+
+
+def test_promotion_fails_when_the_hop_costs_more_than_the_transfer() -> None:
+    promotion = analyse(scrape("shadow_fail.prom")).promotion
+    assert promotion is not None and promotion.status == "fail" and promotion.summary.startswith("Do not promote")
+    failing = [check for check in promotion.classes if check.status == "fail"]
+    assert failing and all(c.margin is not None and c.margin > 0 and c.significant for c in failing)
+    assert all(c.request_class in promotion.summary for c in failing)
+
+
+def test_promotion_from_live_paths_and_without_a_monolithic_side() -> None:
+    # A/B arms: one disaggregates the 2-8k prompts, the other serves them direct.
+    live = analyse(scrape("arms_clear.prom")).promotion
+    assert live is not None and live.status == "pass"
+    judged = [c for c in live.classes if c.status == "pass"]
+    assert [c.request_class for c in judged] == ["2049-4096", "4097-8192"]
+    assert all((c.disaggregated_source, c.monolithic_source) == ("live disaggregated", "live direct") for c in judged)
+    assert all(c.status == "no_data" for c in live.classes if c not in judged), "above 8192 both arms disaggregate"
+    # One static threshold: no prompt-length bucket has both sides.
+    static = analyse(scrape("static_4096.prom")).promotion
+    assert static is not None and static.status == "no_data"
+    sparse = analyse(scrape("arms_sparse.prom")).promotion
+    assert sparse is not None and sparse.status == "not_enough_data"
+
+
+def test_verdict_go_when_long_prompts_are_common_and_cause_the_itl_misses() -> None:
+    verdict = analyse(scrape("arms_clear.prom")).verdict
+    assert verdict is not None and verdict.decision == "go"
+    at_2048 = raw_total("arms_clear.prom", "dpd_router_prompt_tokens_bucket", le="2048.0")
+    assert verdict.long_prompt_share == pytest.approx((6000 - at_2048) / 6000) and verdict.long_prompts_common
+    assert verdict.attribution == "attributed" and verdict.itl_misses_from_long_prompts is True
+    assert verdict.itl_p99.value is not None and verdict.itl_p99.value > verdict.itl_slo == 0.1
+    assert any(f"{verdict.long_prompt_share:.1%} of 6,000 requests" in r for r in verdict.reasons)
+    assert any("arm t8192" in r and "arm t2048" in r and "ITL p99" in r for r in verdict.reasons)
+    # A monolithic shadow is the decoder-prefilled side when the live router disaggregates every long prompt.
+    shadowed = analyse(scrape("shadow_pass.prom")).verdict
+    assert shadowed is not None and (shadowed.decision, shadowed.attribution) == ("go", "attributed")
+    assert any("(shadow monolithic)" in r for r in shadowed.reasons)
+
+
+def test_verdict_no_go_under_15_percent_long_prompts() -> None:
+    verdict = analyse(scrape("short_prompts.prom")).verdict
+    assert verdict is not None and verdict.decision == "no_go" and verdict.long_prompts_common is False
+    assert verdict.long_prompt_share is not None and verdict.long_prompt_share <= 0.15
+    assert "too few long prompts" in verdict.summary and f"{verdict.long_prompt_share:.1%}" in verdict.summary
+
+
+def test_verdict_no_go_when_itl_meets_its_slo_and_undecided_when_it_cannot_attribute() -> None:
+    lenient = analyse(scrape("arms_clear.prom"), Options(itl_slo=0.5)).verdict
+    assert lenient is not None and (lenient.decision, lenient.attribution) == ("no_go", "no_misses")
+    assert "ITL meets its SLO" in lenient.summary
+    # One static threshold, ITL over a strict SLO: nothing prefills long prompts differently to compare with.
+    strict = analyse(scrape("static_4096.prom"), Options(itl_slo=0.02)).verdict
+    assert strict is not None and (strict.decision, strict.attribution) == ("undecided", "cannot_attribute")
+    assert strict.itl_misses_from_long_prompts is None and strict.itl_miss_share is not None
+    assert "cannot tell" in strict.summary and any("run an A/B arm" in r for r in strict.reasons)
+
+
+def test_cli_arms_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["advise", "--file", str(FIXTURES / "arms_sparse.prom"), "--hours", "1.5"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["arms"]["arms"] == ["t2048", "t8192"] and data["arms"]["observed_hours"] == 1.5
+    assert data["arms"]["hours_basis"] == "--hours"
+    p95 = next(c for c in data["arms"]["comparisons"] if (c["request_class"], c["metric"]) == (">2048", "ttft_p95"))
+    assert p95["status"] == "not_enough_data" and p95["more_hours"] > 0
+    assert data["promotion"]["status"] == "not_enough_data" and data["verdict"]["decision"] in ("go", "undecided")
+    assert set(data["arms"]["stats"][0]["metrics"]["ttft_p95"]) >= {"value", "low", "high", "count", "enough"}
+    assert main([*args, "--classes", "1024,8192", "--itl-slo", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "Arms side by side" in out and "1025-2048" in out and "2049-8192" in out and ">8192" in out
+    assert "Promotion check" in out and "Verdict: " in out and "SLO 50 ms" in out
+    assert main([*args, "--classes", "3000"]) == 2
+    assert "--classes takes prompt-length bucket bounds" in capsys.readouterr().err
+
+
+def test_hours_come_from_the_window_or_the_scrapes_times(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    earlier, later = tmp_path / "t0.prom", tmp_path / "t1.prom"
+    earlier.write_text((FIXTURES / "window_t0.prom").read_text())
+    later.write_text((FIXTURES / "window_t1.prom").read_text())
+    os.utime(earlier, (1_700_000_000, 1_700_000_000))
+    os.utime(later, (1_700_000_000 + 3 * 3600, 1_700_000_000 + 3 * 3600))
+    assert main(["advise", "--file", str(later), "--since", str(earlier), "--json"]) == 0
+    arms = json.loads(capsys.readouterr().out)["arms"]
+    assert arms["observed_hours"] == pytest.approx(3.0) and "--since" in arms["hours_basis"]
+    assert main(["advise", "--file", str(later), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["arms"]["observed_hours"] is None
+
+
+def test_plot_shows_the_arms(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "arms.png"
+    assert main(["advise", "--file", str(FIXTURES / "shadow_pass.prom"), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

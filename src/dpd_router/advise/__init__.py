@@ -60,7 +60,24 @@ earlier scrape so that only the traffic in between counts) and answers the playb
    and endpoint; the ITL budget's gaps). The routing decisions table (`route_decisions_total`) gives
    its decisions by reason.
 
-The output is plain-text tables with the evidence (or `--json`), and `--plot FILE` writes a PNG of
-TTFT per path against prompt length with the distribution and the threshold marked (matplotlib, the
-`bench` extra).
+7. **Arms side by side** (arms.py): the request metrics' `arm` label names the experiment arm a
+   request took ("live" without one, and in scrapes older than the label; "shadow" for the copies
+   sent to a shadow endpoint, path "monolithic" or "dpd"). Per arm, path and prompt-length class
+   (`--classes`, cut at 2048 by default), TTFT p50/p95, ITL p99 and E2E p95 from the by-prompt-length
+   histograms, each with a bootstrap interval (bootstrap.py: the bucket counts resampled
+   multinomially, seeded). Per class and metric the best arm against the runner-up: "winner" when the
+   difference's interval is clear of 0, else "undecided" with the traffic that would make it
+   significant (the interval shrinks as 1/sqrt(traffic); in hours when the window's length is known:
+   `--hours`, `--window`, or the times of the `--since` and later scrapes), or "not enough data"
+   (fewer observations than the quantile needs: p95 100, p99 500) with the traffic to get them.
+   The shadow's copies are left out of points 1-6 (they repeat live requests on other engines).
+8. **Promotion check and go/no-go verdict** (verdict.py, whose docstring has the rules): per
+   prompt-length bucket over 2k tokens, disaggregated P95 TTFT <= monolithic P95 TTFT + the measured
+   transfer overhead; and DPD is the right tool when more than 15% of requests have prompts over 2k
+   tokens and the ITL SLO misses (`--itl-slo`) are attributable to long prompts prefilled on decoders.
+
+The output is plain-text tables with the evidence (or `--json`, whose "arms", "promotion" and
+"verdict" hold points 7 and 8), and `--plot FILE` writes a PNG of TTFT per path against prompt length
+with the distribution and the threshold marked, and the arms' TTFT p95 and ITL p99 per class side by
+side when there are several (matplotlib, the `bench` extra).
 """

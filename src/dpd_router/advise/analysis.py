@@ -9,11 +9,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from dpd_router.advise.arms import arms_report
+from dpd_router.advise.bootstrap import Bootstrap
 from dpd_router.advise.histogram import Histogram, combined, parse_bound
 from dpd_router.advise.ratio import ratio_advice
 from dpd_router.advise.report import PATHS, STATISTICS, LengthBucket, Options, PathStats, Report
-from dpd_router.advise.scrape import AdviseError, Scrape
+from dpd_router.advise.scrape import SHADOW_ARM, AdviseError, Scrape
 from dpd_router.advise.threshold import recommend
+from dpd_router.advise.verdict import go_no_go, promotion_check
 from dpd_router.metrics import PREFIX, PROMPT_LENGTH_BOUNDS
 
 PROMPT_QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99)
@@ -24,6 +27,13 @@ def analyse(scrape: Scrape, options: Options | None = None, sources: Sequence[st
     opts = options or Options()
     if opts.statistic not in STATISTICS:
         raise AdviseError(f"statistic must be one of {', '.join(STATISTICS)}")
+    boot = Bootstrap(opts.resamples, opts.confidence, opts.seed)
+    arms = arms_report(scrape, opts, boot)
+    promotion = promotion_check(scrape, opts, boot)
+    verdict = go_no_go(scrape, opts, boot)
+    # The threshold and ratio advice is about the traffic the router serves: the shadow's copies repeat
+    # some of it on other engines, so they are left out (every experiment arm is in: they share the pools).
+    scrape = scrape.arms_only(lambda arm: arm != SHADOW_ARM)
     warnings: list[str] = []
     thresholds = sorted({int(v) for _, v in scrape.gauge_values(f"{PREFIX}_routing_threshold_tokens") if v == v})
     current = thresholds[0] if len(thresholds) == 1 else None
@@ -102,6 +112,9 @@ def analyse(scrape: Scrape, options: Options | None = None, sources: Sequence[st
         warnings=warnings,
         settings=asdict(opts) | {"candidates": list(opts.candidates)},
         adaptive=adaptive,
+        arms=arms,
+        promotion=promotion,
+        verdict=verdict,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -77,3 +78,22 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError as exc:
         raise AdviseError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def observed_hours(args: argparse.Namespace) -> tuple[float | None, str]:
+    """How long the traffic advised on took, in hours, and how that is known: `--hours`, the `--window`,
+    or with `--since` the time between the scrapes (the files' modification times, as `curl > FILE` leaves
+    them; now, for live `--metrics`). A whole scrape without those has no known start."""
+    if getattr(args, "hours", None) is not None:
+        return args.hours, "--hours"
+    if args.window is not None:
+        return args.window / 3600, "--window"
+    if args.since:
+        try:
+            earlier = max(Path(path).stat().st_mtime for path in args.since)
+            later = time.time() if args.metrics else max(Path(path).stat().st_mtime for path in args.file)
+        except OSError:
+            return None, "unknown"
+        if later > earlier:
+            return (later - earlier) / 3600, "the times the scrapes were saved (--since)"
+    return None, "unknown"

@@ -9,19 +9,24 @@ import sys
 from pathlib import Path
 
 from dpd_router.advise.analysis import analyse
-from dpd_router.advise.collect import collect
+from dpd_router.advise.collect import collect, observed_hours
 from dpd_router.advise.plot import PLOT_INSTALL_HINT, matplotlib_available, plot
 from dpd_router.advise.render import render_text
 from dpd_router.advise.report import (
     DEFAULT_CANDIDATES,
+    DEFAULT_CLASSES,
+    DEFAULT_CONFIDENCE,
     DEFAULT_DECODE_RATE,
+    DEFAULT_ITL_SLO,
     DEFAULT_MIN_REQUESTS,
     DEFAULT_PREFILL_RATE,
+    DEFAULT_RESAMPLES,
     DEFAULT_TOLERANCE,
     STATISTICS,
     Options,
 )
 from dpd_router.advise.scrape import AdviseError
+from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Read a dpd-router's own metrics (live or saved) and print the evidence for tuning it: the prompt-token "
         "distribution, the share of traffic above candidate thresholds, TTFT per path by prompt length, a "
         "recommended routing_threshold (where the disaggregated path's TTFT stops losing to the direct path's) "
-        "and a prefill:decode ratio."
+        "and a prefill:decode ratio; then the arms (A/B experiment arms, the shadow) side by side with bootstrap "
+        "intervals and the winner per prompt-length class, the playbook's promotion check, and the go/no-go verdict."
     )
     parser.epilog = (
         "examples: dpd-router advise --metrics http://router:8000 ; "
@@ -100,6 +106,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS/S",
         help=f"output tokens/s one decode engine sustains at your ITL target (default {DEFAULT_DECODE_RATE:g})",
     )
+    arms = parser.add_argument_group(
+        "arms, promotion check and verdict (experiment arms and the shadow, from the metrics' arm label)"
+    )
+    arms.add_argument(
+        "--classes",
+        type=_int_list,
+        default=DEFAULT_CLASSES,
+        metavar="N,N,...",
+        help="upper bounds of the prompt-length classes the arms are compared in, from the prompt-length buckets "
+        f"({', '.join(map(str, PROMPT_LENGTH_BOUNDS))}); 2048 is always one (default 2048: up to 2048, and over)",
+    )
+    arms.add_argument(
+        "--itl-slo",
+        type=float,
+        default=DEFAULT_ITL_SLO,
+        metavar="SECONDS",
+        help=f"the inter-token latency SLO: a gap above it is a miss (default {DEFAULT_ITL_SLO:g})",
+    )
+    arms.add_argument(
+        "--hours",
+        type=float,
+        metavar="H",
+        help="the hours of traffic the scrape holds, for the hours still needed to decide between arms (default: "
+        "from --window, or the times of the --since and later scrapes; otherwise given as multiples of the traffic)",
+    )
+    arms.add_argument(
+        "--confidence",
+        type=float,
+        default=DEFAULT_CONFIDENCE,
+        help=f"the bootstrap intervals' confidence level (default {DEFAULT_CONFIDENCE:g})",
+    )
+    arms.add_argument(
+        "--resamples",
+        type=int,
+        default=DEFAULT_RESAMPLES,
+        help=f"bootstrap resamples per estimate (default {DEFAULT_RESAMPLES})",
+    )
+    arms.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0: the same numbers each run)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each /metrics (default 10)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="FILE", help="also write a PNG chart (needs matplotlib: the bench extra)")
@@ -115,6 +159,20 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _arms_problem(args: argparse.Namespace) -> str | None:
+    odd = [bound for bound in args.classes if bound not in PROMPT_LENGTH_BOUNDS]
+    if odd:
+        return (
+            f"--classes takes prompt-length bucket bounds ({', '.join(map(str, PROMPT_LENGTH_BOUNDS))}), not "
+            f"{', '.join(map(str, odd))}"
+        )
+    if args.itl_slo <= 0 or not 0 < args.confidence < 1 or args.resamples < 10:
+        return "--itl-slo must be > 0, --confidence between 0 and 1, --resamples >= 10"
+    if args.hours is not None and args.hours <= 0:
+        return "--hours must be > 0"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """`dpd-router advise`: 0 on success, 1 when the metrics cannot be read, 2 on bad usage."""
     if args.plot and not matplotlib_available():
@@ -125,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     if args.min_requests < 1 or args.tolerance < 0 or args.prefill_rate <= 0 or args.decode_rate <= 0:
         print("dpd-router advise: --min-requests must be >= 1, --tolerance >= 0, rates > 0", file=sys.stderr)
         return 2
+    problem = _arms_problem(args)
+    if problem:
+        print(f"dpd-router advise: {problem}", file=sys.stderr)
+        return 2
     try:
         scrape, sources = asyncio.run(collect(args))
         options = Options(
@@ -134,7 +196,13 @@ def run(args: argparse.Namespace) -> int:
             candidates=args.candidates,
             prefill_rate=args.prefill_rate,
             decode_rate=args.decode_rate,
+            itl_slo=args.itl_slo,
+            classes=args.classes,
+            resamples=args.resamples,
+            confidence=args.confidence,
+            seed=args.seed,
         )
+        options.observed_hours, options.hours_basis = observed_hours(args)
         report = analyse(scrape, options, sources)
     except AdviseError as exc:
         print(f"dpd-router advise: {exc}", file=sys.stderr)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dpd_router.advise.report import Report
+from dpd_router.advise.bootstrap import Estimate
+from dpd_router.advise.report import ArmsReport, Promotion, Report, Verdict
 
 
 def seconds_text(value: float | None) -> str:
@@ -147,6 +148,9 @@ def render_text(report: Report) -> str:
             )
         )
 
+    if report.arms is not None and report.arms.stats:
+        out.extend(_arms_text(report.arms))
+
     rec = report.recommendation
     head = f"{rec.threshold} tokens" if rec.threshold is not None else "none"
     basis = f", {rec.basis}" if rec.basis != "none" else ""
@@ -190,7 +194,77 @@ def render_text(report: Report) -> str:
     )
     out.append(f"  load check: {ratio.load_check}")
     out.append(f"  heuristic: {ratio.heuristic}")
+    if report.promotion is not None:
+        out.extend(_promotion_text(report.promotion))
+    if report.verdict is not None:
+        out.extend(_verdict_text(report.verdict))
     return "\n".join(out) + "\n"
+
+
+ARM_METRICS = (("ttft_p50", "TTFT p50"), ("ttft_p95", "TTFT p95"), ("itl_p99", "ITL p99"), ("e2e_p95", "E2E p95"))
+
+
+def _estimate_text(estimate: Estimate | None) -> str:
+    if estimate is None or estimate.value is None:
+        return "-"
+    text = (">=" if estimate.capped else "") + seconds_text(estimate.value)
+    if estimate.low is not None and estimate.high is not None:
+        text += f" [{seconds_text(estimate.low)}, {seconds_text(estimate.high)}]"
+    return text + ("" if estimate.enough else " *")
+
+
+def _arms_text(arms: ArmsReport) -> list[str]:
+    if arms.observed_hours is not None:
+        hours = f"traffic over {arms.observed_hours:.2f} h ({arms.hours_basis})"
+    else:
+        hours = "duration unknown: give --hours, --since or --window for hours"
+    out = [
+        f"\nArms side by side, by prompt-length class ({', '.join(arms.arms)}; {arms.confidence:.0%} bootstrap "
+        f"intervals over {arms.resamples} resamples; {hours})"
+    ]
+    out.append(
+        _table(
+            ["arm", "path", "prompt tokens", "requests", *(name for _, name in ARM_METRICS)],
+            [
+                [
+                    row.arm,
+                    row.path,
+                    row.request_class,
+                    _number(row.requests),
+                    *(_estimate_text(row.metrics.get(key)) for key, _ in ARM_METRICS),
+                ]
+                for row in arms.stats
+            ],
+        )
+    )
+    out.append("  * fewer observations than the quantile needs to count (p95: 100, p99: 500, or --min-requests)")
+    if arms.comparisons:
+        out.append("  Winner per class (the best arm against the runner-up; the shadow is not a candidate):")
+        out.extend(f"  - {c.note}" for c in arms.comparisons)
+    elif len([arm for arm in arms.arms if arm != "shadow"]) < 2:
+        out.append("  (one arm only: nothing to compare; configure experiment arms to compare routing settings)")
+    return out
+
+
+def _promotion_text(promotion: Promotion) -> list[str]:
+    out = [
+        "\nPromotion check (disaggregated P95 TTFT <= monolithic P95 TTFT + transfer overhead, per prompt-length "
+        f"bucket over 2k tokens): {promotion.status.replace('_', ' ').upper()}",
+        f"  {promotion.summary}",
+        f"  transfer overhead: {seconds_text(promotion.transfer_overhead)} ({promotion.transfer_overhead_basis})",
+    ]
+    out.extend(f"  - {check.note}" for check in promotion.classes)
+    return out
+
+
+def _verdict_text(verdict: Verdict) -> list[str]:
+    out = [f"\nVerdict: {verdict.decision.replace('_', ' ').upper()}", f"  {verdict.summary}"]
+    out.extend(f"  - {reason}" for reason in verdict.reasons)
+    out.append(
+        f"  rule: DPD is the right tool when more than {verdict.long_prompt_share_needed:.0%} of requests have prompts "
+        "over 2k tokens AND the ITL SLO misses (--itl-slo) come from long prompts prefilled on the decoders"
+    )
+    return out
 
 
 def _phase_order(phase: str) -> tuple[int, str]:

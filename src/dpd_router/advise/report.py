@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dpd_router.advise.bootstrap import Estimate
+
 PATHS = ("direct", "disaggregated")
 DEFAULT_CANDIDATES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_MIN_REQUESTS = 20
@@ -15,6 +17,15 @@ DEFAULT_TOLERANCE = 0.05
 DEFAULT_PREFILL_RATE = 12000.0
 DEFAULT_DECODE_RATE = 3000.0
 STATISTICS = ("mean", "p50", "p90")
+# The playbook's line between short and long prompts (tokens), and the share of traffic above it from
+# which disaggregation is worth its cost.
+LONG_PROMPT_TOKENS = 2048
+LONG_PROMPT_SHARE = 0.15
+# An inter-token gap above this is an ITL SLO miss (a bucket bound of the ITL histograms, so counts are exact).
+DEFAULT_ITL_SLO = 0.1
+DEFAULT_CLASSES = (LONG_PROMPT_TOKENS,)
+DEFAULT_RESAMPLES = 1000
+DEFAULT_CONFIDENCE = 0.95
 
 
 @dataclass
@@ -92,6 +103,98 @@ class RatioAdvice:
 
 
 @dataclass
+class ArmClassStats:
+    """One arm's requests of one prompt-length class on one path ("all": the arm's paths together)."""
+
+    arm: str
+    path: str
+    request_class: str  # the class's span, e.g. "1-2048", ">2048"
+    requests: float
+    metrics: dict[str, Estimate]  # "ttft_p50", "ttft_p95", "itl_p99", "e2e_p95"
+
+
+@dataclass
+class Comparison:
+    """The arms compared on one metric in one class: the best against the runner-up."""
+
+    request_class: str
+    metric: str
+    status: str  # winner | undecided | not_enough_data
+    best: str
+    runner_up: str
+    best_value: float | None
+    runner_up_value: float | None
+    difference: float | None  # runner-up minus best (seconds)
+    difference_low: float | None  # its bootstrap interval
+    difference_high: float | None
+    winner: str | None
+    # Traffic still needed for the difference to be significant (or the counts enough): as hours when the
+    # scrape's duration is known, and as a multiple of the traffic in the scrape always (None: no estimate).
+    more_hours: float | None
+    traffic_factor: float | None
+    note: str
+
+
+@dataclass
+class ArmsReport:
+    """The arms side by side: per arm, path and prompt-length class, and the winner per class and metric."""
+
+    arms: list[str]  # every arm seen, shadow included
+    classes: list[str]
+    observed_hours: float | None
+    hours_basis: str
+    stats: list[ArmClassStats]
+    comparisons: list[Comparison]
+    confidence: float
+    resamples: int
+
+
+@dataclass
+class PromotionCheck:
+    """The playbook's promotion rule in one long-prompt class: disaggregated P95 TTFT <= monolithic P95 TTFT
+    + the measured transfer overhead."""
+
+    request_class: str
+    status: str  # pass | fail | not_enough_data | no_data
+    disaggregated: Estimate
+    disaggregated_source: str
+    monolithic: Estimate
+    monolithic_source: str
+    margin: float | None  # disaggregated - (monolithic + overhead): <= 0 passes
+    margin_low: float | None
+    margin_high: float | None
+    significant: bool  # the margin's interval lies on one side of 0
+    note: str
+
+
+@dataclass
+class Promotion:
+    status: str  # pass | fail | not_enough_data | no_data
+    transfer_overhead: float | None
+    transfer_overhead_basis: str
+    classes: list[PromotionCheck]
+    summary: str
+
+
+@dataclass
+class Verdict:
+    """Whether DPD is the right tool: long prompts are common enough AND they cause the ITL SLO misses."""
+
+    decision: str  # go | no_go | undecided
+    long_prompt_share: float | None
+    long_prompt_share_needed: float
+    long_prompts_common: bool | None
+    itl_slo: float
+    itl_p99: Estimate
+    itl_miss_share: float | None
+    attribution: str  # attributed | not_attributed | no_misses | undecided | cannot_attribute
+    attribution_evidence: list[str]
+    itl_misses_from_long_prompts: bool | None
+    summary: str
+    reasons: list[str]
+
+
+@dataclass
 class Report:
     sources: list[str]
     requests: dict[str, float]
@@ -109,6 +212,10 @@ class Report:
     # threshold_mode adaptive: each router's effective threshold per decoder at its load when scraped, and
     # the costs it learned (empty for static routers)
     adaptive: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # the arms compared (A/B experiment arms, the shadow), the promotion check and the go/no-go verdict
+    arms: ArmsReport | None = None
+    promotion: Promotion | None = None
+    verdict: Verdict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -140,3 +247,10 @@ class Options:
     candidates: Sequence[int] = DEFAULT_CANDIDATES
     prefill_rate: float = DEFAULT_PREFILL_RATE
     decode_rate: float = DEFAULT_DECODE_RATE
+    itl_slo: float = DEFAULT_ITL_SLO
+    classes: Sequence[int] = DEFAULT_CLASSES  # upper bounds of the prompt-length classes (bucket bounds)
+    resamples: int = DEFAULT_RESAMPLES
+    confidence: float = DEFAULT_CONFIDENCE
+    seed: int = 0
+    observed_hours: float | None = None  # how long the scrape's traffic took, when known
+    hours_basis: str = "unknown"

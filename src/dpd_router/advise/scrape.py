@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +19,18 @@ class AdviseError(Exception):
 
 LabelItems = tuple[tuple[str, str], ...]
 SampleKey = tuple[str, LabelItems]
+
+# The request metrics' `arm` label: "live" for traffic no experiment arm takes (and in scrapes of routers
+# older than the label, which have none), an experiment arm's name, or "shadow" for the copies sent to a
+# shadow endpoint (path "monolithic" or "dpd").
+ARM_LABEL = "arm"
+LIVE_ARM = "live"
+SHADOW_ARM = "shadow"
+
+
+def arm_of(value: str) -> str:
+    """An `arm` label value as grouped by `counters`/`histograms` ("" when absent): absent is "live"."""
+    return value or LIVE_ARM
 
 
 @dataclass
@@ -77,6 +89,15 @@ class Scrape:
         if missing:
             name, labels = missing[0]
             raise AdviseError(f"{name}{dict(labels)} is in the earlier scrape but not in the later one")
+        return out
+
+    def arms_only(self, keep: Callable[[str], bool]) -> Scrape:
+        """The cumulative series of the arms `keep` accepts (a series without the label is arm "live");
+        gauges, which have no arm, are kept."""
+        out = Scrape({}, {k: list(v) for k, v in self.gauges.items()})
+        for key, value in self.cumulative.items():
+            if keep(arm_of(dict(key[1]).get(ARM_LABEL, ""))):
+                out.cumulative[key] = value
         return out
 
     def counters(self, name: str, by: Sequence[str]) -> dict[tuple[str, ...], float]:
