@@ -213,7 +213,9 @@ async def test_a_client_leaving_before_the_continuation_answers_is_counted_and_t
     (drain,) = engines.to(DECODER, drain=True)
     assert drain["prompt"] == [*PROMPT_IDS, 42] and drain["max_tokens"] == 1
     assert sample(metrics, "dpd_router_client_disconnects_total", phase="serve") == 1
-    assert sample(metrics, "dpd_router_requests_total", arm="live", path="disaggregated", outcome="client_disconnect") == 1
+    assert (
+        sample(metrics, "dpd_router_requests_total", arm="live", path="disaggregated", outcome="client_disconnect") == 1
+    )
 
 
 async def test_kv_a_decoder_took_is_not_drained() -> None:
