@@ -76,6 +76,11 @@ class ExperimentArms:
     def arms(self) -> tuple[Arm, ...]:
         return self._arms
 
+    @property
+    def base(self) -> Planner:
+        """The shared pool's planner: arm `live`'s."""
+        return self._base
+
     def reconfigure(self, settings: Settings) -> None:
         experiments = settings.experiments
         configured = experiments.arms if experiments is not None else []
