@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
-from dpd_router.config import Settings, SettingsError, load_settings, updated_settings
+from dpd_router.config import ARM_OVERRIDES, ExperimentArm, Settings, SettingsError, load_settings, updated_settings
 from dpd_router.metrics import RouterMetrics
 from dpd_router.outcome import Outcome
 from dpd_router.pool.pool import Pool
@@ -103,6 +103,15 @@ def test_bad_experiments_are_refused_naming_the_setting(experiments: dict[str, A
     with pytest.raises(SettingsError, match="experiments") as refused:
         settings_with(experiments)
     assert complaint in str(refused.value)
+
+
+def test_arm_overrides_carry_the_same_bounds_as_the_settings_they_override() -> None:
+    # An arm's settings are a copy of the top level with its overrides, not validated again.
+    for name in ARM_OVERRIDES:
+        arm_field, setting = ExperimentArm.model_fields[name], Settings.model_fields[name]
+        assert arm_field.metadata == setting.metadata, name
+        optional = set(get_args(setting.annotation)) if type(None) in get_args(setting.annotation) else None
+        assert set(get_args(arm_field.annotation)) == (optional or {setting.annotation, type(None)}), name
 
 
 def test_shares_that_add_up_to_one_are_accepted() -> None:
