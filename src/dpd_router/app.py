@@ -111,9 +111,14 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
     )
     app.include_router(openai.routes())
     app.include_router(OpsApi(pool=every_engine, model=model, metrics=metrics).routes())
-    app.include_router(
-        AdminApi(gatekeeper=access.gatekeeper, live=live, planner=routing.planner, metrics=metrics).routes()
+    admin = AdminApi(
+        gatekeeper=access.gatekeeper,
+        live=live,
+        planner=routing.planner,
+        metrics=metrics,
+        experiments=routing.experiments,
     )
+    app.include_router(admin.routes())
     console = ConsoleApi(
         gatekeeper=access.gatekeeper,
         live=live,

@@ -154,6 +154,71 @@ class TenantPools(BaseModel):
         return list(dict.fromkeys(_normalise_url(url) for url in value))
 
 
+# Arm names taken already: `live` labels requests no arm took (observe.DEFAULT_ARM), `shadow` the shadow copies.
+RESERVED_ARM_NAMES = frozenset({"live", "shadow"})
+# The routing settings an experiment arm may override (the fields of ExperimentArm besides name and share).
+ARM_OVERRIDES = (
+    "routing_threshold",
+    "threshold_mode",
+    "prefill_strategy",
+    "ttft_slo",
+    "ttft_slo_max_tokens",
+    "itl_slo",
+    "itl_slo_share",
+)
+
+
+class ExperimentArm(BaseModel):
+    """One A/B arm: its name (the `arm` label of its requests' metrics and log lines), its share of the
+    shared pool's traffic, and the routing settings it overrides (unset: the top-level value)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Lowercase letters, digits, `_` and `-`: a Prometheus label value and a log field as it is.
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
+    share: float = Field(gt=0, le=1)
+    # Bounds as on the top-level fields of the same names: an arm's settings are never validated again.
+    routing_threshold: int | None = Field(default=None, ge=1)
+    threshold_mode: ThresholdMode | None = None
+    prefill_strategy: PrefillStrategy | None = None
+    ttft_slo: float | None = Field(default=None, gt=0)
+    ttft_slo_max_tokens: int | None = Field(default=None, ge=0)
+    itl_slo: float | None = Field(default=None, gt=0)
+    itl_slo_share: float | None = Field(default=None, ge=0, le=0.1)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if value in RESERVED_ARM_NAMES:
+            raise ValueError(f"{value!r} is reserved (the arm of requests no experiment arm took, or shadow copies)")
+        return value
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings this arm changes: setting -> value, for those it sets."""
+        return {name: value for name in ARM_OVERRIDES if (value := getattr(self, name)) is not None}
+
+
+class Experiments(BaseModel):
+    """A/B arms over the shared pool, and the key that keeps a client in its arm."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sticky_by: Literal["session", "api_key"] = "session"
+    arms: list[ExperimentArm] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_arms(self) -> Experiments:
+        names = [arm.name for arm in self.arms]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"arm names must be unique; {repeated} repeat")
+        total = sum(arm.share for arm in self.arms)
+        # A little slack for decimal shares that add up to 1 (0.7 + 0.2 + 0.1 is 1.0000000000000002).
+        if total > 1 + 1e-9:
+            raise ValueError(f"the arms' shares add up to {total:g}; at most 1 (the rest is arm `live`)")
+        return self
+
+
 class Settings(BaseSettings):
     """Everything the router can be told, with its defaults.
 
@@ -321,6 +386,17 @@ class Settings(BaseSettings):
         default="x-session-id",
         min_length=1,
         description="The `session` strategy's key: this request header, else the body's `user` field.",
+        json_schema_extra=_meta("routing", live=True),
+    )
+    experiments: Experiments | None = Field(
+        default=None,
+        description="A/B arms for the routing settings: `{sticky_by, arms: [{name, share, ...}]}`. Each arm takes "
+        "its `share` of the shared pool's requests and routes them with its own `routing_threshold`, "
+        "`threshold_mode`, `prefill_strategy`, `ttft_slo`, `ttft_slo_max_tokens`, `itl_slo` or `itl_slo_share` "
+        "(unset: the top-level value); the rest is arm `live`. A request's arm follows a stable hash of its "
+        "`sticky_by` key (`session`: the `session_header` header or the body's `user`, else the API key, else "
+        "the request id; `api_key`: the API key, else the request id), the same on every worker and replica. "
+        "Request metrics and log lines carry the arm. Tenants with reserved engines take no part.",
         json_schema_extra=_meta("routing", live=True),
     )
 

@@ -114,6 +114,7 @@ def outcome_of(trace: RequestTrace) -> Outcome:
         prefill_overlaps_decode=trace.prefill_overlaps_decode,
         first_token_seconds=first_token,
         token_gaps=max(trace.token_chunks - 1, 0),
+        arm=trace.arm,
     )
 
 

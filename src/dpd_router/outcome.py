@@ -32,3 +32,5 @@ class Outcome:
     first_token_seconds: float | None
     # Gaps between the stream's token chunks (chunks - 1).
     token_gaps: int
+    # The experiment arm whose routing settings planned it: its arm's adaptive model learns from it.
+    arm: str

@@ -114,6 +114,12 @@ def _comma_separated(field: FieldInfo) -> bool:
     return any(item is NoDecode or isinstance(item, NoDecode) for item in field.metadata)
 
 
+def _is_model(annotation: Any) -> bool:
+    """A pydantic model, optional or not: read from the environment as JSON."""
+    kinds = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return any(isinstance(kind, type) and issubclass(kind, BaseModel) for kind in kinds)
+
+
 def setting_entry(name: str, field: FieldInfo, flags: dict[str, str]) -> str:
     kind = describe_type(field.annotation)
     bounds = describe_bounds(field)
@@ -122,7 +128,7 @@ def setting_entry(name: str, field: FieldInfo, flags: dict[str, str]) -> str:
     env = f"`{env_name(name)}`"
     if _comma_separated(field):
         env += " (comma-separated)"
-    elif get_origin(field.annotation) is dict:
+    elif get_origin(field.annotation) is dict or _is_model(field.annotation):
         env += " (JSON)"
     facts = [
         f"**env** {env}",

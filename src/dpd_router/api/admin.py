@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from dpd_router.api.auth import source_of
@@ -21,11 +22,17 @@ if TYPE_CHECKING:
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
     from dpd_router.routing.adaptive import AdaptiveModel
+    from dpd_router.routing.experiments import ExperimentArms
     from dpd_router.routing.planner import Planner
 
 
 def _json(value: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(value, default=str), status_code=status, media_type="application/json")
+    return Response(orjson.dumps(value, default=_jsonable), status_code=status, media_type="application/json")
+
+
+def _jsonable(value: object) -> object:
+    """A setting's value as JSON: a nested settings model (`experiments`) as its fields, the rest as text."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else str(value)
 
 
 def authorize(request: Request, gatekeeper: Gatekeeper, *, open_without_keys: bool = False) -> Response | None:
@@ -46,11 +53,20 @@ def authorize(request: Request, gatekeeper: Gatekeeper, *, open_without_keys: bo
 class AdminApi:
     """The admin routes, over the key check, the live configuration and the shared pool's planner."""
 
-    def __init__(self, *, gatekeeper: Gatekeeper, live: LiveConfig, planner: Planner, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        *,
+        gatekeeper: Gatekeeper,
+        live: LiveConfig,
+        planner: Planner,
+        metrics: RouterMetrics,
+        experiments: ExperimentArms | None = None,
+    ) -> None:
         self._gatekeeper = gatekeeper
         self._live = live
         self._planner = planner
         self._metrics = metrics
+        self._experiments = experiments
 
     def routes(self) -> APIRouter:
         routes = APIRouter(prefix="/admin")
@@ -113,6 +129,8 @@ class AdminApi:
             "decoders": view,
             "learned": planner.adaptive.describe() if planner.adaptive is not None else None,
             "decisions": dict(decisions),
+            # The experiment arms in force and the routing settings each plans with (the rest is arm `live`).
+            "arms": self._experiments.describe() if self._experiments is not None else [],
         }
         return _json(body)
 

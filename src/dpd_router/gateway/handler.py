@@ -39,6 +39,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
@@ -62,9 +63,11 @@ class Gateway:
         model: ServedModel,
         timeouts: PhaseTimeouts,
         retries: RetryPolicy,
+        experiments: ExperimentArms | None = None,
     ) -> None:
         self._tokenizers = tokenizers
         self._planners = planners
+        self._experiments = experiments
         self._connector = connector
         self._observer = observer
         self._metrics = metrics
@@ -93,6 +96,24 @@ class Gateway:
     def planner_for(self, tenant: str | None) -> Planner:
         """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
         return self._planners.get(tenant) or self._planners[None]
+
+    def _planner_of(
+        self, request: ClientRequest, principal: Principal, headers: Mapping[str, str], trace: RequestTrace
+    ) -> Planner:
+        """The tenant's planner; on the shared pool, the planner of the experiment arm the request falls
+        in, if any (named on the trace). Arms split the shared pool's traffic only: a tenant's reserved
+        engines keep their own settings."""
+        planner = self.planner_for(principal.tenant)
+        experiments = self._experiments
+        if experiments is None or not experiments.active or planner is not self._planners[None]:
+            return planner
+        session_key = planner.session_key(headers, request.body) if experiments.sticky_by == "session" else None
+        api_key = None if principal.key_id == ANONYMOUS.key_id else principal.key_id
+        arm = experiments.assign(session_key=session_key, api_key=api_key, request_id=trace.request_id)
+        if arm is None:
+            return planner
+        trace.arm = arm.name
+        return arm.planner
 
     def deadlines_for(self, tenant: str | None) -> HopDeadlines:
         return self._deadlines.get(tenant) or self._deadlines[None]
@@ -126,7 +147,7 @@ class Gateway:
         done = Completion(trace, self._observer, self._metrics, on_finish)
         phase = "tokenize"
         try:
-            planner = self.planner_for(principal.tenant)
+            planner = self._planner_of(request, principal, headers or {}, trace)
             prompt = await self._prepare(request, principal, trace)
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)

@@ -127,6 +127,26 @@ class Planner:
             self.adaptive.policy = adaptive_policy(settings)
             self.adaptive.reprior(settings.routing_threshold)
 
+    def variant(self, settings: Settings, adaptive: AdaptiveModel | None) -> Planner:
+        """A planner with other routing settings (an experiment arm's) over this one's pool, prefix index
+        and KV sources: it shares where prompts went and opens no connection of its own. It asks the
+        external KV index only for `kvaware`, as `build_planner` does."""
+        rules = routing_rules(settings, self.cache)
+        return Planner(
+            self.pool,
+            threshold=rules.threshold,
+            prefill=rules.prefill or self.prefill_strategy,
+            decode=rules.decode or self.decode_strategy,
+            threshold_mode=rules.threshold_mode,
+            cache=self.cache,
+            busy_gate=rules.busy_gate,
+            kv_lookup=self._kv_lookup if settings.prefill_strategy == "kvaware" else None,
+            session_header=rules.session_header,
+            adaptive=adaptive,
+            batches=self.batches,
+            serves_direct=self.serves_direct,
+        )
+
     def _follow(self, rules: RoutingRules) -> None:
         self.threshold = rules.threshold
         self._threshold = Threshold(rules.threshold, rules.threshold_mode)

@@ -145,9 +145,10 @@ class Components:
 
 def live_parts(metrics: RouterMetrics, routing: Routing, serving: Serving, access: Access) -> list[Reconfigurable]:
     """What a live change reaches, in this order: the planners (and the adaptive model they share), the
-    gateway's timeouts and retries, admission, the threshold gauge, the log level."""
+    experiment arms, the gateway's timeouts and retries, admission, the threshold gauge, the log level."""
     return [
         *routing.planners.values(),
+        *([routing.experiments] if routing.experiments is not None else []),
         serving.gateway,
         access.admission,
         ThresholdGauge(metrics),

@@ -27,6 +27,7 @@ from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.adaptive import AdaptiveModel
+from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
@@ -64,6 +65,8 @@ class Routing:
     adaptive: AdaptiveModel
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
+    # A/B arms over the shared pool's planner; also what routes each finished request to its arm's learner.
+    experiments: ExperimentArms | None = None
 
     @property
     def planner(self) -> Planner:
@@ -176,7 +179,8 @@ def build_routing(
         ],
         adaptive.cost_rows,
     )
-    return Routing(planners, adaptive, kv_events, lmcache)
+    experiments = ExperimentArms(settings, shared, adaptive)
+    return Routing(planners, adaptive, kv_events, lmcache, experiments)
 
 
 def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -> Access:
@@ -210,9 +214,8 @@ def build_serving(
     tokenizers: Mapping[str | None, TokenCounter],
     routing: Routing,
 ) -> Serving:
-    observer = Observer(
-        metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[routing.adaptive.learn_from]
-    )
+    learn = routing.adaptive.learn_from if routing.experiments is None else routing.experiments.learn_from
+    observer = Observer(metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[learn])
     gateway = Gateway(
         engines=engine_calls,
         tokenizers=tokenizers,
@@ -223,6 +226,7 @@ def build_serving(
         model=model,
         timeouts=PhaseTimeouts.from_settings(settings),
         retries=RetryPolicy.from_settings(settings),
+        experiments=routing.experiments,
     )
     return Serving(gateway, observer)
 
