@@ -65,16 +65,18 @@ async def test_metric_names_labels_and_the_ttft_breakdown_adds_up(cluster: SimCl
         families = await scrape(base_url)
 
     expected_labels = {
-        "dpd_router_requests": {"path", "outcome"},
-        "dpd_router_route_decisions": {"path", "reason"},
-        "dpd_router_time_to_first_token_seconds": {"path"},
-        "dpd_router_inter_token_latency_seconds": {"path"},
-        "dpd_router_time_per_output_token_seconds": {"path"},
-        "dpd_router_e2e_latency_seconds": {"path"},
-        "dpd_router_phase_seconds": {"path", "phase"},
-        "dpd_router_ttft_by_prompt_length_seconds": {"path", "prompt_tokens"},
-        "dpd_router_prompt_tokens": {"path"},
-        "dpd_router_output_tokens": {"path"},
+        "dpd_router_requests": {"arm", "path", "outcome"},
+        "dpd_router_route_decisions": {"arm", "path", "reason"},
+        "dpd_router_time_to_first_token_seconds": {"arm", "path"},
+        "dpd_router_inter_token_latency_seconds": {"arm", "path"},
+        "dpd_router_time_per_output_token_seconds": {"arm", "path"},
+        "dpd_router_e2e_latency_seconds": {"arm", "path"},
+        "dpd_router_phase_seconds": {"arm", "path", "phase"},
+        "dpd_router_ttft_by_prompt_length_seconds": {"arm", "path", "prompt_tokens"},
+        "dpd_router_e2e_by_prompt_length_seconds": {"arm", "path", "prompt_tokens"},
+        "dpd_router_itl_by_prompt_length_seconds": {"arm", "path", "prompt_tokens"},
+        "dpd_router_prompt_tokens": {"arm", "path"},
+        "dpd_router_output_tokens": {"arm", "path"},
         "dpd_router_prefill_seconds": {"outcome"},
         "dpd_router_endpoint_in_flight_requests": {"endpoint", "role"},
         "dpd_router_endpoint_healthy": {"endpoint", "role"},
@@ -84,6 +86,8 @@ async def test_metric_names_labels_and_the_ttft_breakdown_adds_up(cluster: SimCl
         assert name in families, name
         sample_labels = {key for sample in families[name] for key in sample.labels if key != "le"}
         assert sample_labels == labels, name
+        arms = {sample.labels["arm"] for sample in families[name] if "arm" in sample.labels}
+        assert arms <= {"live"}, (name, arms)  # no experiments configured: every request is arm "live"
 
     for path in ("direct", "disaggregated"):
         requests = total(
