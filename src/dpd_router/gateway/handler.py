@@ -40,6 +40,7 @@ from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
+from dpd_router.shadow import Shadow
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 from dpd_router.transport import EngineCalls
@@ -62,6 +63,7 @@ class Gateway:
         model: ServedModel,
         timeouts: PhaseTimeouts,
         retries: RetryPolicy,
+        shadow: Shadow | None = None,
     ) -> None:
         self._tokenizers = tokenizers
         self._planners = planners
@@ -71,6 +73,7 @@ class Gateway:
         self._model = model
         self._timeouts = timeouts
         self._retries = retries
+        self._shadow = shadow
         self._prefill = PrefillHop(connector, metrics)
         self._decode = DecodeHop(engines, connector, metrics, model)
         self._head_first = HeadFirst(self._decode, metrics)
@@ -128,6 +131,8 @@ class Gateway:
         try:
             planner = self.planner_for(principal.tenant)
             prompt = await self._prepare(request, principal, trace)
+            if self._shadow is not None:  # a copy, if chosen, queued without waiting
+                self._shadow.offer(request, request_id, prompt.num_tokens, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
             phase = "serve"

@@ -107,6 +107,8 @@ class Components:
         )
         live.start()
         await upkeep.start()
+        if serving.shadow is not None:
+            await serving.shadow.start()
         if routing.kv_events is not None:
             routing.kv_events.start()
         components.log_started()
@@ -132,6 +134,8 @@ class Components:
             await self.engines.discovery.close()
         await self.live.close()
         await self.upkeep.close()
+        if self.serving.shadow is not None:
+            await self.serving.shadow.close()
         if self.routing.kv_events is not None:
             await self.routing.kv_events.close()
         await self.serving.gateway.close()
