@@ -871,12 +871,15 @@ class Settings(BaseSettings):
         "monolithic`, one plain vLLM endpoint, or `dpd`, a staging dpd-router), as a stream whose answer is "
         'timed and dropped; its TTFT, ITL and E2E metrics carry `arm="shadow"` and `path` = the kind. The client '
         "never waits for it: copies wait in a bounded queue (`queue`) for one of `max_concurrent` calls, and "
-        "one that finds the queue full is dropped and counted. An object: `url` (required), `kind`, `share` "
-        "(0..1, decided by a hash of the session key, else the request id, the same on every replica), "
-        "`min_prompt_tokens` and `longest_percentile` (of the last `window` prompts; both must hold when both "
-        "are set), `max_concurrent`, `queue`, `timeout`, `api_key`, `headers`, `model`. In the environment, "
-        "JSON. Each worker process keeps its own queue, calls and window.",
-        json_schema_extra=_meta("observability"),
+        "one that finds the queue full is dropped and counted. An object: `url` (required), `kind` "
+        "(`monolithic`), `share` (1: 0..1 of the eligible prompts, decided by a hash of the session key, else "
+        "the request id, the same on every replica), `min_prompt_tokens` (0) and `longest_percentile` (unset: "
+        "0..100 of the last `window` (1000) prompt lengths; both must hold when both are set), `max_concurrent` "
+        "(4), `queue` (64), `timeout` (120 s a call), `api_key`, `headers`, `model` (unset: the client's). "
+        "In the environment, "
+        "JSON. Each worker process keeps its own queue, calls and window. A live change starts a new shadow "
+        "for the requests that start from then on; the old one's calls are cut short.",
+        json_schema_extra=_meta("observability", live=True),
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(

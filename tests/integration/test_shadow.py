@@ -14,11 +14,13 @@ import orjson
 import pytest
 from aiohttp import web
 
+from dpd_router.api.auth import hash_key
 from dpd_router.config import ShadowSettings
 from dpd_router.shadow import ShadowChoice
 from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, engine_stats, metric, running_router, settled
 
+ADMIN = {"Authorization": "Bearer ops-secret"}
 SHORT = "Hi there."
 LONG = "Tell me everything about the history of the long prompt. " * 40  # a few hundred tokens
 MIN_TOKENS = 100
@@ -31,7 +33,7 @@ async def engines(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
         yield cluster
 
 
-def live_settings(engines: SimCluster, tokenizer_dir: Path, shadow: dict[str, Any]) -> dict[str, Any]:
+def live_settings(engines: SimCluster, tokenizer_dir: Path, shadow: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "prefill_urls": engines.prefill_urls,
         "decode_urls": engines.decode_urls[:1],
@@ -155,6 +157,38 @@ async def test_a_staging_dpd_router_as_shadow_gets_marked_copies_it_does_not_cop
         assert await metric(staging, "dpd_router_requests_total", {"arm": "live", "outcome": "ok"}) == 4
         assert await metric(staging, "dpd_router_requests_total", {"arm": "shadow"}) == 0
     assert await shadow_saw(engines, "staging-") == []
+
+
+async def test_a_shadow_is_turned_on_changed_and_off_on_a_running_router(
+    engines: SimCluster, tokenizer_dir: Path
+) -> None:
+    settings = {**live_settings(engines, tokenizer_dir, None), "admin_key_hashes": [hash_key("ops-secret")]}
+    async with (
+        running_router(**settings) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        assert await ask(client, "live-before", LONG, stream=True)
+        shadow = {"url": shadow_url(engines), "min_prompt_tokens": MIN_TOKENS}
+        changed = await client.put("/admin/config", json={"shadow": shadow}, headers=ADMIN)
+        assert changed.status_code == 200, changed.text
+        assert await ask(client, "live-on-long", LONG, stream=False)
+        assert await ask(client, "live-on-short", SHORT, stream=True)
+        await copies_finished(base_url, 1)
+        # Every prompt now, short ones too.
+        changed = await client.put(
+            "/admin/config", json={"shadow": {**shadow, "min_prompt_tokens": 0, "share": 1.0}}, headers=ADMIN
+        )
+        assert changed.status_code == 200, changed.text
+        assert await ask(client, "live-changed-short", SHORT, stream=True)
+        await copies_finished(base_url, 2)
+        changed = await client.put("/admin/config", json={"shadow": None}, headers=ADMIN)
+        assert changed.status_code == 200, changed.text
+        assert await ask(client, "live-off", LONG, stream=True)
+        await settled(base_url)
+        config = (await client.get("/admin/config", headers=ADMIN)).json()
+        assert config["shadow"] is None
+        assert await metric(base_url, "dpd_router_shadow_requests_total") == 2
+    assert sorted(await shadow_saw(engines, "live-")) == ["live-changed-short", "live-on-long"]
 
 
 class BrokenShadow:

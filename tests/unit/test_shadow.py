@@ -5,9 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpd_router.config import SettingsError, ShadowSettings, load_settings
-from dpd_router.observe import RequestTrace
-from dpd_router.shadow import RecentLengths, ShadowChoice, ShadowCopy
+from dpd_router.client_request import parse_request
+from dpd_router.config import SettingsError, ShadowSettings, load_settings, updated_settings
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import Observer, RequestTrace
+from dpd_router.shadow import LiveShadow, RecentLengths, ShadowChoice, ShadowCopy
 from dpd_router.shadow.copies import ShadowAnswer, ShadowAnswerUnreadable, shadow_body, shadow_headers
 
 
@@ -133,3 +135,45 @@ def test_an_answer_that_stops_before_done_or_reports_an_error_fails_the_copy() -
     endless = ShadowAnswer(RequestTrace(request_id="r3", kind="chat", stream=True))
     with pytest.raises(ShadowAnswerUnreadable):
         endless.feed(b"data: " + b"x" * (2 << 20), 1.0)
+
+
+async def test_a_live_change_replaces_the_shadow_and_turning_it_off_leaves_none() -> None:
+    metrics = RouterMetrics()
+    first = load_settings(decode_urls=["http://127.0.0.1:9"], shadow={"url": "http://127.0.0.1:1", "queue": 4})
+    live = LiveShadow(first, Observer(metrics), metrics)
+    live.start()
+    try:
+        old = live.current
+        assert old is not None and old.url == "http://127.0.0.1:1"
+        live.reconfigure(updated_settings(first, {"routing_threshold": 10}))  # not the shadow's: kept
+        assert live.current is old
+        changed = updated_settings(first, {"shadow": {"url": "http://127.0.0.1:2", "share": 0.5}})
+        live.reconfigure(changed)
+        assert live.current is not None and live.current is not old and live.current.url == "http://127.0.0.1:2"
+        live.reconfigure(updated_settings(changed, {"shadow": None}))
+        assert live.current is None
+    finally:
+        await live.close()
+
+
+async def test_a_copy_of_a_copy_is_never_queued() -> None:
+    metrics = RouterMetrics()
+    settings = load_settings(decode_urls=["http://127.0.0.1:9"], shadow={"url": "http://127.0.0.1:1", "queue": 1})
+    live = LiveShadow(settings, Observer(metrics), metrics)
+    live.start()
+    shadow = live.current
+    assert shadow is not None
+    request = parse_request("chat", b'{"messages": [{"role": "user", "content": "hi"}]}')
+    try:
+        shadow.offer(request, "copy-1", 5, {"x-dpd-shadow": "1"})
+        shadow.offer(request, "copy-2", 5, {"x-dpd-shadow": "1"})
+        assert dropped(metrics, "queue_full") == 0  # neither took the one place in the queue
+        shadow.offer(request, "client-1", 5, {})
+        shadow.offer(request, "client-2", 5, {})  # before any worker ran: the queue is full
+        assert dropped(metrics, "queue_full") == 1
+    finally:
+        await live.close()
+
+
+def dropped(metrics: RouterMetrics, reason: str) -> float:
+    return metrics.registry.get_sample_value("dpd_router_shadow_dropped_total", {"reason": reason}) or 0.0

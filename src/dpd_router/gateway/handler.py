@@ -40,7 +40,7 @@ from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
-from dpd_router.shadow import Shadow
+from dpd_router.shadow import LiveShadow
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 from dpd_router.transport import EngineCalls
@@ -63,7 +63,7 @@ class Gateway:
         model: ServedModel,
         timeouts: PhaseTimeouts,
         retries: RetryPolicy,
-        shadow: Shadow | None = None,
+        shadow: LiveShadow | None = None,
     ) -> None:
         self._tokenizers = tokenizers
         self._planners = planners
@@ -131,8 +131,8 @@ class Gateway:
         try:
             planner = self.planner_for(principal.tenant)
             prompt = await self._prepare(request, principal, trace)
-            if self._shadow is not None:  # a copy, if chosen, queued without waiting
-                self._shadow.offer(request, request_id, prompt.num_tokens, headers or {})
+            if self._shadow is not None and self._shadow.current is not None:  # a copy, if chosen, queued
+                self._shadow.current.offer(request, request_id, prompt.num_tokens, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
             phase = "serve"

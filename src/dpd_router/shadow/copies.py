@@ -107,8 +107,8 @@ class Shadow:
         except asyncio.QueueFull:
             self._dropped_full.inc()
 
-    async def start(self) -> None:
-        """Open the shadow's own session and start `max_concurrent` workers."""
+    def start(self) -> None:
+        """Open the shadow's own session and start `max_concurrent` workers (inside the running loop)."""
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._settings.max_concurrent, limit_per_host=0),
             cookie_jar=aiohttp.DummyCookieJar(),

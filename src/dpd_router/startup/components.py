@@ -107,8 +107,7 @@ class Components:
         )
         live.start()
         await upkeep.start()
-        if serving.shadow is not None:
-            await serving.shadow.start()
+        serving.shadow.start()
         if routing.kv_events is not None:
             routing.kv_events.start()
         components.log_started()
@@ -134,8 +133,7 @@ class Components:
             await self.engines.discovery.close()
         await self.live.close()
         await self.upkeep.close()
-        if self.serving.shadow is not None:
-            await self.serving.shadow.close()
+        await self.serving.shadow.close()
         if self.routing.kv_events is not None:
             await self.routing.kv_events.close()
         await self.serving.gateway.close()
@@ -149,10 +147,11 @@ class Components:
 
 def live_parts(metrics: RouterMetrics, routing: Routing, serving: Serving, access: Access) -> list[Reconfigurable]:
     """What a live change reaches, in this order: the planners (and the adaptive model they share), the
-    gateway's timeouts and retries, admission, the threshold gauge, the log level."""
+    gateway's timeouts and retries, the shadow, admission, the threshold gauge, the log level."""
     return [
         *routing.planners.values(),
         serving.gateway,
+        serving.shadow,
         access.admission,
         ThresholdGauge(metrics),
         LogLevel(),

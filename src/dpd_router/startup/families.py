@@ -30,7 +30,7 @@ from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
-from dpd_router.shadow import Shadow
+from dpd_router.shadow import LiveShadow
 from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter
 from dpd_router.tracing import SpanExporter
@@ -84,11 +84,11 @@ class Access:
 @dataclass(frozen=True)
 class Serving:
     """The request path: the gateway, the observer that records what each request did, and the shadow
-    that gets copies of some requests (None: no shadow configured)."""
+    in force (which gets copies of some requests, when one is configured)."""
 
     gateway: Gateway
     observer: Observer
-    shadow: Shadow | None = None
+    shadow: LiveShadow
 
 
 def build_transport(settings: Settings) -> httpx.AsyncBaseTransport:
@@ -216,9 +216,7 @@ def build_serving(
     observer = Observer(
         metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[routing.adaptive.learn_from]
     )
-    shadow = None
-    if settings.shadow is not None:
-        shadow = Shadow(settings.shadow, observer, metrics, session_header=settings.session_header)
+    shadow = LiveShadow(settings, observer, metrics)
     gateway = Gateway(
         engines=engine_calls,
         tokenizers=tokenizers,
