@@ -355,7 +355,7 @@ class RouterMetrics:
         self.shadow_dropped = Counter(
             f"{PREFIX}_shadow_dropped",
             "Shadow copies dropped unsent, by reason (queue_full: every shadow call busy and the queue full; "
-            "shutdown: still queued when the router stopped).",
+            "closed: still queued when the shadow stopped, with the router or replaced by a live change).",
             ["reason"],
             registry=r,
         )

@@ -173,6 +173,7 @@ async def test_a_copy_of_a_copy_is_never_queued() -> None:
         assert dropped(metrics, "queue_full") == 1
     finally:
         await live.close()
+    assert dropped(metrics, "closed") == 1  # the queued copy, never sent
 
 
 def dropped(metrics: RouterMetrics, reason: str) -> float:

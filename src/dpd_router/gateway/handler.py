@@ -131,7 +131,7 @@ class Gateway:
         try:
             planner = self.planner_for(principal.tenant)
             prompt = await self._prepare(request, principal, trace)
-            if self._shadow is not None and self._shadow.current is not None:  # a copy, if chosen, queued
+            if self._shadow is not None and self._shadow.current is not None:  # chosen: copied, never waited for
                 self._shadow.current.offer(request, request_id, prompt.num_tokens, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)

@@ -140,7 +140,7 @@ class Shadow:
         while not self._queue.empty():
             self._queue.get_nowait()
         if left:
-            self._metrics.shadow_dropped.labels("shutdown").inc(left)
+            self._metrics.shadow_dropped.labels("closed").inc(left)
         if session is not None:
             await session.close()
 
