@@ -219,6 +219,42 @@ class Experiments(BaseModel):
         return self
 
 
+ShadowKind = Literal["monolithic", "dpd"]
+
+
+class ShadowSettings(BaseModel):
+    """Where copies of chosen requests go, which ones, and how many at once (the `shadow` setting)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="The shadow's OpenAI-compatible base URL (a trailing `/v1` is dropped).")
+    kind: ShadowKind = Field(
+        default="monolithic",
+        description="What the shadow is: `monolithic` (one plain vLLM endpoint) or `dpd` (a staging dpd-router); "
+        "its metrics carry it as their `path`.",
+    )
+    share: float = Field(default=1.0, ge=0, le=1, description="The share of eligible requests copied.")
+    min_prompt_tokens: int = Field(default=0, ge=0, description="Only prompts of at least this many tokens.")
+    longest_percentile: float | None = Field(
+        default=None,
+        gt=0,
+        lt=100,
+        description="Only prompts longer than this percentile of the last `window` prompt lengths.",
+    )
+    window: int = Field(default=1000, ge=20, le=10_000, description="Prompt lengths the percentile is taken over.")
+    max_concurrent: int = Field(default=4, ge=1, le=1024, description="Shadow calls in flight at most.")
+    queue: int = Field(default=64, ge=1, le=100_000, description="Copies waiting for a free call; more are dropped.")
+    timeout: float = Field(default=120.0, gt=0, description="Seconds one shadow call may take, whole.")
+    api_key: SecretStr | None = Field(default=None, description="Sent to the shadow as `Authorization: Bearer ...`.")
+    headers: dict[str, SecretStr] = Field(default_factory=dict, description="More headers for the shadow.")
+    model: str | None = Field(default=None, description="The model name the copies ask for (unset: the client's).")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        return _normalise_url(value).removesuffix("/v1")
+
+
 class Settings(BaseSettings):
     """Everything the router can be told, with its defaults.
 
@@ -903,6 +939,23 @@ class Settings(BaseSettings):
         description="OpenTelemetry spans for each request and its two hops (needs the `otel` extra; configure "
         "the exporter as usual).",
         json_schema_extra=_meta("observability"),
+    )
+
+    shadow: ShadowSettings | None = Field(
+        default=None,
+        description="Shadow traffic: a copy of a chosen share of requests goes to a second set of engines (`kind: "
+        "monolithic`, one plain vLLM endpoint, or `dpd`, a staging dpd-router), as a stream whose answer is "
+        'timed and dropped; its TTFT, ITL and E2E metrics carry `arm="shadow"` and `path` = the kind. The client '
+        "never waits for it: copies wait in a bounded queue (`queue`) for one of `max_concurrent` calls, and "
+        "one that finds the queue full is dropped and counted. An object: `url` (required), `kind` "
+        "(`monolithic`), `share` (1: 0..1 of the eligible prompts, decided by a hash of the session key, else "
+        "the request id, the same on every replica), `min_prompt_tokens` (0) and `longest_percentile` (unset: "
+        "0..100 of the last `window` (1000) prompt lengths; both must hold when both are set), `max_concurrent` "
+        "(4), `queue` (64), `timeout` (120 s a call), `api_key`, `headers`, `model` (unset: the client's). "
+        "In the environment, "
+        "JSON. Each worker process keeps its own queue, calls and window. A live change starts a new shadow "
+        "for the requests that start from then on; the old one's calls are cut short.",
+        json_schema_extra=_meta("observability", live=True),
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(

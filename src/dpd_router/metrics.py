@@ -345,6 +345,20 @@ class RouterMetrics:
             ["role", "event"],
             registry=r,
         )
+        self.shadow_requests = Counter(
+            f"{PREFIX}_shadow_requests",
+            "Shadow copies sent, by outcome (ok, timeout, error, status_4xx, status_5xx); their latencies are "
+            'in the request metrics under arm="shadow".',
+            ["outcome"],
+            registry=r,
+        )
+        self.shadow_dropped = Counter(
+            f"{PREFIX}_shadow_dropped",
+            "Shadow copies dropped unsent, by reason (queue_full: every shadow call busy and the queue full; "
+            "closed: still queued when the shadow stopped, with the router or replaced by a live change).",
+            ["reason"],
+            registry=r,
+        )
 
     def watch_endpoint(self, endpoint: Endpoint) -> None:
         """Export the endpoint's live state; in-flight, health and load are read at scrape time, O(1)."""

@@ -44,6 +44,7 @@ PREVIOUS_LIVE_SETTINGS = frozenset(
         "max_queued",
         "queue_timeout",
         "max_body_bytes",
+        "shadow",
         "log_level",
     }
 )

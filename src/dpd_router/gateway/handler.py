@@ -41,6 +41,7 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
+from dpd_router.shadow import LiveShadow
 from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 from dpd_router.transport import EngineCalls
@@ -64,6 +65,7 @@ class Gateway:
         timeouts: PhaseTimeouts,
         retries: RetryPolicy,
         experiments: ExperimentArms | None = None,
+        shadow: LiveShadow | None = None,
     ) -> None:
         self._tokenizers = tokenizers
         self._planners = planners
@@ -74,6 +76,7 @@ class Gateway:
         self._model = model
         self._timeouts = timeouts
         self._retries = retries
+        self._shadow = shadow
         self._prefill = PrefillHop(connector, metrics)
         self._decode = DecodeHop(engines, connector, metrics, model)
         self._head_first = HeadFirst(self._decode, metrics)
@@ -149,6 +152,8 @@ class Gateway:
         try:
             planner = self._planner_of(request, principal, headers or {}, trace)
             prompt = await self._prepare(request, principal, trace)
+            if self._shadow is not None and self._shadow.current is not None:  # chosen: copied, never waited for
+                self._shadow.current.offer(request, request_id, prompt.num_tokens, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
             phase = "serve"

@@ -107,6 +107,7 @@ class Components:
         )
         live.start()
         await upkeep.start()
+        serving.shadow.start()
         if routing.kv_events is not None:
             routing.kv_events.start()
         components.log_started()
@@ -132,6 +133,7 @@ class Components:
             await self.engines.discovery.close()
         await self.live.close()
         await self.upkeep.close()
+        await self.serving.shadow.close()
         if self.routing.kv_events is not None:
             await self.routing.kv_events.close()
         await self.serving.gateway.close()
@@ -145,11 +147,12 @@ class Components:
 
 def live_parts(metrics: RouterMetrics, routing: Routing, serving: Serving, access: Access) -> list[Reconfigurable]:
     """What a live change reaches, in this order: the planners (and the adaptive model they share), the
-    experiment arms, the gateway's timeouts and retries, admission, the threshold gauge, the log level."""
+    experiment arms, the gateway's timeouts and retries, the shadow, admission, the threshold gauge, the log level."""
     return [
         *routing.planners.values(),
         *([routing.experiments] if routing.experiments is not None else []),
         serving.gateway,
+        serving.shadow,
         access.admission,
         ThresholdGauge(metrics),
         LogLevel(),

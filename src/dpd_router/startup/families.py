@@ -31,6 +31,7 @@ from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
+from dpd_router.shadow import LiveShadow
 from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter
 from dpd_router.tracing import SpanExporter
@@ -85,10 +86,12 @@ class Access:
 
 @dataclass(frozen=True)
 class Serving:
-    """The request path: the gateway, and the observer that records what each request did."""
+    """The request path: the gateway, the observer that records what each request did, and the shadow
+    in force (which gets copies of some requests, when one is configured)."""
 
     gateway: Gateway
     observer: Observer
+    shadow: LiveShadow
 
 
 def build_transport(settings: Settings) -> httpx.AsyncBaseTransport:
@@ -216,6 +219,7 @@ def build_serving(
 ) -> Serving:
     learn = routing.adaptive.learn_from if routing.experiments is None else routing.experiments.learn_from
     observer = Observer(metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[learn])
+    shadow = LiveShadow(settings, observer, metrics)
     gateway = Gateway(
         engines=engine_calls,
         tokenizers=tokenizers,
@@ -227,8 +231,9 @@ def build_serving(
         timeouts=PhaseTimeouts.from_settings(settings),
         retries=RetryPolicy.from_settings(settings),
         experiments=routing.experiments,
+        shadow=shadow,
     )
-    return Serving(gateway, observer)
+    return Serving(gateway, observer, shadow)
 
 
 def build_upkeep(
