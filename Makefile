@@ -82,4 +82,4 @@ bench-memory: $(VENV)/.installed-bench
 bench-arms: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.arms
 
-bench-all: bench-dpd bench-overhead bench-capacity bench-threshold bench-memory
+bench-all: bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms
