@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timing", default="realistic")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="bound of the A/B run (static runs: half)")
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
+    parser.add_argument("--render", action="store_true", help="rewrite results.md and plots from results.json")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -191,9 +192,10 @@ async def arms_run(args: argparse.Namespace, cluster: Any, factory: PromptFactor
         if code != 0:
             raise RuntimeError(f"advise failed ({code}): {err[-2000:]}")
         full = json.loads(out)
-        point["scrape"] = Path(point["scrape"]).name
         point["arms"], point["promotion"], point["verdict"] = full["arms"], full["promotion"], full["verdict"]
-        point["long_prompt_share"] = full["verdict"]["long_prompt_share"]
+        if point is not checkpoints[-1]:
+            await asyncio.to_thread(Path(point["scrape"]).unlink)  # before and after stay, to advise on again
+        point["scrape"] = Path(point["scrape"]).name
     final = checkpoints[-1]
     plot_args = ["--plot", str(args.out / "advise.png")] if report.plotting() is not None else []
     code, text, err = await advise(
@@ -201,7 +203,7 @@ async def arms_run(args: argparse.Namespace, cluster: Any, factory: PromptFactor
     )
     if code != 0:
         raise RuntimeError(f"advise failed ({code}): {err[-2000:]}")
-    (args.out / "advise.txt").write_text(text)
+    (args.out / "advise.md").write_text(advise_page(text, final["hours"], args))
     return {
         "arms": arms,
         "arm_requests": arm_requests,
@@ -209,6 +211,15 @@ async def arms_run(args: argparse.Namespace, cluster: Any, factory: PromptFactor
         "checkpoints": checkpoints,
         "advise_plot": "advise.png" if plot_args else None,
     }
+
+
+def advise_page(text: str, hours: float, args: argparse.Namespace) -> str:
+    """advise's text report on the whole A/B run, as a page beside results.md."""
+    command = (
+        f"dpd-router advise --file scrapes/after.prom --since scrapes/before.prom --hours {hours:.6f} "
+        f"--classes {','.join(map(str, args.class_bounds))} --resamples {args.resamples} --confidence {args.confidence}"
+    )
+    return f"# dpd-router advise on the A/B run\n\n`{command}`\n\n```text\n{text.rstrip()}\n```\n"
 
 
 async def settle(url: str, within: float = 30.0) -> None:
@@ -321,8 +332,10 @@ def agreement(advised: dict[str, Any] | None, static: dict[str, Any]) -> str:
             return "same winner"
         return "static: a tie" if static["winner"] is None else "different winner"
     said = "not enough data" if status == "not_enough_data" else "undecided"
+    if advised["best_value"] is not None and advised["runner_up_value"] is not None:
+        said += f", leaning {advised['best']}"
     if static["winner"] is None:
-        return f"agree: no clear winner ({said})"
+        return f"agree: no clear winner (advise {said})"
     return f"advise {said}; static: {static['winner']}"
 
 
@@ -382,7 +395,12 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
     ]:
         s = summary["all"]
         rows.append([label, s["requests"], s["errors"], f"{s['wall_s']:.0f}", report.ms(s["ttft"]["p99"]), extra])
-    md += [report.table(["run", "requests", "errors", "wall s", "TTFT p99 ms", "requests"], rows), ""]
+    md += [
+        report.table(["run", "requests", "errors", "wall s", "TTFT p99 ms", "requests by arm / route decisions"], rows),
+        "",
+        "Runs are bounded in time: the A/B run stops sending at `--max-seconds`, a static run at half of it.",
+        "",
+    ]
     md += ["## advise on the A/B run, as the traffic grows", ""]
     rows = []
     for point in ab["checkpoints"]:
@@ -409,7 +427,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
                 "winners",
                 "undecided",
                 "not enough data",
-                "winners",
+                "which",
                 "verdict",
                 "promotion",
             ],
@@ -442,7 +460,7 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"- promotion: {final['promotion']['summary']}",
         f"- verdict: {final['verdict']['summary']}",
         "",
-        "The whole advise report: [advise.txt](advise.txt).",
+        "The whole advise report: [advise.md](advise.md).",
         "",
     ]
     md += [f"![{name}]({name})" for name in results.get("plots", [])]
@@ -513,8 +531,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def render(args: argparse.Namespace) -> None:
+    """results.md and the plots again from results.json (the run's own arguments)."""
+    results = json.loads((args.out / "results.json").read_text())
+    for key, value in results["args"].items():
+        if key not in ("out", "render"):
+            setattr(args, key, value)
+    for row in results["comparison"]:
+        row["agreement"] = agreement(row["advise"], row["static"])
+    results["plots"] = plot(results, args)
+    report.write_json(args.out / "results.json", results)
+    print(write(results, args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        render(args)
+        return 0
     stack.run_async(main_async(args))
     return 0
 
