@@ -21,7 +21,7 @@ advise rightly says so; the static runs are the reference for that part.
 One 1 prefill + 1 decode simulated cluster (`--timing realistic`) serves all three runs, one after the
 other; prompts never repeat, so no prefix cache carries over.
 
-    python -m benchmarks.arms          # about 10 minutes here
+    python -m benchmarks.arms          # about 12 minutes here (bounded: 240 s + 2 x 120 s of traffic)
 """
 
 from __future__ import annotations
