@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm lint docs unit integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-all
+.PHONY: demo test test-vllm lint docs unit integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -79,4 +79,7 @@ bench-threshold: $(VENV)/.installed-bench
 bench-memory: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.memory
 
-bench-all: bench-dpd bench-overhead bench-capacity bench-threshold bench-memory
+bench-arms: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.arms
+
+bench-all: bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms

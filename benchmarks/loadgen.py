@@ -36,6 +36,8 @@ class Request:
     prompt_tokens: int
     target: int | None = None
     """Which base URL to send to (round robin over the targets when None)."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Extra request headers (a session id, say)."""
 
 
 @dataclass
@@ -161,7 +163,7 @@ async def send_one(client: httpx.AsyncClient, url: str, request: Request, record
             "POST",
             url + "/v1/chat/completions",
             content=chat_body(request),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **request.headers},
         ) as response:
             if response.status_code != 200:
                 body = await response.aread()

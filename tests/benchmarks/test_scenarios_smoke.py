@@ -139,3 +139,21 @@ def test_capacity_drives_every_setup_with_wrk_and_counts_router_cpu(tmp_path: Pa
     routed = [row for row in results["rows"] if row["setup"] != "direct"]
     assert all(row["cpu_ms_per_request"] > 0 and row["added_p50"] is not None for row in routed)
     assert "router CPU ms/req" in (tmp_path / "results.md").read_text()
+
+
+def test_arms_runs_both_arms_through_one_router_and_advise_names_them(tmp_path: Path) -> None:
+    results = run_scenario("arms", tmp_path)
+
+    ab = results["ab"]
+    assert ab["summary"]["all"]["errors"] == 0 and ab["summary"]["all"]["requests"] == 16
+    assert all(run["summary"]["all"]["errors"] == 0 for run in results["static"])
+    assert [run["arm"] for run in results["static"]] == ["t256", "t4096"]
+    assert set(ab["arm_requests"]) == {"t256", "t4096"}  # sessions fell in both arms
+    assert sum(ab["arm_requests"].values()) == 16
+    final = ab["checkpoints"][-1]
+    assert final["arms"]["arms"] == ["t256", "t4096"]
+    assert results["comparison"]
+    text = (tmp_path / "results.md").read_text()
+    assert "t256" in text and "t4096" in text and "advise (A/B arms)" in text
+    assert "t4096" in (tmp_path / "advise.md").read_text()
+    assert_plots(results, tmp_path)
