@@ -21,7 +21,8 @@ from dpd_router.advise.render import render_text
 from dpd_router.advise.report import Comparison, Options, Report
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.cli import main
-from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
+from dpd_router.metrics import PROMPT_LENGTH_BOUNDS, RouterMetrics
+from dpd_router.observe import Observer, RequestTrace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -434,6 +435,31 @@ def test_two_arms_with_a_clear_winner() -> None:
         whole = next(row for row in rows if row.path == "all") if len(rows) > 1 else rows[0]
         p50[arm] = whole.metrics["ttft_p50"].value
     assert min(p50, key=lambda arm: p50[arm]) == ttft.winner
+
+
+def test_itl_counts_streams_not_gaps_so_a_few_long_streams_name_no_winner() -> None:
+    """A handful of streams with hundreds of gaps each: one stalled stream's gaps stall together, so the
+    gaps are not independent observations and their number alone must not make a winner."""
+    metrics = RouterMetrics()
+    for arm, stalls in (("calm", 0), ("stalled", 40)):
+        for stream in range(5):
+            trace = RequestTrace(request_id=f"{arm}-{stream}", kind="chat", stream=True, arm=arm, path="direct")
+            trace.prompt_tokens = 3000
+            now = trace.started + 0.2
+            trace.mark_token_chunk(now)
+            for gap in range(300):
+                now += 0.5 if stream == 0 and gap < stalls else 0.01  # one stream of the arm stalls, often
+                trace.mark_token_chunk(now)
+            Observer(metrics).record(trace, now)
+    report = analyse(Scrape.parse(metrics.render().decode()))
+    itl = compared(report, ">2048", "itl_p99")
+    assert itl.status == "not_enough_data" and itl.winner is None
+    assert "5 < 500" in itl.note  # streams, against the 500 a p99 needs
+    # The same gaps counted as independent observations (the old reading) would have named a winner.
+    assert report.arms is not None
+    stats = {row.arm: row.metrics["itl_p99"] for row in report.arms.stats if row.request_class == ">2048"}
+    assert stats["stalled"].value is not None and stats["calm"].value is not None
+    assert stats["stalled"].value > 10 * stats["calm"].value
 
 
 def test_two_arms_with_too_little_data_are_undecided_with_the_hours_needed() -> None:

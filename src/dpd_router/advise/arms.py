@@ -99,6 +99,11 @@ class Breakdown:
         ]
         return combined(found) if found else None
 
+    def streams(self, index: int, select: Select) -> float:
+        """Streamed requests in the class (one TTFT each): the independent units its ITL gaps come from."""
+        hist = self.hist(TTFT_FAMILY, index, select)
+        return 0.0 if hist is None else hist.count
+
     def requests(self, index: int, select: Select) -> float:
         """Requests in the class: E2E observations (every request), else TTFT ones (streamed requests)."""
         for family in (E2E_FAMILY, TTFT_FAMILY):
@@ -132,6 +137,7 @@ def arms_report(scrape: Scrape, opts: Options, boot: Bootstrap) -> ArmsReport:
                         breakdown.hist(family, index, select),
                         [(q, needed_observations(q, opts.min_requests)) for _, q in wanted],
                         f"{arm}|{path}|{request_class.span}|{family}",
+                        units=breakdown.streams(index, select) if family == ITL_FAMILY else None,
                     )
                     for (name, _), (estimate, values) in zip(wanted, found, strict=True):
                         metrics[name] = estimate

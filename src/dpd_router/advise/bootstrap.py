@@ -88,11 +88,13 @@ def multinomial(rng: random.Random, n: int, weights: Sequence[float]) -> list[in
     return out
 
 
-def replicates(hist: Histogram, quantiles: Sequence[float], resamples: int, rng: random.Random) -> list[list[float]]:
+def replicates(
+    hist: Histogram, quantiles: Sequence[float], resamples: int, rng: random.Random, draws: int | None = None
+) -> list[list[float]]:
     """Per quantile, its estimates over `resamples` multinomial resamplings of the histogram's bucket counts
-    (one resampling serves every quantile)."""
+    (one resampling serves every quantile); each draws `draws` observations (default: as many as observed)."""
     cells = [(lower, upper, count) for lower, upper, count in hist.buckets() if count > 0]
-    n = round(sum(count for _, _, count in cells))
+    n = round(sum(count for _, _, count in cells)) if draws is None else draws
     out: list[list[float]] = [[] for _ in quantiles]
     if n <= 0:
         return out
@@ -142,21 +144,30 @@ class Bootstrap:
     def rng(self, name: str) -> random.Random:
         return random.Random(f"{self.seed}:{name}")  # a str seed hashes the same on every run
 
-    def estimate(self, hist: Histogram | None, q: float, needed: int, name: str) -> tuple[Estimate, list[float]]:
+    def estimate(
+        self, hist: Histogram | None, q: float, needed: int, name: str, *, units: float | None = None
+    ) -> tuple[Estimate, list[float]]:
         """The q-quantile of `hist` with its interval, and the replicates (for differences)."""
-        [(estimate, values)] = self.estimates(hist, [(q, needed)], name)
+        [(estimate, values)] = self.estimates(hist, [(q, needed)], name, units=units)
         return estimate, values
 
     def estimates(
-        self, hist: Histogram | None, quantiles: Sequence[tuple[float, int]], name: str
+        self, hist: Histogram | None, quantiles: Sequence[tuple[float, int]], name: str, *, units: float | None = None
     ) -> list[tuple[Estimate, list[float]]]:
-        """Several quantiles (q, observations needed) of `hist` from one set of resamplings."""
-        if hist is None or hist.count <= 0:
-            return [(Estimate(None, None, None, 0.0, needed), []) for _, needed in quantiles]
-        drawn = replicates(hist, [q for q, _ in quantiles], self.resamples, self.rng(name))
+        """Several quantiles (q, observations needed) of `hist` from one set of resamplings.
+
+        `units`: how many independent units the observations come from, when that is fewer (the streams
+        an ITL histogram's gaps belong to: one stalled stream's gaps stall together). Each replicate then
+        draws that many observations, so the interval is as wide as the units make it, and `count` and
+        `needed` are in units."""
+        if hist is None or hist.count <= 0 or (units is not None and units < 1):
+            return [(Estimate(None, None, None, units or 0.0, needed), []) for _, needed in quantiles]
+        draws = None if units is None or units >= hist.count else max(round(units), 1)
+        drawn = replicates(hist, [q for q, _ in quantiles], self.resamples, self.rng(name), draws)
+        count = hist.count if units is None else units
         out = []
         for (q, needed), values in zip(quantiles, drawn, strict=True):
             value, capped = hist.quantile(q)
             low, high = interval(values, self.confidence)
-            out.append((Estimate(value, low, high, hist.count, needed, capped), values))
+            out.append((Estimate(value, low, high, count, needed, capped), values))
         return out

@@ -184,15 +184,19 @@ def go_no_go(scrape: Scrape, opts: Options, boot: Bootstrap) -> Verdict:
         )
 
     itl = scrape.histograms(f"{PREFIX}_inter_token_latency_seconds", ("arm", "path"))
+    streams = _streams(scrape)
     needed = needed_observations(P99, opts.min_requests)
     live_itl = combined(h for (arm, _), h in itl.items() if arm_of(arm) != SHADOW_ARM)
-    itl_p99, _ = boot.estimate(live_itl if live_itl.count > 0 else None, P99, needed, "verdict|itl|live")
+    live_streams = sum(n for (arm, _), n in streams.items() if arm_of(arm) != SHADOW_ARM)
+    itl_p99, _ = boot.estimate(
+        live_itl if live_itl.count > 0 else None, P99, needed, "verdict|itl|live", units=live_streams
+    )
     misses = live_itl.count_above(opts.itl_slo) / live_itl.count if live_itl.count > 0 else None
-    attribution, evidence, attributed = _attribute(scrape, itl, itl_p99, opts, boot, needed)
+    attribution, evidence, attributed = _attribute(scrape, itl, streams, itl_p99, opts, boot, needed)
     if itl_p99.value is not None:
         reasons.append(
             f"live ITL p99 {_ms(itl_p99.value)} ({boot.confidence:.0%} CI {_ms(itl_p99.low)} to {_ms(itl_p99.high)}, "
-            f"{itl_p99.count:,.0f} gaps) against the SLO {_ms(opts.itl_slo)}; "
+            f"{live_itl.count:,.0f} gaps of {itl_p99.count:,.0f} streams) against the SLO {_ms(opts.itl_slo)}; "
             f"{(misses or 0.0):.2%} of the gaps miss it"
         )
     reasons.extend(evidence)
@@ -249,6 +253,7 @@ def _undecided_itl(attribution: str) -> str:
 def _attribute(
     scrape: Scrape,
     itl: dict[tuple[str, ...], Histogram],
+    streams: dict[tuple[str, ...], float],
     live_p99: Estimate,
     opts: Options,
     boot: Bootstrap,
@@ -256,8 +261,8 @@ def _attribute(
 ) -> tuple[str, list[str], bool | None]:
     """(attribution, evidence, whether the misses come from long prompts: None when it cannot be told)."""
     if live_p99.value is None or not live_p99.enough:
-        return "cannot_attribute", [f"ITL: not enough inter-token gaps ({live_p99.count:,.0f} < {needed})"], None
-    units, evidence = _units(scrape, itl)
+        return "cannot_attribute", [f"ITL: not enough streams ({live_p99.count:,.0f} < {needed})"], None
+    units, evidence = _units(scrape, itl, streams)
     if len(units) < 2 or units[0][1] - units[-1][1] < DIRECT_SPREAD:
         most = units[0][1] if units else 1.0
         if live_p99.value <= opts.itl_slo and most >= ON_DECODERS_ENOUGH:
@@ -265,7 +270,7 @@ def _attribute(
             return "no_misses", evidence, False
         alike = (
             "the arms prefill their long prompts on the decoders alike ("
-            + ", ".join(f"{name} {share:.0%}" for name, share, _ in units)
+            + ", ".join(f"{name} {share:.0%}" for name, share, _, _ in units)
             + ")"
             if units
             else "there are no long prompts"
@@ -280,11 +285,11 @@ def _attribute(
             "disaggregated) or a monolithic shadow"
         )
         return "cannot_attribute", evidence, None
-    (more, _, more_hist), (less, _, less_hist) = units[0], units[-1]
-    a, a_values = boot.estimate(more_hist, P99, needed, f"verdict|itl|{more}")
-    b, b_values = boot.estimate(less_hist, P99, needed, f"verdict|itl|{less}")
+    (more, _, more_hist, more_streams), (less, _, less_hist, less_streams) = units[0], units[-1]
+    a, a_values = boot.estimate(more_hist, P99, needed, f"verdict|itl|{more}", units=more_streams)
+    b, b_values = boot.estimate(less_hist, P99, needed, f"verdict|itl|{less}", units=less_streams)
     if not (a.enough and b.enough) or a.value is None or b.value is None:
-        evidence.append(f"ITL: not enough gaps to compare ({a.count:,.0f} and {b.count:,.0f}; each needs {needed})")
+        evidence.append(f"ITL: not enough streams to compare ({a.count:,.0f} and {b.count:,.0f}; each needs {needed})")
         return "undecided", evidence, None
     low, high = interval([x - y for x, y in zip(a_values, b_values, strict=False)], boot.confidence)
     difference = a.value - b.value
@@ -312,14 +317,21 @@ def _attribute(
     return "undecided", evidence, None
 
 
+def _streams(scrape: Scrape) -> dict[tuple[str, ...], float]:
+    """Streamed requests (one TTFT each) per (arm, path): the independent units ITL gaps come from, since
+    one stalled stream's gaps stall together."""
+    ttft = scrape.histograms(f"{PREFIX}_time_to_first_token_seconds", ("arm", "path"))
+    return {key: hist.count for key, hist in ttft.items()}
+
+
 def _units(
-    scrape: Scrape, itl: dict[tuple[str, ...], Histogram]
-) -> tuple[list[tuple[str, float, Histogram]], list[str]]:
-    """(name, share of long prompts prefilled on the decoders, ITL histogram) per live arm and shadow path,
-    the most decoder-prefilled first."""
+    scrape: Scrape, itl: dict[tuple[str, ...], Histogram], streams: dict[tuple[str, ...], float]
+) -> tuple[list[tuple[str, float, Histogram, float]], list[str]]:
+    """(name, share of long prompts prefilled on the decoders, ITL histogram, its streams) per live arm and
+    shadow path, the most decoder-prefilled first."""
     breakdown = Breakdown(scrape, request_classes(()))
     long_index = next(i for i, c in enumerate(breakdown.classes) if c.long)
-    units: list[tuple[str, float, Histogram]] = []
+    units: list[tuple[str, float, Histogram, float]] = []
     evidence = []
     for arm in sorted({arm_of(arm) for arm, _ in itl} - {SHADOW_ARM}):
         hist = combined(h for (a, _), h in itl.items() if arm_of(a) == arm)
@@ -327,14 +339,15 @@ def _units(
         total = breakdown.requests(long_index, select_arm(arm))
         if total <= 0 or hist.count <= 0:
             continue
-        units.append((f"arm {arm}", direct / total, hist))
+        arm_streams = sum(n for (a, _), n in streams.items() if arm_of(a) == arm)
+        units.append((f"arm {arm}", direct / total, hist, arm_streams))
         evidence.append(f"arm {arm}: {direct / total:.0%} of its {total:,.0f} long prompts prefilled on the decoders")
     # The shadow's monolithic endpoint prefills every prompt itself; a staging dpd-router is taken to
     # disaggregate the long ones.
     for path, share in (("monolithic", 1.0), ("dpd", 0.0)):
         shadowed = itl.get((SHADOW_ARM, path))
         if shadowed is not None and shadowed.count > 0:
-            units.append((f"shadow {path}", share, shadowed))
+            units.append((f"shadow {path}", share, shadowed, streams.get((SHADOW_ARM, path), 0.0)))
     units.sort(key=lambda unit: (-unit[1], unit[0]))
     return units, evidence
 
