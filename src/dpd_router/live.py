@@ -108,7 +108,11 @@ class LiveConfig:
                 raise ConfigRejected(str(exc)) from None
             if self._change_log is None:
                 return self._apply(new, source)
-            await asyncio.to_thread(self._change_log.append_changes, settings_json(new, set(changes)))
+            try:
+                await asyncio.to_thread(self._change_log.append_changes, settings_json(new, set(changes)))
+            except OSError as exc:
+                log.error("cannot write to the workers' change log, so this change is this worker's alone: %s", exc)
+                return self._apply(new, source)
             return await self._read_changes(own_source=source)
 
     async def replay_changes(self) -> None:
@@ -181,7 +185,10 @@ class LiveConfig:
             live = {name: getattr(new, name) for name in LIVE_SETTINGS}
             changed = self._apply(updated_settings(self.settings, live), source)
             if self._change_log is not None:
-                await asyncio.to_thread(self._change_log.append_reload)
+                try:
+                    await asyncio.to_thread(self._change_log.append_reload)
+                except OSError as exc:  # a worker starting later then also applies the PUTs before this reload
+                    log.error("cannot write a reload marker to the workers' change log: %s", exc)
             return changed
 
     def _apply(self, new: Settings, source: str) -> dict[str, Any]:

@@ -172,3 +172,13 @@ async def test_a_reload_first_applies_the_siblings_changes_written_before_it(log
 def test_a_single_process_router_has_no_log(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(change_log.CHANGE_LOG_ENV, raising=False)
     assert ChangeLog.from_environment() is None
+
+
+async def test_a_put_is_still_applied_here_when_the_log_cannot_be_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    alone, metrics = worker(load_settings(decode_urls=DECODERS), tmp_path / "gone" / change_log.FILE_NAME, 1)
+    changed = await alone.update({"routing_threshold": 1234})
+    assert changed["routing_threshold"]["to"] == 1234 and alone.settings.routing_threshold == 1234
+    assert reloads(metrics, "admin", "applied") == 1
+    assert "this change is this worker's alone" in caplog.text
