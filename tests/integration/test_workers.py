@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from dpd_router.api.auth import hash_key
+from dpd_router.change_log import CHANGE_LOG_ENV
 from dpd_sim.cluster import SimCluster
 from tests.redis_server import RedisServer
 
@@ -385,3 +387,38 @@ async def test_a_sighup_after_a_put_sets_the_files_value_on_every_worker_and_a_l
             response = await client.put("/admin/config", json={"routing_threshold": 4000}, headers=ADMIN)
             assert response.status_code == 200, response.text
         await thresholds_become(router, 4000)
+
+
+def change_log_of(worker: int) -> Path:
+    """The change log the supervisor named to a worker (its environment, as the worker read it)."""
+    environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+    (value,) = (item.partition(b"=")[2] for item in environ if item.startswith(f"{CHANGE_LOG_ENV}=".encode()))
+    return Path(value.decode())
+
+
+async def test_a_shadow_put_reaches_the_sibling_with_its_key_through_a_private_log(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    shadow = {"url": engines.decode_urls[0], "share": 0, "api_key": "sk-shadow-secret"}
+    async with (
+        supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router,
+        pinned_clients(12, router.base_url) as clients,
+    ):
+        (_, taker_client), (sibling, sibling_client) = (await one_client_a_worker(clients)).items()
+        response = await taker_client.put("/admin/config", json={"shadow": shadow}, headers=ADMIN)
+        assert response.status_code == 200, response.text
+        async with asyncio.timeout(20):
+            while True:
+                config = (await sibling_client.get("/admin/config", headers=ADMIN)).json()
+                if config["shadow"] is not None:
+                    break
+                await asyncio.sleep(0.1)
+        assert config["shadow"]["url"] == shadow["url"]
+        assert config["shadow"]["api_key"] is not None, "the sibling's shadow has the key too"
+        assert "sk-shadow-secret" not in str(config), "shown redacted"
+        # The key is in the log, for the siblings: a file only the router's user may read.
+        log_path = change_log_of(sibling)
+        assert b"sk-shadow-secret" in log_path.read_bytes()
+        assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(log_path.parent.stat().st_mode) == 0o700
+    assert not log_path.parent.exists(), "the supervisor removes the log when it stops"
