@@ -5,6 +5,11 @@ flags, env and file), or an operator sends `PUT /admin/config`. Each is validate
 Settings, handed to every part that declared itself `Reconfigurable`, logged and counted. Settings
 outside LIVE_SETTINGS (engines, listeners, tokenizer, keys) need a restart: a reload reports them;
 a PUT refuses them.
+
+A worker of `serve --workers N` has a fourth way: its siblings' PUTs, which it reads from the
+workers' change log (change_log.py) and applies as source `peer`. Its own PUTs go through the log too
+(appended, then applied in the log's order with everyone else's), so every worker applies the same
+sequence; each reload leaves a marker there, after catching up, for a worker started later.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dpd_router.change_log import POLL_INTERVAL, ChangeLog, Entry, settings_json
 from dpd_router.config import (
     Settings,
     SettingsError,
@@ -51,12 +57,21 @@ class LiveConfig:
     """Owns the router's current Settings and hands each change to the parts that declared themselves
     reconfigurable, in the order given."""
 
-    def __init__(self, settings: Settings, parts: Sequence[Reconfigurable], metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        parts: Sequence[Reconfigurable],
+        metrics: RouterMetrics,
+        change_log: ChangeLog | None = None,
+    ) -> None:
         self._settings = settings
         self._parts = tuple(parts)
         self._metrics = metrics
+        # A worker of several: the log its PUTs go through and its siblings' arrive from.
+        self._change_log = change_log
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._follow: asyncio.Task[None] | None = None
         self._seen_mtime: float | None = None
         self._reloads: set[asyncio.Task[dict[str, Any]]] = set()
 
@@ -91,11 +106,69 @@ class LiveConfig:
             except SettingsError as exc:
                 self._count(source, "rejected")
                 raise ConfigRejected(str(exc)) from None
-            return self._apply(new, source)
+            if self._change_log is None:
+                return self._apply(new, source)
+            try:
+                await asyncio.to_thread(self._change_log.append_changes, settings_json(new, set(changes)))
+            except OSError as exc:
+                log.error("cannot write to the workers' change log, so this change is this worker's alone: %s", exc)
+                return self._apply(new, source)
+            return await self._read_changes(own_source=source)
+
+    async def replay_changes(self) -> None:
+        """A worker starting: apply its siblings' changes since their last reload (as they did after it)."""
+        if self._change_log is None:
+            return
+        async with self._lock:
+            for entry in await asyncio.to_thread(self._change_log.read_since_last_reload):
+                self._apply_entry(entry, "peer")
+
+    async def apply_peer_changes(self) -> None:
+        """Apply the changes written to the workers' log since this worker last read it."""
+        if self._change_log is not None:
+            async with self._lock:
+                await self._read_changes()
+
+    async def _read_changes(self, *, own_source: str = "peer") -> dict[str, Any]:
+        """Apply the log's new changes in its order (the lock held); returns what this worker's own changed,
+        raising ConfigRejected if it no longer validates after a sibling's change that came first."""
+        assert self._change_log is not None
+        own: dict[str, Any] = {}
+        refusal: ConfigRejected | None = None
+        for entry in await asyncio.to_thread(self._change_log.read_new):
+            if entry.is_reload:
+                continue  # each worker reloads on its own signal; markers are for the workers starting later
+            if entry.pid != self._change_log.pid:
+                self._apply_entry(entry, "peer")
+                continue
+            try:
+                own = self._apply_entry(entry, own_source)
+            except ConfigRejected as exc:
+                refusal = exc
+        if refusal is not None:
+            raise refusal
+        return own
+
+    def _apply_entry(self, entry: Entry, source: str) -> dict[str, Any]:
+        changes = entry.changes or {}
+        try:
+            if set(changes) - LIVE_SETTINGS:
+                raise SettingsError(f"{', '.join(sorted(set(changes) - LIVE_SETTINGS))} cannot change live")
+            new = updated_settings(self.settings, changes)
+        except SettingsError as exc:
+            self._count(source, "rejected")
+            if source == "peer":
+                log.error("a change from worker %d is rejected here: %s", entry.pid, exc)
+                return {}
+            raise ConfigRejected(str(exc)) from None
+        return self._apply(new, source)
 
     async def reload(self, source: str) -> dict[str, Any]:
         """Re-read flags, env and the config file; apply what may change live, report the rest."""
         async with self._lock:
+            if self._change_log is not None:
+                # The siblings' changes written before this reload come before it, as they do for them.
+                await self._read_changes()
             try:
                 new = await asyncio.to_thread(lambda: load_settings(**self.settings._overrides))
             except SettingsError as exc:
@@ -110,7 +183,13 @@ class LiveConfig:
             if pending:
                 log.warning("config reload (%s): %s changed but need a restart to apply", source, ", ".join(pending))
             live = {name: getattr(new, name) for name in LIVE_SETTINGS}
-            return self._apply(updated_settings(self.settings, live), source)
+            changed = self._apply(updated_settings(self.settings, live), source)
+            if self._change_log is not None:
+                try:
+                    await asyncio.to_thread(self._change_log.append_reload)
+                except OSError as exc:  # a worker starting later then also applies the PUTs before this reload
+                    log.error("cannot write a reload marker to the workers' change log: %s", exc)
+            return changed
 
     def _apply(self, new: Settings, source: str) -> dict[str, Any]:
         old = self.settings
@@ -141,6 +220,8 @@ class LiveConfig:
             self._watch = asyncio.create_task(self._watch_file(path), name="config-watch")
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+        if self._change_log is not None:
+            self._follow = asyncio.create_task(self._follow_siblings(self._change_log), name="config-follow")
 
     def _on_sighup(self) -> None:
         task = asyncio.ensure_future(self.reload("sighup"))
@@ -155,11 +236,20 @@ class LiveConfig:
                 self._seen_mtime = mtime
                 await self.reload("file")
 
+    async def _follow_siblings(self, change_log: ChangeLog) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL)
+            if not change_log.has_news():
+                continue
+            try:
+                await self.apply_peer_changes()
+            except Exception:  # a part failing one change must not stop this worker following the rest
+                log.exception("applying a change from the workers' change log failed")
+
     async def close(self) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-        if self._watch is not None:
-            await cancel_and_wait([self._watch])
+        await cancel_and_wait([task for task in (self._watch, self._follow) if task is not None])
 
 
 def _mtime(path: Path) -> float | None:

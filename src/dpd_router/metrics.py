@@ -164,7 +164,8 @@ class RouterMetrics:
         )
         self.config_reloads = Counter(
             f"{PREFIX}_config_reloads",
-            "Live configuration changes, by source (file, sighup, admin) and outcome (applied, unchanged, rejected).",
+            "Live configuration changes, by source (file, sighup, admin, peer: another worker's admin change) and "
+            "outcome (applied, unchanged, rejected).",
             ["source", "outcome"],
             registry=r,
         )

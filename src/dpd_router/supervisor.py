@@ -17,6 +17,9 @@ The shape, and why:
   (PROMETHEUS_MULTIPROC_DIR, read by prometheus-client at import, hence before any worker starts)
   and removes it at exit; a scrape answered by any worker sums them all (metrics.py). A dead
   worker's live gauges are dropped (`mark_process_dead`) before its replacement starts.
+- Admin changes: the supervisor creates a private directory (0700, removed at exit) for the workers'
+  change log (change_log.py), named to them by CHANGE_LOG_ENV: a `PUT /admin/config` that one worker
+  accepts is appended there, and every worker (a replacement too) applies it.
 - Signals: SIGTERM or SIGINT drains every worker (each is sent SIGTERM and finishes its requests in
   flight, as a single router does) and the supervisor exits when the last one has; a second SIGINT
   forces them (uvicorn's second Ctrl-C). SIGHUP is forwarded to every worker (each reloads its
@@ -25,7 +28,8 @@ The shape, and why:
   dying young (up to MAX_BACKOFF), so a crash loop does not spin.
 
 Everything else is per process: each worker keeps its own limits (its share of them: config.py's
-`workers`), health checks, breaker states, prefix index and adaptive model.
+`workers`, unless `limits_store` shares them), health checks, breaker states, prefix index, shadow
+queue and adaptive model.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from dpd_router import change_log
 from dpd_router.config import Settings, SettingsError, load_settings
 from dpd_router.metrics import MULTIPROC_DIR_ENV
 
@@ -64,17 +70,22 @@ def serve_workers(settings: Settings) -> int:
         raise SettingsError("workers > 1 cannot serve kv_connector lmcache (one process binds lmcache_notify_address)")
     sock = bind(settings.host, settings.port)
     metrics_dir = tempfile.mkdtemp(prefix="dpd-router-metrics-")
-    previous = os.environ.get(MULTIPROC_DIR_ENV)
-    os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # spawned workers inherit it
+    changes_dir = tempfile.mkdtemp(prefix="dpd-router-changes-")  # 0700: the log may hold the shadow's key
+    # Spawned workers inherit these.
+    shared = {MULTIPROC_DIR_ENV: metrics_dir, change_log.CHANGE_LOG_ENV: str(change_log.create(Path(changes_dir)))}
+    previous = {name: os.environ.get(name) for name in shared}
+    os.environ.update(shared)
     try:
         return Supervisor(settings, sock, metrics_dir).run()
     finally:
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-        if previous is None:
-            os.environ.pop(MULTIPROC_DIR_ENV, None)
-        else:
-            os.environ[MULTIPROC_DIR_ENV] = previous
+        shutil.rmtree(changes_dir, ignore_errors=True)
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -347,6 +347,28 @@ def test_router_replicas_may_scale_on_cpu_and_keep_a_disruption_budget() -> None
     ], "off by default: the replicas are fixed"
 
 
+@pytest.mark.parametrize("target", [16, 2.5])
+def test_router_replicas_may_also_scale_on_requests_in_flight_served_by_prometheus_adapter(target: float) -> None:
+    autoscaling = {"enabled": True, "inFlightTarget": target}
+    hpa = render({"router": {"autoscaling": autoscaling}}).component("HorizontalPodAutoscaler", "router")
+    cpu, in_flight = hpa["spec"]["metrics"]
+    assert cpu["resource"]["name"] == "cpu", "CPU stays: the HPA takes the larger of the two counts"
+    assert in_flight == {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": "dpd_router_in_flight_requests"},
+            "target": {"type": "AverageValue", "averageValue": str(target)},
+        },
+    }
+    rule = next(rule for rule in adapter_rules() if rule["name"]["as"] == "dpd_router_in_flight_requests")
+    assert rule["seriesQuery"].startswith("dpd_router_in_flight_requests{"), "the router's own gauge, by pod"
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(hpa, version, strict=True)
+    with pytest.raises(helm.HelmValuesError, match="inFlightTarget"):
+        render({"router": {"autoscaling": {"enabled": True, "inFlightTarget": -1}}})
+
+
 def test_limits_store_is_set_from_a_url_or_a_secret() -> None:
     assert "limits_store" not in render_example(None).router_settings()
     url = "redis://redis-master.cache:6379/0"

@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from dpd_router.api.auth import hash_key
+from dpd_router.change_log import CHANGE_LOG_ENV
 from dpd_sim.cluster import SimCluster
 from tests.redis_server import RedisServer
 
@@ -290,3 +292,133 @@ async def test_a_shared_limits_store_holds_each_keys_whole_limit_across_workers(
         assert [await ask(first) for _ in range(3)] == [200, 200, 200]
         assert [await ask(second) for _ in range(2)] == [200, 429]
         assert await metric(router.base_url, "dpd_router_limits_store_errors_total") == 0
+
+
+def with_admin_key(tmp_path: Path) -> dict[str, str]:
+    """The settings of a router whose admin key is ADMIN's (PUT /admin/config needs one)."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - sha256: {hash_key('workers-admin-key')}\n    admin: true\n")
+    return {"api_keys_file": str(keys)}
+
+
+async def one_client_a_worker(clients: list[httpx.AsyncClient]) -> dict[int, httpx.AsyncClient]:
+    """A pinned client on each of the two workers (the kernel picks the worker of each connection)."""
+    by_worker: dict[int, httpx.AsyncClient] = {}
+    for client in clients:
+        by_worker.setdefault(await worker_of(client), client)
+        if len(by_worker) == 2:
+            break
+    assert len(by_worker) == 2, "the kernel gave every connection to one worker"
+    return by_worker
+
+
+async def thresholds_become(router: Supervised, value: int) -> dict[int, int]:
+    """Waits until two workers run `value`; their thresholds by pid."""
+    async with asyncio.timeout(30):
+        while True:
+            states = await worker_states(router, count=2)
+            thresholds = {pid: state["router"]["routing_threshold"] for pid, state in states.items()}
+            if all(threshold == value for threshold in thresholds.values()):
+                return thresholds
+            await asyncio.sleep(0.2)
+
+
+async def kill_and_await_replacement(router: Supervised, victim: int) -> dict[int, int]:
+    """SIGKILL a worker; once its replacement answers, the two workers' thresholds by pid (a replacement
+    applies the log before it serves: no waiting for its value)."""
+    os.kill(victim, signal.SIGKILL)
+    async with asyncio.timeout(30):
+        while True:
+            states = await worker_states(router, count=2)
+            if victim not in states:
+                break
+            await asyncio.sleep(0.2)
+    return {pid: state["router"]["routing_threshold"] for pid, state in states.items()}
+
+
+async def test_a_put_to_one_worker_reaches_every_worker_and_a_replacement(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    async with (
+        supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router,
+        pinned_clients(12, router.base_url) as clients,
+    ):
+        by_worker = await one_client_a_worker(clients)
+        (taker, taker_client), (sibling, sibling_client) = by_worker.items()
+        response = await taker_client.put("/admin/config", json={"routing_threshold": 3000}, headers=ADMIN)
+        assert response.status_code == 200, response.text
+        # The answer is the worker's that took the PUT: what it changed.
+        assert response.json()["changed"] == {"routing_threshold": {"from": THRESHOLD, "to": 3000}}
+        async with asyncio.timeout(20):
+            while True:
+                config = (await sibling_client.get("/admin/config", headers=ADMIN)).json()
+                if config["routing_threshold"] == 3000:
+                    break
+                await asyncio.sleep(0.1)
+        assert (await taker_client.get("/admin/config", headers=ADMIN)).json()["routing_threshold"] == 3000
+        for _ in range(4):  # counted once as the admin's, once as the sibling's peer change
+            for source in ("admin", "peer"):
+                labels = {"source": source, "outcome": "applied"}
+                assert await metric(router.base_url, "dpd_router_config_reloads_total", labels) == 1
+        assert await worker_of(sibling_client) == sibling
+        # The worker that took it dies: its replacement reads the PUT from the log, not from it.
+        thresholds = await kill_and_await_replacement(router, taker)
+        assert sibling in thresholds and set(thresholds.values()) == {3000}, thresholds
+
+
+async def test_a_sighup_after_a_put_sets_the_files_value_on_every_worker_and_a_later_replacement(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    async with supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            response = await client.put("/admin/config", json={"routing_threshold": 3000}, headers=ADMIN)
+            assert response.status_code == 200, response.text
+        await thresholds_become(router, 3000)
+        settings = yaml.safe_load(router.config.read_text())
+        settings["routing_threshold"] = 2048
+        router.config.write_text(yaml.safe_dump(settings))
+        router.process.send_signal(signal.SIGHUP)
+        victim = min(await thresholds_become(router, 2048))
+        # A worker started now reads the file (2048) and skips the PUT before the reload (3000).
+        thresholds = await kill_and_await_replacement(router, victim)
+        assert set(thresholds.values()) == {2048}, thresholds
+        # ...and a PUT after the reload still reaches every worker.
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            response = await client.put("/admin/config", json={"routing_threshold": 4000}, headers=ADMIN)
+            assert response.status_code == 200, response.text
+        await thresholds_become(router, 4000)
+
+
+def change_log_of(worker: int) -> Path:
+    """The change log the supervisor named to a worker (its environment, as the worker read it)."""
+    environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+    (value,) = (item.partition(b"=")[2] for item in environ if item.startswith(f"{CHANGE_LOG_ENV}=".encode()))
+    return Path(value.decode())
+
+
+async def test_a_shadow_put_reaches_the_sibling_with_its_key_through_a_private_log(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    shadow = {"url": engines.decode_urls[0], "share": 0, "api_key": "sk-shadow-secret"}
+    async with (
+        supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router,
+        pinned_clients(12, router.base_url) as clients,
+    ):
+        (_, taker_client), (sibling, sibling_client) = (await one_client_a_worker(clients)).items()
+        response = await taker_client.put("/admin/config", json={"shadow": shadow}, headers=ADMIN)
+        assert response.status_code == 200, response.text
+        async with asyncio.timeout(20):
+            while True:
+                config = (await sibling_client.get("/admin/config", headers=ADMIN)).json()
+                if config["shadow"] is not None:
+                    break
+                await asyncio.sleep(0.1)
+        assert config["shadow"]["url"] == shadow["url"]
+        assert config["shadow"]["api_key"] is not None, "the sibling's shadow has the key too"
+        assert "sk-shadow-secret" not in str(config), "shown redacted"
+        # The key is in the log, for the siblings: a file only the router's user may read.
+        log_path = change_log_of(sibling)
+        assert b"sk-shadow-secret" in log_path.read_bytes()
+        assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(log_path.parent.stat().st_mode) == 0o700
+    assert not log_path.parent.exists(), "the supervisor removes the log when it stops"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 from dpd_router import __version__
+from dpd_router.change_log import ChangeLog
 from dpd_router.config import Settings
 from dpd_router.live import LiveConfig, Reconfigurable
 from dpd_router.metrics import RouterMetrics
@@ -101,10 +102,13 @@ class Components:
             routing=routing,
         )
         upkeep = build_upkeep(settings, engines, client=client, metrics=metrics, model=model, lmcache=routing.lmcache)
-        live = LiveConfig(settings, live_parts(metrics, routing, serving, access), metrics)
+        # A worker of several follows the workers' change log, which the supervisor names (change_log.py).
+        change_log = ChangeLog.from_environment() if settings.workers > 1 else None
+        live = LiveConfig(settings, live_parts(metrics, routing, serving, access), metrics, change_log)
         components = cls(
             settings, client, connector, metrics, model, tokenizers, engines, routing, access, serving, upkeep, live
         )
+        await live.replay_changes()
         live.start()
         await upkeep.start()
         serving.shadow.start()
