@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ from dpd_router.config import Settings
 log = logging.getLogger("dpd_router.config")
 
 CHANGE_LOG_ENV = "DPD_ROUTER_CHANGE_LOG"
+# The supervisor's pid, so a worker can ask it to reload every worker (it forwards SIGHUP to them all).
+SUPERVISOR_ENV = "DPD_ROUTER_SUPERVISOR"
 FILE_NAME = "changes.jsonl"
 # Seconds between a worker's looks at the file: how long a sibling's PUT takes to reach it, about.
 POLL_INTERVAL = 0.5
@@ -86,16 +89,29 @@ class ChangeLog:
 
     Blocking file calls: LiveConfig runs them in a thread."""
 
-    def __init__(self, path: Path, *, pid: int | None = None) -> None:
+    def __init__(self, path: Path, *, pid: int | None = None, supervisor: int | None = None) -> None:
         self.path = path
         self.pid = os.getpid() if pid is None else pid
+        self.supervisor = supervisor
         self._offset = 0  # bytes read: up to the end of the last whole line
 
     @classmethod
     def from_environment(cls) -> ChangeLog | None:
         """The log the supervisor named to this worker; None for a router that is one process."""
         path = os.environ.get(CHANGE_LOG_ENV)
-        return cls(Path(path)) if path else None
+        supervisor = os.environ.get(SUPERVISOR_ENV, "")
+        return cls(Path(path), supervisor=int(supervisor) if supervisor.isdigit() else None) if path else None
+
+    def reload_every_worker(self) -> bool:
+        """Ask the supervisor to reload every worker (SIGHUP, which it forwards); False when it is not this
+        worker's parent any more (it died: this worker is an orphan, and must not signal whoever adopted it)."""
+        if self.supervisor is None or os.getppid() != self.supervisor:
+            return False
+        try:
+            os.kill(self.supervisor, signal.SIGHUP)
+        except OSError:
+            return False
+        return True
 
     def append_changes(self, changes: dict[str, Any]) -> None:
         self._append({"pid": self.pid, "changes": changes})

@@ -115,6 +115,14 @@ class LiveConfig:
                 return self._apply(new, source)
             return await self._read_changes(own_source=source)
 
+    async def reload_everywhere(self, source: str) -> dict[str, Any]:
+        """`reload`, here and, in a worker of several, in every worker: the supervisor is asked to forward
+        SIGHUP to them all (this one reloads again then, finding nothing new). Returns what changed here."""
+        changed = await self.reload(source)
+        if self._change_log is not None and not self._change_log.reload_every_worker():
+            log.warning("config reload (%s) reached this worker only: its supervisor is gone", source)
+        return changed
+
     async def replay_changes(self) -> None:
         """A worker starting: apply its siblings' changes since their last reload (as they did after it)."""
         if self._change_log is None:

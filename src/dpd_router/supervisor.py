@@ -72,7 +72,11 @@ def serve_workers(settings: Settings) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="dpd-router-metrics-")
     changes_dir = tempfile.mkdtemp(prefix="dpd-router-changes-")  # 0700: the log may hold the shadow's key
     # Spawned workers inherit these.
-    shared = {MULTIPROC_DIR_ENV: metrics_dir, change_log.CHANGE_LOG_ENV: str(change_log.create(Path(changes_dir)))}
+    shared = {
+        MULTIPROC_DIR_ENV: metrics_dir,
+        change_log.CHANGE_LOG_ENV: str(change_log.create(Path(changes_dir))),
+        change_log.SUPERVISOR_ENV: str(os.getpid()),
+    }
     previous = {name: os.environ.get(name) for name in shared}
     os.environ.update(shared)
     try:

@@ -389,6 +389,20 @@ async def test_a_sighup_after_a_put_sets_the_files_value_on_every_worker_and_a_l
         await thresholds_become(router, 4000)
 
 
+async def test_an_admin_reload_on_one_worker_reloads_every_worker(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    async with supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router:
+        settings = yaml.safe_load(router.config.read_text())
+        settings["routing_threshold"] = 2500
+        router.config.write_text(yaml.safe_dump(settings))  # no SIGHUP: the admin asks one worker
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            response = await client.post("/admin/reload", headers=ADMIN)
+            assert response.status_code == 200, response.text
+            assert response.json()["changed"]["routing_threshold"]["to"] == 2500
+        await thresholds_become(router, 2500)
+
+
 def change_log_of(worker: int) -> Path:
     """The change log the supervisor named to a worker (its environment, as the worker read it)."""
     environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")

@@ -4,6 +4,8 @@ real file here, as `serve --workers N` workers do (the processes themselves: int
 from __future__ import annotations
 
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,16 @@ async def test_a_put_is_still_applied_here_when_the_log_cannot_be_written(
     assert changed["routing_threshold"]["to"] == 1234 and alone.settings.routing_threshold == 1234
     assert reloads(metrics, "admin", "applied") == 1
     assert "this change is this worker's alone" in caplog.text
+
+
+def test_a_worker_asks_only_its_own_living_supervisor_to_reload_everyone(tmp_path: Path) -> None:
+    path = change_log.create(tmp_path)
+    # Not this process's parent (an orphaned worker's former supervisor, or anyone else): never signalled.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not ChangeLog(path, supervisor=stranger.pid).reload_every_worker()
+        assert stranger.poll() is None  # a SIGHUP would have ended it
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert not ChangeLog(path, supervisor=None).reload_every_worker()

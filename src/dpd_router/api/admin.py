@@ -100,11 +100,11 @@ class AdminApi:
         return _json({"changed": changed, "config": self._live.effective()})
 
     async def reload(self, request: Request) -> Response:
-        """Re-read flags, environment and the config file, as SIGHUP does."""
+        """Re-read flags, environment and the config file, as SIGHUP does (in every worker of several)."""
         refusal = authorize(request, self._gatekeeper)
         if refusal is not None:
             return refusal
-        changed = await self._live.reload("admin")
+        changed = await self._live.reload_everywhere("admin")
         return _json({"changed": changed, "config": self._live.effective()})
 
     async def routing(self, request: Request) -> Response:
