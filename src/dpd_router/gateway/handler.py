@@ -40,7 +40,7 @@ from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
-from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
+from dpd_router.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 from dpd_router.transport import EngineCalls
 
@@ -127,9 +127,11 @@ class Gateway:
         phase = "tokenize"
         try:
             planner = self.planner_for(principal.tenant)
-            prompt = await self._prepare(request, principal, trace)
+            prompt = await self._prepare(request, principal, trace, planner)
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
+            if prompt.rest is not None:
+                self._count_whole_later(prompt, prompt.rest, plan, planner, done, trace)
             phase = "serve"
             exchange = Exchange(
                 request,
@@ -160,15 +162,64 @@ class Gateway:
             done()
             raise
 
-    async def _prepare(self, request: ClientRequest, principal: Principal, trace: RequestTrace) -> Prompt:
+    async def _prepare(
+        self, request: ClientRequest, principal: Principal, trace: RequestTrace, planner: Planner
+    ) -> Prompt:
         """The prompt's tokens, once the request is known to fit the context window and the key's budget."""
-        prompt = await self._tokenize(request, principal.tenant)
+        prompt = await self._read(request, principal, planner)
         trace.prompt_tokens = prompt.num_tokens
         trace.tokenize_seconds = prompt.seconds
         self._metrics.tokenize.observe(prompt.seconds)
-        self._check_context_length(request, prompt)
+        self._check_context_length(
+            request, prompt if prompt.at_most is None else replace(prompt, num_tokens=prompt.at_most)
+        )
         await principal.limits.take_prompt_tokens(prompt.num_tokens)
         return prompt
+
+    async def _read(self, request: ClientRequest, principal: Principal, planner: Planner) -> Prompt:
+        """The prompt read from its start only as far as the plan and the context window need, the rest
+        encoded in the background; whole where a local byte-level tokenizer cannot read it in part, or
+        the key's prompt-token budget needs the exact count."""
+        tokenizer = self.tokenizer_for(principal.tenant)
+        if not isinstance(tokenizer, LocalTokenizer) or principal.limits.prompt_tokens is not None:
+            return await self._tokenize(request, principal.tenant)
+        limit = self._model.max_model_len
+        try:
+            reader = await tokenizer.reader(request, max_tokens=limit)
+        except PromptTooLong:
+            assert limit is not None
+            raise prompt_too_long(limit, limit + 1, at_least=True) from None
+        if reader is None:
+            return await self._tokenize(request, principal.tenant)
+        return await read_prompt(reader, planner.tokens_to_settle, limit)
+
+    @staticmethod
+    def _count_whole_later(
+        prompt: Prompt,
+        whole: asyncio.Future[Prompt],
+        plan: Plan,
+        planner: Planner,
+        done: Completion,
+        trace: RequestTrace,
+    ) -> None:
+        """Once a prompt planned on its first tokens is encoded whole: its blocks go into the prefix index
+        (for the next prompts sharing them), and the request is reported with its exact counts."""
+        cached = prompt.num_tokens - plan.uncached_tokens
+
+        def recorded(task: asyncio.Future[Prompt]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                planner.record_whole(task.result(), plan)
+
+        def settle() -> None:
+            if whole.cancelled() or whole.exception() is not None:
+                return
+            tokens = whole.result().num_tokens
+            trace.prompt_tokens = tokens
+            if trace.uncached_tokens is not None:
+                trace.uncached_tokens = max(tokens - cached, 0)
+
+        whole.add_done_callback(recorded)
+        done.report_after(whole, settle)
 
     async def _plan(
         self, request: ClientRequest, prompt: Prompt, planner: Planner, headers: Mapping[str, str], trace: RequestTrace
