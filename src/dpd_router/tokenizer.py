@@ -191,7 +191,7 @@ class LocalTokenizer:
             return None
         return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
 
-    async def _encode_head(self, text: str, *, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    async def encode_head(self, text: str, *, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids and character offsets of `text`, in the lane its size calls for."""
         lane = self._lane(len(text))
         if lane is None:
@@ -328,7 +328,7 @@ class PromptReader:
         self._special = special
         self._specials = specials
         self._started = started
-        self._size = len(text.encode("utf-8", "surrogatepass"))
+        self._size = utf8_size(text)
         self._chars = 0  # characters of the last head encoded
         self._per_token = _CHARS_PER_TOKEN_GUESS
         self.prompt = self._known([], 0)
@@ -340,10 +340,10 @@ class PromptReader:
         chars = max(2 * self._chars, math.ceil(wanted * self._per_token * margin) + 64)
         cut = head_cut(text, chars) if chars < len(text) else 0
         if cut <= 0:
-            ids, _ = await self._tokenizer._encode_head(text, special=self._special)
+            ids, _ = await self._tokenizer.encode_head(text, special=self._special)
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
-        ids, offsets = await self._tokenizer._encode_head(text[:cut], special=self._special)
+        ids, offsets = await self._tokenizer.encode_head(text[:cut], special=self._special)
         self._chars = cut
         known = kept_tokens(offsets, head_cut(text, cut - 1))
         end = max((token_end for _, token_end in offsets[:known]), default=0)
@@ -371,7 +371,7 @@ class PromptReader:
 
     def _known(self, ids: list[int], end: int) -> Prompt:
         """The prompt known by its first `ids`, which stand for `text[:end]`."""
-        head = len(self._text[:end].encode("utf-8", "surrogatepass"))
+        head = utf8_size(self._text[:end])
         after = self._size - head
         at_most = len(ids) + after + self._specials
         per_token = head / len(ids) if ids and head else self._per_token
@@ -396,6 +396,11 @@ async def read_prompt(reader: PromptReader, settle: Callable[[Prompt], int | Non
             return reader.rest()
         prompt = await reader.more(wanted)
     return prompt
+
+
+def utf8_size(text: str) -> int:
+    """The text's size in UTF-8 bytes, without encoding an ASCII text (a copy of a long prompt)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def kept_tokens(offsets: Sequence[tuple[int, int]], boundary: int) -> int:
