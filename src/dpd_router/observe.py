@@ -134,11 +134,12 @@ class Observer:
         # (wall-clock end, the log line's fields) of the last requests.
         self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
 
-    def finish(self, trace: RequestTrace) -> None:
+    def finish(self, trace: RequestTrace, *, ended: float | None = None) -> None:
+        """Record the request; `ended` (a perf_counter reading) when it ended before it is reported."""
         if trace.finished:
             return
         trace.finished = True
-        now = time.perf_counter()
+        now = time.perf_counter() if ended is None else ended
         m = self.metrics
         path = trace.path
         m.requests.labels(path, trace.outcome).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,13 +128,14 @@ class Completion:
             self._observer.finish(self._trace)
         else:
             ready, settle = self._report_after
+            ended = time.perf_counter()
             if ready.done():
-                self._report(settle)
+                self._report(settle, ended)
             else:
-                ready.add_done_callback(lambda _: self._report(settle))
+                ready.add_done_callback(lambda _: self._report(settle, ended))
         if self._on_finish is not None:
             self._on_finish()
 
-    def _report(self, settle: Callable[[], None]) -> None:
+    def _report(self, settle: Callable[[], None], ended: float) -> None:
         settle()
-        self._observer.finish(self._trace)
+        self._observer.finish(self._trace, ended=ended)

@@ -128,10 +128,12 @@ class Gateway:
         try:
             planner = self.planner_for(principal.tenant)
             prompt = await self._prepare(request, principal, trace, planner)
+            if prompt.rest is not None:
+                self._count_whole_later(prompt, prompt.rest, done, trace)
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
             if prompt.rest is not None:
-                self._count_whole_later(prompt, prompt.rest, plan, planner, done, trace)
+                self._index_whole_later(prompt.rest, plan, planner)
             phase = "serve"
             exchange = Exchange(
                 request,
@@ -195,31 +197,33 @@ class Gateway:
 
     @staticmethod
     def _count_whole_later(
-        prompt: Prompt,
-        whole: asyncio.Future[Prompt],
-        plan: Plan,
-        planner: Planner,
-        done: Completion,
-        trace: RequestTrace,
+        prompt: Prompt, whole: asyncio.Future[Prompt], done: Completion, trace: RequestTrace
     ) -> None:
-        """Once a prompt planned on its first tokens is encoded whole: its blocks go into the prefix index
-        (for the next prompts sharing them), and the request is reported with its exact counts."""
-        cached = prompt.num_tokens - plan.uncached_tokens
-
-        def recorded(task: asyncio.Future[Prompt]) -> None:
-            if not task.cancelled() and task.exception() is None:
-                planner.record_whole(task.result(), plan)
+        """The request of a prompt planned on its first tokens is reported (metrics, log line) with its
+        exact counts, once the prompt is encoded whole."""
+        estimate = prompt.num_tokens
+        trace.prompt_tokens = None  # not known yet
 
         def settle() -> None:
             if whole.cancelled() or whole.exception() is not None:
                 return
             tokens = whole.result().num_tokens
             trace.prompt_tokens = tokens
-            if trace.uncached_tokens is not None:
-                trace.uncached_tokens = max(tokens - cached, 0)
+            if trace.uncached_tokens is not None:  # planned: the cached prefix it counted stays the same
+                trace.uncached_tokens = max(tokens - (estimate - trace.uncached_tokens), 0)
+
+        done.report_after(whole, settle)
+
+    @staticmethod
+    def _index_whole_later(whole: asyncio.Future[Prompt], plan: Plan, planner: Planner) -> None:
+        """The blocks of a prompt planned on its first tokens go into the prefix index once it is encoded
+        whole, for the next prompts that share them."""
+
+        def recorded(task: asyncio.Future[Prompt]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                planner.record_whole(task.result(), plan)
 
         whole.add_done_callback(recorded)
-        done.report_after(whole, settle)
 
     async def _plan(
         self, request: ClientRequest, prompt: Prompt, planner: Planner, headers: Mapping[str, str], trace: RequestTrace
