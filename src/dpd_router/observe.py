@@ -177,11 +177,12 @@ class Observer:
         self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
         self._series: dict[tuple[str, str], _Series] = {}
 
-    def finish(self, trace: RequestTrace) -> None:
+    def finish(self, trace: RequestTrace, *, ended: float | None = None) -> None:
+        """Record the request; `ended` (a perf_counter reading) when it ended before it is reported."""
         if trace.finished:
             return
         trace.finished = True
-        now = time.perf_counter()
+        now = time.perf_counter() if ended is None else ended
         self.record(trace, now)
         if transfer_was_ineffective(trace):
             self.metrics.kv_transfer_ineffective.inc()

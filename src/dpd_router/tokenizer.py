@@ -4,16 +4,21 @@ Chat requests are rendered through the tokenizer's chat template with the genera
 then encoded without extra special tokens (what vLLM does); text prompts are encoded with them.
 Long prompts are tokenized in a worker thread so the event loop keeps relaying other streams.
 Without a local tokenizer, the engines' own `POST /tokenize` answers.
+
+Routing rarely needs the whole count: a `PromptReader` reads a byte-level tokenizer's prompt from its
+start only as far as the decision needs (see `PromptReader`), and the rest is encoded in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,11 +35,22 @@ class Prompt:
     """A request's prompt as tokens: what routing decides on.
 
     `token_ids` holds the first (or only) prompt's ids; `num_tokens` counts every prompt of a batch.
+
+    A prompt known in part (`at_most` set, read by a `PromptReader`) has the first ids of its whole
+    encoding in `token_ids`, an estimate between `len(token_ids)` and `at_most` (a bound on the
+    whole count) in `num_tokens`, and, once routing settled on it, the whole prompt coming in `rest`.
     """
 
     token_ids: Sequence[int]
     num_tokens: int
     seconds: float
+    at_most: int | None = None
+    rest: asyncio.Future[Prompt] | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether `token_ids` and `num_tokens` are the whole prompt's."""
+        return self.at_most is None
 
 
 class TokenCounter(Protocol):
@@ -91,6 +107,26 @@ class LocalTokenizer:
         self._large_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
         self._sandbox = sandbox
         self.bytes_per_token = longest_token_bytes(tokenizer)
+        # Special tokens the post-processor adds to an encoding, when every other token stands for at
+        # least one byte of the text (None: not such a tokenizer, so no prompt is read in part).
+        self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
+        if self._added_specials is not None and not self._heads_agree(_PROBE_TEXT):
+            self._added_specials = None  # a pre-tokenizer pattern crossed a boundary: count prompts whole
+        self._background: set[asyncio.Task[Prompt]] = set()
+
+    def _heads_agree(self, text: str) -> bool:
+        """Whether the heads of `text` cut at every boundary PromptReader cuts at (with the tokens it
+        keeps of each) start as the whole text's encoding does, and its bytes bound its tokens."""
+        for special in (False, True):
+            whole, _ = self._ids_and_offsets(text, special)
+            if len(whole) > len(text.encode("utf-8")) + (self._added_specials or 0):
+                return False
+            for match in _BOUNDARY.finditer(text):
+                ids, offsets = self._ids_and_offsets(text[: match.start()], special)
+                known = kept_tokens(offsets, head_cut(text, match.start() - 1))
+                if ids[:known] != whole[:known]:
+                    return False
+        return True
 
     @classmethod
     def load(
@@ -128,6 +164,62 @@ class LocalTokenizer:
             num_tokens=sum(len(ids) for ids in batches),
             seconds=time.perf_counter() - started,
         )
+
+    async def reader(self, request: ClientRequest, *, max_tokens: int | None = None) -> PromptReader | None:
+        """A reader of the request's prompt from its start; None where only the whole count will do (a
+        tokenizer that is not byte-level BPE, a batch, token ids). A prompt whose size already shows it
+        holds more than `max_tokens` raises PromptTooLong, as `tokenize` does."""
+        if self._added_specials is None:
+            return None
+        started = time.perf_counter()
+        if request.kind == "chat":
+            rendered = await self._render_client_template(request)
+            text, special = (rendered if rendered is not None else self._render(request.body)), False
+        else:
+            prompt = request.body["prompt"]
+            if not isinstance(prompt, str):
+                return None
+            text, special = prompt, True
+        self._check_size(text, max_tokens)
+        return PromptReader(
+            self, text, special=special, specials=self._added_specials if special else 0, started=started
+        )
+
+    def _lane(self, size: int) -> ThreadPoolExecutor | None:
+        """The threads that encode a text of `size` characters; None: at once, on the event loop."""
+        if size <= self._inline_max_chars:
+            return None
+        return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
+
+    async def encode_head(self, text: str, *, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids and character offsets of `text`, in the lane its size calls for."""
+        lane = self._lane(len(text))
+        if lane is None:
+            return self._ids_and_offsets(text, special)
+        return await asyncio.get_running_loop().run_in_executor(lane, self._ids_and_offsets, text, special)
+
+    def _ids_and_offsets(self, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        assert self._backend is not None
+        encoding = self._backend.encode_batch([text], add_special_tokens=special)[0]  # releases the GIL
+        return list(encoding.ids), list(encoding.offsets)
+
+    def encode_rest(self, text: str, *, special: bool, started: float) -> asyncio.Future[Prompt]:
+        """The whole prompt, encoded in the background (off the request's path); kept until done."""
+
+        async def whole() -> Prompt:
+            lane = self._lane(len(text))
+            if lane is None:
+                ids = self._encode(text, special=special, threaded=False)
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    lane, lambda: self._encode(text, special=special, threaded=True)
+                )
+            return Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - started)
+
+        task = asyncio.get_running_loop().create_task(whole())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _work_for(
         self, request: ClientRequest, rendered: str | None, max_tokens: int | None
@@ -208,6 +300,170 @@ class LocalTokenizer:
         self.close()
         if self._sandbox is not None:
             await self._sandbox.close()
+
+
+# Before a prompt's head is encoded, the characters one token is taken to stand for.
+_CHARS_PER_TOKEN_GUESS = 4.0
+# How far back from a wanted cut a boundary is looked for; none there and the text is read whole.
+_BOUNDARY_WINDOW = 4096
+# A space right after a non-space character: a pre-tokenizer splits just before it.
+_BOUNDARY = re.compile(r"(?<=\S) ")
+
+
+class PromptReader:
+    """Reads a prompt's tokens from its start, only as far as a decision needs.
+
+    Every token of a byte-level BPE stands for at least one byte of the text, but the few special
+    tokens its post-processor adds: the text's UTF-8 size bounds its tokens before anything is
+    encoded. A head of the text cut just before a space that follows a non-space character splits
+    into the same pre-tokens as the whole text up to that boundary (no pre-tokenizer pattern runs from
+    a non-space character into a space, and BPE encodes each pre-token alone), so the head's tokens up
+    to its last such boundary before the cut are the whole encoding's first tokens, and the bytes
+    after them bound the rest (tests/unit/test_prompt_reader.py checks both over random texts).
+    """
+
+    def __init__(self, tokenizer: LocalTokenizer, text: str, *, special: bool, specials: int, started: float) -> None:
+        self._tokenizer = tokenizer
+        self._text = text
+        self._special = special
+        self._specials = specials
+        self._started = started
+        self._size = utf8_size(text)
+        self._chars = 0  # characters of the last head encoded
+        self._per_token = _CHARS_PER_TOKEN_GUESS
+        self.prompt = self._known([], 0)
+
+    async def more(self, wanted: int) -> Prompt:
+        """The prompt read on, to about `wanted` known tokens (at least twice as far as before), or whole."""
+        text = self._text
+        margin = 1.1 if self._chars else 1.5  # a guessed size of a token errs long, to read in one step
+        chars = max(2 * self._chars, math.ceil(wanted * self._per_token * margin) + 64)
+        cut = head_cut(text, chars) if chars < len(text) else 0
+        if cut <= 0:
+            ids, _ = await self._tokenizer.encode_head(text, special=self._special)
+            self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
+            return self.prompt
+        ids, offsets = await self._tokenizer.encode_head(text[:cut], special=self._special)
+        self._chars = cut
+        known = kept_tokens(offsets, head_cut(text, cut - 1))
+        end = max((token_end for _, token_end in offsets[:known]), default=0)
+        if ids:
+            self._per_token = max(cut / len(ids), 1.0)
+        self.prompt = self._known(ids[:known], end)
+        return self.prompt
+
+    def tokens_to_bound(self, limit: int) -> int:
+        """About how many first tokens must be known for the bound on the whole count to fall below
+        `limit`: each token read stands for the bytes the bound counted as one token each."""
+        prompt = self.prompt
+        assert prompt.at_most is not None
+        bytes_per_token = self._size / max(prompt.num_tokens, 1)
+        if bytes_per_token <= 1.01:
+            return prompt.at_most  # reading on would barely lower the bound: read it whole
+        excess = max(prompt.at_most - limit + 1, 0)
+        return len(prompt.token_ids) + math.ceil(excess / (bytes_per_token - 1))
+
+    def rest(self) -> Prompt:
+        """The prompt as read so far, with its whole encoding to come (in the background)."""
+        whole = self._tokenizer.encode_rest(self._text, special=self._special, started=self._started)
+        self.prompt = replace(self.prompt, rest=whole)
+        return self.prompt
+
+    def _known(self, ids: list[int], end: int) -> Prompt:
+        """The prompt known by its first `ids`, which stand for `text[:end]`."""
+        head = utf8_size(self._text[:end])
+        after = self._size - head
+        at_most = len(ids) + after + self._specials
+        per_token = head / len(ids) if ids and head else self._per_token
+        estimate = min(max(len(ids) + round(after / per_token), len(ids)), at_most)
+        return Prompt(token_ids=ids, num_tokens=estimate, seconds=time.perf_counter() - self._started, at_most=at_most)
+
+
+async def read_prompt(reader: PromptReader, settle: Callable[[Prompt], int | None], limit: int | None) -> Prompt:
+    """The prompt read as far as `settle` (how many first tokens would settle the plan: 0 when it is
+    settled, None when only the whole prompt will do) and the context window of `limit` tokens need:
+    a prompt known in part, its whole encoding coming in `rest`, or the whole prompt."""
+    prompt = reader.prompt
+    while prompt.at_most is not None:
+        wanted = settle(prompt)
+        if wanted is None:
+            wanted = prompt.at_most  # the whole prompt
+        if limit is not None and prompt.at_most >= limit and (wanted == 0 or prompt.token_ids):
+            # The context window's check is not settled either: read as far as the bound needs (once
+            # a head read for the plan has shown how many bytes a token of this text stands for).
+            wanted = max(wanted, reader.tokens_to_bound(limit))
+        if wanted == 0:
+            return reader.rest()
+        prompt = await reader.more(wanted)
+    return prompt
+
+
+def utf8_size(text: str) -> int:
+    """The text's size in UTF-8 bytes, without encoding an ASCII text (a copy of a long prompt)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def kept_tokens(offsets: Sequence[tuple[int, int]], boundary: int) -> int:
+    """How many of a head's first tokens end at or before `boundary` (those the whole text shares)."""
+    kept = 0
+    for _, end in offsets:
+        if end > boundary:
+            break
+        kept += 1
+    return kept
+
+
+# Text a tokenizer's heads are checked on at startup: words, digits, punctuation before newlines,
+# whitespace runs, code and non-Latin scripts.
+_PROBE_TEXT = (
+    "The quick brown fox, 12345 jumps.\n\nOver   the lazy dog; naïve café 漢字 🙂 ok!\n"
+    "def f(x):\n    return x**2  # squared\n\tTabs\tand  \r\n CRLF... (parens) [brackets] {braces}\n"
+    "  leading spaces, trailing spaces   \nemoji 🙂🙂 mixed123abc 3.14159 don't we'll I'm\n"
+)
+
+
+def head_cut(text: str, chars: int) -> int:
+    """The last place at or before `chars` where `text` may be cut for a head (a space right after a
+    non-space character), looked for a little way back; 0 when there is none."""
+    start = max(0, chars - _BOUNDARY_WINDOW)
+    last = 0
+    for match in _BOUNDARY.finditer(text, start, chars + 1):
+        last = match.start()
+    return last
+
+
+def byte_level_specials(backend: Any) -> int | None:
+    """For a byte-level BPE whose every token but the post-processor's stands for at least one byte of
+    the text and whose heads encode as the whole text's start (see PromptReader): the special tokens
+    its post-processor adds. None for any other tokenizer: its prompts are only ever counted whole.
+
+    A normalizer may grow the text (NFKC turns one character into many); a prefix space is added to
+    every piece between special tokens; special tokens with spaces in them, or that strip spaces
+    around them, could straddle a cut; dropout is not repeatable."""
+    spec = orjson.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("dropout") or spec.get("normalizer") is not None:
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    parts = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    if not any(part.get("type") == "ByteLevel" for part in parts):
+        return None
+    if not any(
+        part.get("type") == "Split" or (part.get("type") == "ByteLevel" and part.get("use_regex", True))
+        for part in parts
+    ):
+        return None  # no pattern splits the text: BPE merges could run across spaces
+    for part in parts:
+        if part.get("type") not in ("ByteLevel", "Split", "Digits") or part.get("add_prefix_space"):
+            return None
+    for token in spec.get("added_tokens") or []:
+        content = str(token.get("content", ""))
+        if not content or any(ch.isspace() for ch in content) or token.get("lstrip") or token.get("rstrip"):
+            return None
+        if token.get("single_word"):
+            return None
+    processor = backend.post_processor
+    return 0 if processor is None else int(processor.num_special_tokens_to_add(False))
 
 
 def client_template(body: dict[str, Any]) -> str | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
+from typing import Any
 
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
@@ -66,12 +69,18 @@ class Completion:
         self._decoder: Endpoint | None = None
         self._kv: HeldKV | None = None
         self._deferred: list[Callable[[], object]] = []
+        self._report_after: tuple[asyncio.Future[Any], Callable[[], None]] | None = None
         self._done = False
         metrics.in_flight.inc()
 
     def defer(self, cleanup: Callable[[], object]) -> None:
         """Run `cleanup` when the request is over (for example: cancel a prefill still running)."""
         self._deferred.append(cleanup)
+
+    def report_after(self, ready: asyncio.Future[Any], settle: Callable[[], None]) -> None:
+        """Report the trace (metrics, log line, learning) once `ready` is done and `settle` has put
+        what it brought on the trace: a prompt planned on its first tokens is counted whole then."""
+        self._report_after = (ready, settle)
 
     def hold(self, decoder: Endpoint) -> None:
         """Count the request against `decoder` (moving it off a decoder held before)."""
@@ -115,6 +124,18 @@ class Completion:
         if self._decoder is not None:
             self._decoder.finish()
         self._metrics.in_flight.dec()
-        self._observer.finish(self._trace)
+        if self._report_after is None:
+            self._observer.finish(self._trace)
+        else:
+            ready, settle = self._report_after
+            ended = time.perf_counter()
+            if ready.done():
+                self._report(settle, ended)
+            else:
+                ready.add_done_callback(lambda _: self._report(settle, ended))
         if self._on_finish is not None:
             self._on_finish()
+
+    def _report(self, settle: Callable[[], None], ended: float) -> None:
+        settle()
+        self._observer.finish(self._trace, ended=ended)

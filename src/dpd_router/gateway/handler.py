@@ -41,8 +41,8 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
-from dpd_router.shadow import LiveShadow
-from dpd_router.tokenizer import Prompt, PromptTooLong, TokenCounter
+from dpd_router.shadow import LiveShadow, Shadow
+from dpd_router.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 from dpd_router.transport import EngineCalls
 
@@ -151,11 +151,15 @@ class Gateway:
         phase = "tokenize"
         try:
             planner = self._planner_of(request, principal, headers or {}, trace)
-            prompt = await self._prepare(request, principal, trace)
+            prompt = await self._prepare(request, principal, trace, planner)
+            if prompt.rest is not None:
+                self._count_whole_later(prompt, prompt.rest, done, trace)
             if self._shadow is not None and self._shadow.current is not None:  # chosen: copied, never waited for
-                self._shadow.current.offer(request, request_id, prompt.num_tokens, headers or {})
+                self._offer_shadow(self._shadow.current, request, request_id, prompt, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
+            if prompt.rest is not None:
+                self._index_whole_later(prompt.rest, plan, planner)
             phase = "serve"
             exchange = Exchange(
                 request,
@@ -186,15 +190,82 @@ class Gateway:
             done()
             raise
 
-    async def _prepare(self, request: ClientRequest, principal: Principal, trace: RequestTrace) -> Prompt:
+    async def _prepare(
+        self, request: ClientRequest, principal: Principal, trace: RequestTrace, planner: Planner
+    ) -> Prompt:
         """The prompt's tokens, once the request is known to fit the context window and the key's budget."""
-        prompt = await self._tokenize(request, principal.tenant)
+        prompt = await self._read(request, principal, planner)
         trace.prompt_tokens = prompt.num_tokens
         trace.tokenize_seconds = prompt.seconds
         self._metrics.tokenize.observe(prompt.seconds)
-        self._check_context_length(request, prompt)
+        self._check_context_length(
+            request, prompt if prompt.at_most is None else replace(prompt, num_tokens=prompt.at_most)
+        )
         await principal.limits.take_prompt_tokens(prompt.num_tokens)
         return prompt
+
+    async def _read(self, request: ClientRequest, principal: Principal, planner: Planner) -> Prompt:
+        """The prompt read from its start only as far as the plan and the context window need, the rest
+        encoded in the background; whole where a local byte-level tokenizer cannot read it in part, or
+        the key's prompt-token budget needs the exact count."""
+        tokenizer = self.tokenizer_for(principal.tenant)
+        if not isinstance(tokenizer, LocalTokenizer) or principal.limits.prompt_tokens is not None:
+            return await self._tokenize(request, principal.tenant)
+        limit = self._model.max_model_len
+        try:
+            reader = await tokenizer.reader(request, max_tokens=limit)
+        except PromptTooLong:
+            assert limit is not None
+            raise prompt_too_long(limit, limit + 1, at_least=True) from None
+        if reader is None:
+            return await self._tokenize(request, principal.tenant)
+        return await read_prompt(reader, planner.tokens_to_settle, limit)
+
+    @staticmethod
+    def _offer_shadow(
+        shadow: Shadow, request: ClientRequest, request_id: str, prompt: Prompt, headers: Mapping[str, str]
+    ) -> None:
+        """Offer the shadow a copy with the prompt's exact length: at once, or once a prompt read in part is
+        encoded whole (the copy's metrics go in the same prompt-length bucket as the live request's)."""
+        if prompt.rest is None:
+            shadow.offer(request, request_id, prompt.num_tokens, headers)
+            return
+
+        def offer(whole: asyncio.Future[Prompt]) -> None:
+            if not whole.cancelled() and whole.exception() is None:
+                shadow.offer(request, request_id, whole.result().num_tokens, headers)
+
+        prompt.rest.add_done_callback(offer)
+
+    @staticmethod
+    def _count_whole_later(
+        prompt: Prompt, whole: asyncio.Future[Prompt], done: Completion, trace: RequestTrace
+    ) -> None:
+        """The request of a prompt planned on its first tokens is reported (metrics, log line) with its
+        exact counts, once the prompt is encoded whole."""
+        estimate = prompt.num_tokens
+        trace.prompt_tokens = None  # not known yet
+
+        def settle() -> None:
+            if whole.cancelled() or whole.exception() is not None:
+                return
+            tokens = whole.result().num_tokens
+            trace.prompt_tokens = tokens
+            if trace.uncached_tokens is not None:  # planned: the cached prefix it counted stays the same
+                trace.uncached_tokens = max(tokens - (estimate - trace.uncached_tokens), 0)
+
+        done.report_after(whole, settle)
+
+    @staticmethod
+    def _index_whole_later(whole: asyncio.Future[Prompt], plan: Plan, planner: Planner) -> None:
+        """The blocks of a prompt planned on its first tokens go into the prefix index once it is encoded
+        whole, for the next prompts that share them."""
+
+        def recorded(task: asyncio.Future[Prompt]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                planner.record_whole(task.result(), plan)
+
+        whole.add_done_callback(recorded)
 
     async def _plan(
         self, request: ClientRequest, prompt: Prompt, planner: Planner, headers: Mapping[str, str], trace: RequestTrace

@@ -65,6 +65,15 @@ class CacheLocator:
                 return source, found
         return None, {}
 
+    def longest_match(self, request: RoutingRequest, candidates: Sequence[Endpoint]) -> int:
+        """The longest prefix of the prompt any source places on any candidate, in tokens."""
+        longest = 0
+        for source in self._sources:
+            found = source.matched_tokens(request, candidates)
+            if found:
+                longest = max(longest, *found.values())
+        return longest
+
     def cached_tokens(self, request: RoutingRequest, endpoint: Endpoint) -> int:
         return self.matched_tokens(request, (endpoint,)).get(endpoint, 0)
 

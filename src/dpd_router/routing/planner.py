@@ -170,6 +170,61 @@ class Planner:
             return None
         return await self._kv_lookup.lookup(prompt.token_ids)
 
+    def tokens_to_settle(self, prompt: Prompt) -> int | None:
+        """For a prompt known in part (its first ids, and at most `at_most` tokens in all): 0 when its
+        plan is the plan of every prompt it may turn out to be; else about how many of its first tokens
+        would settle the plan, or None when only the whole prompt will do.
+
+        Settled: a prompt below the threshold whatever its count, when the cached prefixes of every
+        endpoint (by every cache source) end inside its known ids, or only one decoder could take it;
+        a long prompt once its known tokens, less the longest such cached prefix, reach the threshold
+        (and the busy gate's ceiling, while the gate is closed), and its prefiller's strategy reads no
+        further (`tokens_read`). Nothing awaits between this and `plan`, so the state it saw is the plan's.
+        Adaptive mode weighs the exact count, an external KV lookup asks with every id, and decoders
+        that serve nothing alone take every prompt through a prefiller: they read the whole prompt.
+        """
+        if prompt.at_most is None:
+            return 0
+        if not self.serves_direct or self._kv_lookup is not None or self._threshold.mode == "adaptive":
+            return None
+        known = len(prompt.token_ids)
+        reach = self._cached_reach(prompt)
+        block_size = self.cache.block_size if self.cache is not None else 16
+        if prompt.at_most < self.threshold:
+            return 0 if reach is not None or len(self.pool.decoders) == 1 else max(2 * known, 16 * block_size)
+        strategy = self.prefill_strategy
+        floor = max(self.threshold, strategy.tokens_read() if isinstance(strategy, PrefixAware) else 0)
+        if reach is None:
+            return max(2 * known, floor + block_size)
+        cached = reach if self._threshold.cache_aware else 0
+        needed = max(floor, self.threshold + cached)
+        gate = self._busy_gate
+        if gate is not None and gate.diverts(self.pool.healthy("prefill"), 0):
+            needed = max(needed, gate.max_tokens + cached)  # closed now: it diverts prompts below its ceiling
+        return 0 if known >= needed else needed
+
+    def _cached_reach(self, prompt: Prompt) -> int | None:
+        """The longest prefix of the prompt any endpoint holds by any cache source, when every such
+        prefix ends inside the prompt's known full blocks (so the whole prompt's are the same); None
+        when one may run on past them."""
+        if self.cache is None:
+            return 0
+        block_size = self.cache.block_size
+        assert prompt.at_most is not None
+        if prompt.at_most < block_size:
+            return 0  # no full block: nothing can be matched
+        known = len(prompt.token_ids) // block_size * block_size
+        if known == 0:
+            return None
+        longest = self.cache.longest_match(RoutingRequest(prompt), self.pool.endpoints())
+        return longest if longest < known else None
+
+    def record_whole(self, prompt: Prompt, plan: Plan) -> None:
+        """Record where a prompt planned on its first tokens went, now that its whole encoding is known."""
+        if self.cache is not None:
+            request = RoutingRequest(prompt)
+            self.cache.record(request, (plan.decoder,) if plan.prefiller is None else (plan.decoder, plan.prefiller))
+
     def plan(
         self,
         prompt: Prompt,

@@ -72,6 +72,13 @@ class PrefixAware:
         self._key_blocks = max(1, -(-key_tokens // cache.block_size))
         self._hash_new = hash_new_prefixes
 
+    def tokens_read(self) -> int:
+        """The first tokens of a prompt this choice reads (beyond where cached prefixes end): the key,
+        and enough to tell that the key is no longer than half the prompt."""
+        if not self._hash_new:
+            return 0
+        return (2 * self._key_blocks - 1) * self.cache.block_size
+
     def select(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
         if len(candidates) == 1:
             return candidates[0]

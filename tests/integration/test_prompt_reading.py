@@ -1,0 +1,62 @@
+"""A long prompt is routed on its first tokens: its whole count still reaches the metrics, the log line
+and the prefix index, equal to what the engine counted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from pathlib import Path
+
+import pytest
+
+from dpd_router.tokenizer import LocalTokenizer
+from dpd_sim.cluster import SimCluster
+from dpd_sim.tokenizer_kit import _WORDS
+
+from .conftest import MODEL, metric, openai_client, running_router
+
+BLOCK_SIZE = 16
+
+
+def long_text(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
+    cluster: SimCluster, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, logger="dpd_router.request")
+    read_in_part: list[str] = []
+    encode_rest = LocalTokenizer.encode_rest
+
+    def spy(self: LocalTokenizer, text: str, *, special: bool, started: float) -> asyncio.Future[object]:
+        read_in_part.append(text[-20:])
+        return encode_rest(self, text, special=special, started=started)  # type: ignore[return-value]
+
+    monkeypatch.setattr(LocalTokenizer, "encode_rest", spy)
+    async with running_router(
+        prefill_urls=cluster.prefill_urls,
+        decode_urls=cluster.decode_urls,
+        tokenizer=str(tokenizer_dir),
+        routing_threshold=512,
+        block_size=BLOCK_SIZE,
+    ) as base_url:
+        client = openai_client(base_url)
+        answer = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long_text(4000, 1)}], max_tokens=4
+        )
+        assert answer.usage is not None
+        engine_count = answer.usage.prompt_tokens
+        assert read_in_part, "the prompt was routed before it was encoded whole"
+        for _ in range(100):  # the trace is reported once the whole encoding is done, just after the answer
+            if await metric(base_url, "dpd_router_prompt_tokens_count", {"path": "disaggregated"}) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await metric(base_url, "dpd_router_prompt_tokens_sum", {"path": "disaggregated"}) == engine_count
+        assert await metric(base_url, "dpd_router_cache_index_blocks", {"index": "prefix"}) == (
+            engine_count // BLOCK_SIZE
+        )
+    logged = [r.fields for r in caplog.records if r.getMessage().startswith("Conditional routing")]  # type: ignore[attr-defined]
+    assert [(fields["path"], fields["prompt_tokens"]) for fields in logged] == [("disaggregated", engine_count)]

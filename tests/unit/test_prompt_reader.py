@@ -1,0 +1,358 @@
+"""A prompt read only as far as routing needs: its head is the whole encoding's start, its bound holds,
+and the plan made on it is the plan the whole prompt gets (over random prompts, templates, thresholds,
+cached prefixes and pools)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import normalizers
+
+from dpd_router.client_request import parse_request
+from dpd_router.config import load_settings
+from dpd_router.context_window import check_context_length
+from dpd_router.errors import InvalidRequest
+from dpd_router.metrics import RouterMetrics
+from dpd_router.pool.pool import Pool
+from dpd_router.routing.planner import Planner, build_planner
+from dpd_router.routing.request import RoutingRequest
+from dpd_router.tokenizer import LocalTokenizer, Prompt, PromptReader, PromptTooLong, byte_level_specials, read_prompt
+from dpd_sim.tokenizer_kit import _WORDS
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PIECES = (
+    *_WORDS[:200],
+    "<s>",
+    "</s>",
+    "<|eot_id|>",
+    "<|start_header_id|>",
+    "naïve",
+    "café",
+    "漢字",
+    "🙂",
+    "Ωmega",
+    "x**2",
+    "f(x):",
+    "return",
+    "12345",
+    "3.14",
+    "don't",
+    "we'll",
+    "...",
+    "--",
+    "{",
+    "}",
+    "[0]",
+    "\u00a0",
+    "\u2003",
+    "\x1c",
+    "é\u0301",
+)
+SEPARATORS = (" ", " ", " ", "  ", "\n", "\n\n", "\t", "", " \n ", "   \n", "\r\n", ".\n")
+
+
+def text_of(pieces: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(PIECES) + rng.choice(SEPARATORS) for _ in range(pieces)).strip(" ") or "x"
+
+
+@pytest.fixture(scope="module")
+def local(tokenizer_dir: Path) -> LocalTokenizer:
+    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=1 << 30, threads=1)
+
+
+@pytest.fixture(scope="module")
+def chatml(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LocalTokenizer:
+    """The same vocabulary behind another chat template (ChatML, whose markers are plain text here)."""
+    directory = tmp_path_factory.mktemp("chatml") / "tokenizer"
+    shutil.copytree(tokenizer_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHATML
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return LocalTokenizer.load(directory, inline_max_chars=1 << 30, threads=1)
+
+
+texts = st.builds(text_of, st.integers(1, 1500), st.integers(0, 2**32))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=texts, wanted=st.integers(1, 3000), special=st.booleans())
+def test_a_head_read_starts_the_whole_encoding_and_its_bytes_bound_the_rest(
+    local: LocalTokenizer, text: str, wanted: int, special: bool
+) -> None:
+    whole = local._encode(text, special=special, threaded=False)
+
+    async def read() -> list[Prompt]:
+        specials = byte_level_specials(local._backend) if special else 0
+        assert specials is not None
+        reader = PromptReader(local, text, special=special, specials=specials, started=0.0)
+        prompts = [reader.prompt]
+        step = wanted
+        while prompts[-1].at_most is not None:
+            prompts.append(await reader.more(step))
+            step *= 2
+        return prompts
+
+    for prompt in asyncio.run(read()):
+        known = list(prompt.token_ids)
+        assert known == whole[: len(known)]
+        if prompt.at_most is None:
+            assert known == whole and prompt.num_tokens == len(whole)
+        else:
+            assert len(known) <= prompt.num_tokens <= prompt.at_most
+            assert len(whole) <= prompt.at_most
+
+
+@dataclass(frozen=True)
+class Case:
+    chat: bool
+    chatml: bool
+    pieces: int
+    seed: int
+    # The threshold as a share of the prompt's whole count (1e6: above every prompt).
+    threshold: float
+    mode: str
+    strategy: str
+    prefillers: int
+    decoders: int
+    limit: int | None
+    # Prefixes of this prompt already placed: (share of its tokens, endpoint index).
+    cached: tuple[tuple[float, int], ...]
+
+
+cases = st.builds(
+    Case,
+    chat=st.booleans(),
+    chatml=st.booleans(),
+    pieces=st.one_of(st.integers(1, 2000), st.integers(2000, 12000)),
+    seed=st.integers(0, 2**32),
+    threshold=st.one_of(st.floats(0.0, 0.3), st.floats(0.0, 1.5), st.just(1e6)),
+    mode=st.sampled_from(["static", "cache_aware"]),
+    strategy=st.sampled_from(["prefixaware", "roundrobin", "leastloaded", "kvaware"]),
+    prefillers=st.integers(0, 2),
+    decoders=st.integers(1, 3),
+    limit=st.one_of(st.none(), st.integers(100, 40000)),
+    cached=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 4)), max_size=3).map(tuple),
+)
+
+
+def planner_for(case: Case, whole: Prompt) -> Planner:
+    settings = load_settings(
+        decode_urls=[f"http://127.0.0.1:82{i:02d}" for i in range(case.decoders)],
+        prefill_urls=[f"http://127.0.0.1:81{i:02d}" for i in range(case.prefillers)] or None,
+        routing_threshold=max(1, min(int(whole.num_tokens * case.threshold), 10**9)),
+        threshold_mode=case.mode,
+        prefill_strategy=case.strategy,
+    )
+    pool = Pool(settings.prefill_urls, settings.decode_urls)
+    planner = build_planner(settings, pool, RouterMetrics())
+    assert planner.cache is not None
+    endpoints = pool.endpoints()
+    for share, index in case.cached:
+        tokens = int(len(whole.token_ids) * share)
+        prefix = Prompt(token_ids=whole.token_ids[:tokens], num_tokens=tokens, seconds=0.0)
+        planner.cache.record(RoutingRequest(prefix), [endpoints[index % len(endpoints)]])
+    return planner
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases)
+def test_the_plan_of_a_prompt_read_in_part_is_the_plan_of_the_whole_prompt(
+    local: LocalTokenizer, chatml: LocalTokenizer, case: Case
+) -> None:
+    tokenizer = chatml if case.chatml else local
+    text = text_of(case.pieces, case.seed)
+    if case.chat:
+        body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
+        request = parse_request("chat", orjson.dumps(body))
+    else:
+        request = parse_request("completion", orjson.dumps({"prompt": text}))
+
+    async def plans() -> tuple[Prompt, Prompt, Prompt | None]:
+        whole = await tokenizer.tokenize(request)
+        reader = await tokenizer.reader(request, max_tokens=case.limit)
+        assert reader is not None
+        fast = planner_for(case, whole)
+        read = await read_prompt(reader, fast.tokens_to_settle, case.limit)
+        rest = None if read.rest is None else await read.rest
+        return whole, read, rest
+
+    try:
+        whole, read, rest = asyncio.run(plans())
+    except PromptTooLong:
+        return  # refused by size before any reading, as the whole count would be
+    assert list(read.token_ids) == list(whole.token_ids)[: len(read.token_ids)]
+    if read.at_most is not None:
+        assert rest is not None and list(rest.token_ids) == list(whole.token_ids)
+        assert whole.num_tokens <= read.at_most
+        if case.limit is not None:
+            assert read.at_most < case.limit  # the context window's check cannot refuse the whole prompt
+    if case.limit is not None:
+        checked = read if read.at_most is None else Prompt(read.token_ids, read.at_most, 0.0)
+        assert refusal(request, whole, case.limit) == refusal(request, checked, case.limit)
+    full_plan = planner_for(case, whole).plan(whole)
+    # Settled means whatever the whole count turns out to be: the plan is the same at both ends of the bound.
+    counts = {read.num_tokens} if read.at_most is None else {len(read.token_ids), read.num_tokens, read.at_most}
+    for count in counts:
+        fast_plan = planner_for(case, whole).plan(replace(read, num_tokens=count))
+        assert (fast_plan.path, fast_plan.reason, fast_plan.decoder.url) == (
+            full_plan.path,
+            full_plan.reason,
+            full_plan.decoder.url,
+        )
+        assert (fast_plan.prefiller and fast_plan.prefiller.url) == (full_plan.prefiller and full_plan.prefiller.url)
+
+
+def refusal(request: object, prompt: Prompt, limit: int) -> str | None:
+    try:
+        check_context_length(request, prompt, limit)  # type: ignore[arg-type]
+    except InvalidRequest as exc:
+        return exc.message
+    return None
+
+
+async def test_a_long_prompt_is_read_only_to_the_threshold(local: LocalTokenizer) -> None:
+    text = text_of(20000, 1)
+    request = parse_request("completion", orjson.dumps({"prompt": text}))
+    whole = await local.tokenize(request)
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"], prefill_urls=["http://127.0.0.1:8100"], routing_threshold=2048
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    reader = await local.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, None)
+    assert read.at_most is not None and read.rest is not None
+    assert 2048 <= len(read.token_ids) < whole.num_tokens / 2
+    assert (await read.rest).token_ids == whole.token_ids
+    assert planner.plan(read).reason == "long_prompt"
+
+
+async def test_a_prompt_below_the_threshold_by_its_bytes_is_not_encoded_for_one_decoder(local: LocalTokenizer) -> None:
+    request = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": text_of(50, 2)}]}))
+    settings = load_settings(decode_urls=["http://127.0.0.1:8200"], routing_threshold=4096)
+    planner = build_planner(settings, Pool([], settings.decode_urls), RouterMetrics())
+    reader = await local.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, 32768)
+    assert read.token_ids == [] and read.rest is not None
+    assert (await read.rest).num_tokens == (await local.tokenize(request)).num_tokens
+
+
+async def test_adaptive_mode_reads_the_whole_prompt(local: LocalTokenizer) -> None:
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(3000, 3)}))
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=512,
+        threshold_mode="adaptive",
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    reader = await local.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, None)
+    assert read.at_most is None and read.token_ids == (await local.tokenize(request)).token_ids
+
+
+def test_only_a_byte_level_bpe_is_read_in_part(local: LocalTokenizer) -> None:
+    assert byte_level_specials(local._backend) == 1  # the test tokenizer's BOS
+    normalized = local._backend.__class__.from_str(local._backend.to_str())
+    normalized.normalizer = normalizers.NFKC()  # one character may become many: bytes bound nothing
+    assert byte_level_specials(normalized) is None
+
+
+async def test_a_prompt_cached_on_its_decoder_is_read_past_the_cached_prefix_by_the_threshold(
+    local: LocalTokenizer,
+) -> None:
+    """The decoder holds 30% of the prompt: the uncached rest must be known to reach the threshold
+    before the plan is long (at the lowest count the bound allows, it would still be long)."""
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 4)}))
+    whole = await local.tokenize(request)
+    held = int(whole.num_tokens * 0.3)
+    threshold = int(whole.num_tokens * 0.1)
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200", "http://127.0.0.1:8201"],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=threshold,
+        threshold_mode="cache_aware",
+        prefill_strategy="roundrobin",
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    assert planner.cache is not None
+    prefix = Prompt(token_ids=whole.token_ids[:held], num_tokens=held, seconds=0.0)
+    planner.cache.record(RoutingRequest(prefix), [planner.pool.decoders[1]])
+    reader = await local.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, None)
+    assert read.at_most is None or len(read.token_ids) >= held + threshold
+    lowest = planner.plan(replace(read, num_tokens=len(read.token_ids)))
+    assert (lowest.reason, lowest.decoder.url) == ("long_prompt", "http://127.0.0.1:8201")
+
+
+@dataclass(frozen=True)
+class Known:
+    tokens: int
+    seed: int
+    known: int  # the prompt's first tokens known (all of them when it has fewer)
+    slack: float  # how far the bound lies past the whole count, as a share of it
+    case: Case
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.builds(
+        Known,
+        tokens=st.integers(1, 8000),
+        seed=st.integers(0, 2**32),
+        known=st.integers(0, 8000),
+        slack=st.one_of(st.just(0.0), st.floats(0.0, 2.0)),
+        case=cases,
+    )
+)
+def test_a_settled_plan_is_the_plan_of_every_prompt_the_known_tokens_allow(known: Known) -> None:
+    """Over random ids, not only where a reader's steps happen to stop: whatever the whole count
+    between the known tokens and the bound, a settled plan is the whole prompt's plan."""
+    rng = random.Random(known.seed)
+    ids = [rng.randrange(4000) for _ in range(known.tokens)]
+    whole = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
+    count = min(known.known, len(ids))
+    at_most = len(ids) + int(len(ids) * known.slack)
+    part = Prompt(token_ids=ids[:count], num_tokens=count, seconds=0.0, at_most=at_most)
+    case = known.case
+    if planner_for(case, whole).tokens_to_settle(part) != 0:
+        return
+    full_plan = planner_for(case, whole).plan(whole)
+    for tokens in {count, len(ids), at_most}:
+        plan = planner_for(case, whole).plan(replace(part, num_tokens=tokens))
+        assert (plan.path, plan.reason, plan.decoder.url) == (full_plan.path, full_plan.reason, full_plan.decoder.url)
+        assert (plan.prefiller and plan.prefiller.url) == (full_plan.prefiller and full_plan.prefiller.url)
+
+
+def test_a_cached_prefix_running_past_the_known_tokens_leaves_the_plan_unsettled() -> None:
+    """Two decoders hold prefixes longer than what is known: only the whole prompt tells which holds more."""
+    rng = random.Random(5)
+    ids = [rng.randrange(4000) for _ in range(4000)]
+    whole = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
+    case = Case(False, False, 1, 1, 1e6, "static", "roundrobin", 1, 2, None, cached=((0.5, 1), (0.75, 2)))
+    for known, settled in ((1000, False), (2500, False), (3100, True)):
+        part = Prompt(token_ids=ids[:known], num_tokens=known, seconds=0.0, at_most=5000)
+        planner = planner_for(case, whole)
+        assert (planner.tokens_to_settle(part) == 0) == settled
+        if settled:
+            assert planner.plan(part).decoder.url == planner_for(case, whole).plan(whole).decoder.url
+    assert planner_for(case, whole).plan(whole).decoder.url == "http://127.0.0.1:8201"
