@@ -379,6 +379,13 @@ class PromptReader:
         return Prompt(token_ids=ids, num_tokens=estimate, seconds=time.perf_counter() - self._started, at_most=at_most)
 
 
+# A planned prompt whose estimated length (its bytes at the head's bytes per token) is at most this share
+# of the context window is not read further for the window's check: the engines make it exactly.
+WINDOW_LEFT_TO_ENGINES = 0.75
+# Tokens read of a prompt planned without reading, to learn its bytes per token for that estimate.
+DENSITY_HEAD_TOKENS = 512
+
+
 async def read_prompt(reader: PromptReader, settle: Callable[[Prompt], int | None], limit: int | None) -> Prompt:
     """The prompt read as far as `settle` (how many first tokens would settle the plan: 0 when it is
     settled, None when only the whole prompt will do) and the context window of `limit` tokens need:
@@ -389,6 +396,16 @@ async def read_prompt(reader: PromptReader, settle: Callable[[Prompt], int | Non
         if wanted is None:
             wanted = prompt.at_most  # the whole prompt
         if limit is not None and prompt.at_most >= limit and (wanted == 0 or prompt.token_ids):
+            if wanted == 0 and not prompt.token_ids:
+                # Planned without reading, but the bytes do not show the window fits: a head first, whose
+                # density tells whether the prompt is far inside the window or must be read to its bound.
+                prompt = await reader.more(DENSITY_HEAD_TOKENS)
+                continue
+            if wanted == 0 and prompt.num_tokens <= limit * WINDOW_LEFT_TO_ENGINES:
+                # Planned, and by the head's own density far inside the window: the engines check the
+                # window exactly (as vLLM does, with a 400 the router relays), so the router need not
+                # read on; only a prompt whose estimate nears the window is read as far as its bound needs.
+                return reader.rest()
             # The context window's check is not settled either: read as far as the bound needs (once
             # a head read for the plan has shown how many bytes a token of this text stands for).
             wanted = max(wanted, reader.tokens_to_bound(limit))

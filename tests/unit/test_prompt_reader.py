@@ -25,7 +25,15 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
 from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
-from dpd_router.tokenizer import LocalTokenizer, Prompt, PromptReader, PromptTooLong, byte_level_specials, read_prompt
+from dpd_router.tokenizer import (
+    WINDOW_LEFT_TO_ENGINES,
+    LocalTokenizer,
+    Prompt,
+    PromptReader,
+    PromptTooLong,
+    byte_level_specials,
+    read_prompt,
+)
 from dpd_sim.tokenizer_kit import _WORDS
 
 CHATML = (
@@ -200,9 +208,14 @@ def test_the_plan_of_a_prompt_read_in_part_is_the_plan_of_the_whole_prompt(
     if read.at_most is not None:
         assert rest is not None and list(rest.token_ids) == list(whole.token_ids)
         assert whole.num_tokens <= read.at_most
-        if case.limit is not None:
-            assert read.at_most < case.limit  # the context window's check cannot refuse the whole prompt
-    if case.limit is not None:
+    left_to_engines = case.limit is not None and read.at_most is not None and read.at_most >= case.limit
+    if left_to_engines:
+        # Planned, and far inside the window by the head's density: the engines check the window exactly,
+        # and the router does not refuse it.
+        assert case.limit is not None and read.num_tokens <= case.limit * WINDOW_LEFT_TO_ENGINES
+        assert refusal(request, Prompt(read.token_ids, read.num_tokens, 0.0), case.limit) is None
+    elif case.limit is not None:
+        # Within its bound: the context window's check refuses exactly what it would refuse of the whole.
         checked = read if read.at_most is None else Prompt(read.token_ids, read.at_most, 0.0)
         assert refusal(request, whole, case.limit) == refusal(request, checked, case.limit)
     full_plan = planner_for(case, whole).plan(whole)
@@ -241,6 +254,31 @@ async def test_a_long_prompt_is_read_only_to_the_threshold(local: LocalTokenizer
     assert 2048 <= len(read.token_ids) < whole.num_tokens / 2
     assert (await read.rest).token_ids == whole.token_ids
     assert planner.plan(read).reason == "long_prompt"
+
+
+async def test_a_window_far_above_the_estimate_is_left_to_the_engines_and_a_near_one_is_read_to_its_bound(
+    local: LocalTokenizer,
+) -> None:
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 1)}))
+    whole = await local.tokenize(request)
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"], prefill_urls=["http://127.0.0.1:8100"], routing_threshold=2048
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    # The bytes bound the count far above the whole count: a window between the two.
+    roomy = int(whole.num_tokens / WINDOW_LEFT_TO_ENGINES * 1.2)
+    reader = await local.reader(request, max_tokens=roomy)
+    assert reader is not None and reader.prompt.at_most is not None and reader.prompt.at_most >= roomy
+    read = await read_prompt(reader, planner.tokens_to_settle, roomy)
+    assert read.at_most is not None and read.at_most >= roomy  # its bound is not inside the window...
+    assert len(read.token_ids) < whole.num_tokens / 2  # ...yet it was read only as far as the plan needs
+    assert (await read.rest).num_tokens == whole.num_tokens
+    # A window the prompt nearly fills: read on until the bound is inside it, as the check needs.
+    tight = int(whole.num_tokens * 1.05)
+    reader = await local.reader(request, max_tokens=tight)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, tight)
+    assert read.at_most is None or read.at_most < tight
 
 
 async def test_a_prompt_below_the_threshold_by_its_bytes_is_not_encoded_for_one_decoder(local: LocalTokenizer) -> None:

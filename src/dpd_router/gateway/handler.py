@@ -198,9 +198,7 @@ class Gateway:
         trace.prompt_tokens = prompt.num_tokens
         trace.tokenize_seconds = prompt.seconds
         self._metrics.tokenize.observe(prompt.seconds)
-        self._check_context_length(
-            request, prompt if prompt.at_most is None else replace(prompt, num_tokens=prompt.at_most)
-        )
+        self._check_context_length(request, self._as_checked(prompt))
         await principal.limits.take_prompt_tokens(prompt.num_tokens)
         return prompt
 
@@ -313,6 +311,16 @@ class Gateway:
                 f"No prefiller can take this request ({plan.reason}), and the {self._connector.name} "
                 "connector's decoders cannot serve it alone."
             )
+
+    def _as_checked(self, prompt: Prompt) -> Prompt:
+        """The prompt the context window's check judges: a prompt read in part by the bound on its count;
+        one whose bound is not inside the window (read_prompt left it to the engines: its estimate is far
+        inside) by its estimate, so it passes here and the engines judge it exactly."""
+        if prompt.at_most is None:
+            return prompt
+        limit = self._model.max_model_len
+        bounded = limit is None or prompt.at_most < limit
+        return replace(prompt, num_tokens=prompt.at_most if bounded else prompt.num_tokens)
 
     def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
         """Refuse, before any engine is called, what vLLM would refuse for the context length."""
