@@ -145,9 +145,9 @@ class _Series:
         return child
 
     def phase(self, name: str) -> Histogram:
-        return self.by_prompt(self._metrics.phase, name)
+        return self.child(self._metrics.phase, name)
 
-    def by_prompt(self, histogram: Histogram, label: str) -> Histogram:
+    def child(self, histogram: Histogram, label: str) -> Histogram:
         """`histogram`'s child for this arm and path and its third label (a prompt-length bucket, a phase)."""
         key = (id(histogram), label)
         child = self._histograms.get(key)
@@ -214,7 +214,7 @@ class Observer:
         series.e2e.observe(e2e)
         bucket = None if trace.prompt_tokens is None else prompt_length_bucket(trace.prompt_tokens)
         if bucket is not None:
-            series.by_prompt(self.metrics.e2e_by_prompt, bucket).observe(e2e)
+            series.child(self.metrics.e2e_by_prompt, bucket).observe(e2e)
         if trace.uncached_tokens is not None:
             series.uncached_prompt_tokens.inc(trace.uncached_tokens)
         # A whole (non-streamed) answer has no first token to time: TTFT and its phases are for streams.
@@ -222,13 +222,13 @@ class Observer:
             ttft = trace.first_token_at - trace.started
             series.ttft.observe(ttft)
             if bucket is not None:
-                series.by_prompt(self.metrics.ttft_by_prompt, bucket).observe(ttft)
+                series.child(self.metrics.ttft_by_prompt, bucket).observe(ttft)
             self._observe_phases(trace, series)
             if trace.token_chunks > 1 and trace.last_chunk_at is not None:
                 series.tpot.observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
             if trace.gaps:
                 itl = series.itl
-                by_prompt = None if bucket is None else series.by_prompt(self.metrics.itl_by_prompt, bucket)
+                by_prompt = None if bucket is None else series.child(self.metrics.itl_by_prompt, bucket)
                 for gap in trace.gaps:
                     itl.observe(gap)
                     if by_prompt is not None:

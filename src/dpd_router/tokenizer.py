@@ -148,9 +148,8 @@ class LocalTokenizer:
         started = time.perf_counter()
         rendered = await self._render_client_template(request)
         work = self._work_for(request, rendered, max_tokens)
-        size = len(request.raw) if rendered is None else len(rendered)
-        if size > self._inline_max_chars:
-            lane = self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
+        lane = self._lane(len(request.raw) if rendered is None else len(rendered))
+        if lane is not None:
             abandoned = threading.Event()
             try:
                 batches = await asyncio.get_running_loop().run_in_executor(lane, work, True, abandoned)
@@ -255,7 +254,7 @@ class LocalTokenizer:
         """No tokenizer makes fewer tokens of a text than its bytes over its longest token's bytes."""
         if max_tokens is None or len(text) * 4 <= max_tokens * self.bytes_per_token:
             return  # too few characters to prove anything (a character is at most 4 bytes)
-        at_least = len(text.encode("utf-8", "surrogatepass")) // self.bytes_per_token
+        at_least = utf8_size(text) // self.bytes_per_token
         if at_least > max_tokens:
             raise PromptTooLong(at_least)
 

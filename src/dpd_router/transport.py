@@ -32,16 +32,15 @@ def _as_httpx_errors(request: httpx.Request | tuple[str, str]) -> Iterator[None]
     one is raised, so a call that succeeds never makes one."""
     try:
         yield
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         _raise_as_httpx(exc, request if isinstance(request, httpx.Request) else httpx.Request(*request))
-    except TimeoutError as exc:  # aiohttp's own deadline for taking a pooled connection
-        built = request if isinstance(request, httpx.Request) else httpx.Request(*request)
-        raise httpx.PoolTimeout("no connection became free in time", request=built) from exc
 
 
-def _raise_as_httpx(exc: aiohttp.ClientError, request: httpx.Request) -> NoReturn:
+def _raise_as_httpx(exc: aiohttp.ClientError | TimeoutError, request: httpx.Request) -> NoReturn:
     error: httpx.HTTPError
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if not isinstance(exc, aiohttp.ClientError):  # aiohttp's own deadline for taking a pooled connection
+        error = httpx.PoolTimeout("no connection became free in time", request=request)
+    elif isinstance(exc, aiohttp.ConnectionTimeoutError):
         error = httpx.ConnectTimeout(str(exc) or "connect timed out", request=request)
     elif isinstance(exc, aiohttp.SocketTimeoutError):
         error = httpx.ReadTimeout(str(exc) or "read timed out", request=request)
