@@ -13,7 +13,6 @@ its own requests only.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,21 +21,18 @@ from dpd_router.observe import DEFAULT_ARM
 from dpd_router.outcome import Outcome
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.planner import Planner, adaptive_policy
+from dpd_router.routing.rendezvous import rendezvous_weight
+from dpd_router.routing.request import MAX_SESSION_KEY_CHARS
 
-# Keys past this many characters are cut before hashing, as session keys are for the `session` strategy.
-MAX_STICKY_KEY_CHARS = 256
-# Separates this hash from any other blake2b of the same keys (the `session` strategy's, say), so an
-# arm's clients do not all land on the same prefillers.
-_PERSON = b"dpd-router-arm"
+# The node name the arms' hash scores keys under, so an arm's clients are spread over the prefillers
+# (the `session` strategy scores the same keys under the prefillers' URLs) as everyone else's are.
+_ARM_NODE = "dpd-router-arm"
 _SCALE = float(1 << 64)
 
 
 def arm_position(key: str) -> float:
     """Where `key` falls in [0, 1): the same in every process and on every machine (unlike `hash()`)."""
-    digest = hashlib.blake2b(
-        key[:MAX_STICKY_KEY_CHARS].encode("utf-8", "surrogatepass"), digest_size=8, person=_PERSON
-    ).digest()
-    return int.from_bytes(digest, "big") / _SCALE
+    return rendezvous_weight(key[:MAX_SESSION_KEY_CHARS], _ARM_NODE) / _SCALE
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dpd_router.pool.endpoint import Endpoint
 
 def rendezvous_weight(key: str, node: str) -> int:
     """A stable 64-bit score of `node` for `key` (blake2b, identical in every process)."""
-    digest = hashlib.blake2b(f"{node}\x00{key}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{node}\x00{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 
