@@ -96,16 +96,8 @@ class LiveConfig:
 
     async def update(self, changes: dict[str, Any], *, source: str = "admin") -> dict[str, Any]:
         """Apply `changes` (setting -> value); only live settings may be named. Returns what changed."""
-        restart = sorted(set(changes) - LIVE_SETTINGS)
-        if restart:
-            self._count(source, "rejected")
-            raise ConfigRejected(f"{', '.join(restart)} cannot change while the router runs; restart it")
         async with self._lock:
-            try:
-                new = updated_settings(self.settings, changes)
-            except SettingsError as exc:
-                self._count(source, "rejected")
-                raise ConfigRejected(str(exc)) from None
+            new = self._validated(changes, source)
             if self._change_log is None:
                 return self._apply(new, source)
             try:
@@ -158,18 +150,27 @@ class LiveConfig:
         return own
 
     def _apply_entry(self, entry: Entry, source: str) -> dict[str, Any]:
-        changes = entry.changes or {}
         try:
-            if set(changes) - LIVE_SETTINGS:
-                raise SettingsError(f"{', '.join(sorted(set(changes) - LIVE_SETTINGS))} cannot change live")
-            new = updated_settings(self.settings, changes)
+            new = self._validated(entry.changes or {}, source)
+        except ConfigRejected as exc:
+            if source != "peer":
+                raise
+            log.error("a change from worker %d is rejected here: %s", entry.pid, exc)
+            return {}
+        return self._apply(new, source)
+
+    def _validated(self, changes: dict[str, Any], source: str) -> Settings:
+        """The settings in force with `changes`; ConfigRejected (and counted) when one names a setting
+        that cannot change while the router runs, or a value that does not validate."""
+        restart = sorted(set(changes) - LIVE_SETTINGS)
+        if restart:
+            self._count(source, "rejected")
+            raise ConfigRejected(f"{', '.join(restart)} cannot change while the router runs; restart it")
+        try:
+            return updated_settings(self.settings, changes)
         except SettingsError as exc:
             self._count(source, "rejected")
-            if source == "peer":
-                log.error("a change from worker %d is rejected here: %s", entry.pid, exc)
-                return {}
             raise ConfigRejected(str(exc)) from None
-        return self._apply(new, source)
 
     async def reload(self, source: str) -> dict[str, Any]:
         """Re-read flags, env and the config file; apply what may change live, report the rest."""
