@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from dpd_router.config import Settings
 from dpd_router.routing.experiments import arm_position
 from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import chat_body, cluster_settings, running_router, settled
+from tests.integration.test_advise import advise
 
 ARMS = [
     {"name": "t2048", "share": 0.5, "routing_threshold": 2048},
@@ -93,27 +93,13 @@ async def experiment(
         yield Experiment(before, after, sent)
 
 
-async def advise(*args: str) -> str:
-    """`dpd-router advise ARGS` as a subprocess, as an operator runs it; its standard output."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "dpd_router.cli",
-        "advise",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode == 0, err.decode()
-    return out.decode()
-
-
 async def advise_on(experiment: Experiment, *extra: str) -> str:
     """advise on the experiment's traffic: the scrape after it, less the one before, said to span HOURS."""
-    return await advise(
+    code, out, err = await advise(
         "--file", str(experiment.after), "--since", str(experiment.before), "--hours", str(HOURS), *extra
     )
+    assert code == 0, err
+    return out
 
 
 def report_of(out: str) -> dict[str, Any]:
