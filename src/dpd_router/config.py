@@ -656,6 +656,15 @@ class Settings(BaseSettings):
         description="Worker threads for tokenizing long prompts.",
         json_schema_extra=_meta("server"),
     )
+    tokenize_background_max_chars: int = Field(
+        default=4_000_000,
+        ge=0,
+        description="Characters of prompts waiting for their whole encoding in the background (one thread; "
+        "the prefix index's tail blocks, and the exact count where the engine reports none). A prompt "
+        "beyond it is not encoded whole: its plan's blocks stay indexed, its count comes from the engine "
+        "(`background_encodes_skipped_total`).",
+        json_schema_extra=_meta("server"),
+    )
 
     health_interval: float = Field(
         default=5.0,

@@ -246,6 +246,12 @@ class RouterMetrics:
             ["hop"],
             registry=r,
         )
+        self.background_encodes_skipped = Counter(
+            f"{PREFIX}_background_encodes_skipped",
+            "Prompts planned on their first tokens that were not encoded whole because the background "
+            "encoder had tokenize_background_max_chars waiting: their tail blocks go unindexed.",
+            registry=r,
+        )
         self.last_resort_routes = Counter(
             f"{PREFIX}_last_resort_routes",
             "Requests sent to a decoder failing its health probes (and nothing else) because no decoder passed them.",

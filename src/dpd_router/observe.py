@@ -61,6 +61,8 @@ class RequestTrace:
     last_chunk_at: float | None = None
     token_chunks: int = 0
     completion_tokens: int | None = None
+    # The prompt's tokens as the engine counted them (its usage), when it said.
+    engine_prompt_tokens: int | None = None
     cached_tokens: int | None = None
     decoder_cached_tokens: int | None = None
     staged_tokens: int | None = None

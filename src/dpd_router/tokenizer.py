@@ -45,7 +45,8 @@ class Prompt:
     num_tokens: int
     seconds: float
     at_most: int | None = None
-    rest: asyncio.Future[Prompt] | None = None
+    # The whole prompt; None in it when the background encoder was too far behind to encode it.
+    rest: asyncio.Future[Prompt | None] | None = None
 
     @property
     def exact(self) -> bool:
@@ -95,13 +96,21 @@ class LocalTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (nothing is downloaded)."""
 
     def __init__(
-        self, tokenizer: Any, *, inline_max_chars: int, threads: int, sandbox: TemplateSandbox | None = None
+        self,
+        tokenizer: Any,
+        *,
+        inline_max_chars: int,
+        threads: int,
+        sandbox: TemplateSandbox | None = None,
+        background_max_chars: int = 4_000_000,
+        on_background_skip: Callable[[], None] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         # A fast tokenizer's Rust core, called directly: transformers' wrapper around it costs more
         # than the encoding itself for short prompts. `encode_batch` releases the GIL (plain `encode`
         # does not), so the worker threads use it and the event loop keeps running meanwhile.
         self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        self._encode_batch = None if self._backend is None else encode_batch_of(self._backend)
         self._inline_max_chars = inline_max_chars
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         self._large_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
@@ -112,7 +121,11 @@ class LocalTokenizer:
         self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
         if self._added_specials is not None and not self._heads_agree(_PROBE_TEXT):
             self._added_specials = None  # a pre-tokenizer pattern crossed a boundary: count prompts whole
-        self._background: set[asyncio.Task[Prompt]] = set()
+        self._background = (
+            None
+            if self._backend is None
+            else BackgroundEncoder(self._backend, max_chars=background_max_chars, on_skip=on_background_skip)
+        )
 
     def _heads_agree(self, text: str) -> bool:
         """Whether the heads of `text` cut at every boundary PromptReader cuts at (with the tokens it
@@ -129,13 +142,12 @@ class LocalTokenizer:
         return True
 
     @classmethod
-    def load(
-        cls, directory: Path, *, inline_max_chars: int, threads: int, sandbox: TemplateSandbox | None = None
-    ) -> LocalTokenizer:
+    def load(cls, directory: Path, **options: Any) -> LocalTokenizer:
+        """The tokenizer saved in `directory`; `options` as the constructor's."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        return cls(tokenizer, inline_max_chars=inline_max_chars, threads=threads, sandbox=sandbox)
+        return cls(tokenizer, **options)
 
     @property
     def vocab_size(self) -> int:
@@ -152,12 +164,12 @@ class LocalTokenizer:
         if lane is not None:
             abandoned = threading.Event()
             try:
-                batches = await asyncio.get_running_loop().run_in_executor(lane, work, True, abandoned)
+                batches = await asyncio.get_running_loop().run_in_executor(lane, work, abandoned)
             except asyncio.CancelledError:
                 abandoned.set()
                 raise
         else:
-            batches = work(False, None)
+            batches = work(None)
         return Prompt(
             token_ids=batches[0],
             num_tokens=sum(len(ids) for ids in batches),
@@ -202,39 +214,27 @@ class LocalTokenizer:
         encoding = self._backend.encode_batch([text], add_special_tokens=special)[0]  # releases the GIL
         return list(encoding.ids), list(encoding.offsets)
 
-    def encode_rest(self, text: str, *, special: bool, started: float) -> asyncio.Future[Prompt]:
-        """The whole prompt, encoded in the background (off the request's path); kept until done."""
-
-        async def whole() -> Prompt:
-            lane = self._lane(len(text))
-            if lane is None:
-                ids = self._encode(text, special=special, threaded=False)
-            else:
-                ids = await asyncio.get_running_loop().run_in_executor(
-                    lane, lambda: self._encode(text, special=special, threaded=True)
-                )
-            return Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - started)
-
-        task = asyncio.get_running_loop().create_task(whole())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+    def encode_rest(self, text: str, *, special: bool, started: float) -> asyncio.Future[Prompt | None]:
+        """The whole prompt, encoded in the background (off the request's path): None in the future when
+        the background encoder is too far behind to take it."""
+        assert self._background is not None  # a PromptReader, the only caller, needs the Rust core
+        return self._background.submit(text, special=special, started=started)
 
     def _work_for(
         self, request: ClientRequest, rendered: str | None, max_tokens: int | None
-    ) -> Callable[[bool, threading.Event | None], list[Sequence[int]]]:
-        """The tokenizing to do, called with whether it runs in a worker thread and the event that
-        says its request was abandoned."""
+    ) -> Callable[[threading.Event | None], list[Sequence[int]]]:
+        """The tokenizing to do, called with the event that says its request was abandoned (None on
+        the event loop)."""
         body = request.body
 
         def encode(texts: Callable[[], list[str]], special: bool) -> Callable[..., list[Sequence[int]]]:
-            def run(threaded: bool, abandoned: threading.Event | None) -> list[Sequence[int]]:
+            def run(abandoned: threading.Event | None) -> list[Sequence[int]]:
                 batches: list[Sequence[int]] = []
                 for text in texts():
                     self._check_size(text, max_tokens)
                     if abandoned is not None and abandoned.is_set():
                         raise _Abandoned
-                    batches.append(self._encode(text, special=special, threaded=threaded))
+                    batches.append(self._encode(text, special=special))
                 return batches
 
             return run
@@ -245,9 +245,9 @@ class LocalTokenizer:
         if isinstance(prompt, str):
             return encode(lambda: [prompt], True)
         if prompt and isinstance(prompt[0], int):
-            return lambda threaded, abandoned: [prompt]
+            return lambda abandoned: [prompt]
         if prompt and isinstance(prompt[0], list):
-            return lambda threaded, abandoned: list(prompt)
+            return lambda abandoned: list(prompt)
         return encode(lambda: list(prompt), True)
 
     def _check_size(self, text: str, max_tokens: int | None) -> None:
@@ -258,12 +258,11 @@ class LocalTokenizer:
         if at_least > max_tokens:
             raise PromptTooLong(at_least)
 
-    def _encode(self, text: str, *, special: bool, threaded: bool) -> list[int]:
-        if self._backend is None:
+    def _encode(self, text: str, *, special: bool) -> list[int]:
+        if self._encode_batch is None:
             return list(self._tokenizer.encode(text, add_special_tokens=special))
-        if threaded:
-            return list(self._backend.encode_batch([text], add_special_tokens=special)[0].ids)
-        return list(self._backend.encode(text, add_special_tokens=special).ids)
+        # The batch call without offsets: the cheapest the Rust core has, and it releases the GIL.
+        return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
 
     def _render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat request, by the tokenizer's own (trusted) template."""
@@ -294,11 +293,110 @@ class LocalTokenizer:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._large_executor.shutdown(wait=False, cancel_futures=True)
+        if self._background is not None:
+            self._background.close()
 
     async def aclose(self) -> None:
         self.close()
         if self._sandbox is not None:
             await self._sandbox.close()
+
+
+def encode_batch_of(backend: Any) -> Callable[..., list[Any]]:
+    """The Rust core's batch encoding without character offsets where the tokenizers release has it
+    (0.21+, about half the work of one with offsets), else the batch encoding."""
+    fast: Callable[..., list[Any]] | None = getattr(backend, "encode_batch_fast", None)
+    return fast if fast is not None else backend.encode_batch
+
+
+class BackgroundEncoder:
+    """Whole encodings of prompts that were planned on their first tokens, made off the request's path.
+
+    They serve the exact counts a request is reported with (when the engine reports none) and the tail
+    blocks of the prefix index, so they may lag: one thread encodes every text waiting, in one batch
+    call of the tokenizer's Rust core, which releases the GIL. The event loop pays no encoding even for
+    short prompts, and however many long prompts arrive the background work takes at most one core,
+    leaving the rest to the requests. At most `max_chars` characters wait or run: a text beyond them
+    is not encoded (its future holds None, `on_skip` counts it), rather than the lag growing without
+    end while prompts arrive faster than one core encodes them.
+    """
+
+    def __init__(self, backend: Any, *, max_chars: int, on_skip: Callable[[], None] | None = None) -> None:
+        # The batch call without character offsets, where the tokenizers release has it (0.21+).
+        self._encode_batch = encode_batch_of(backend)
+        self._max_chars = max_chars
+        self._on_skip = on_skip
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-rest")
+        self._waiting: list[tuple[str, bool, float, asyncio.Future[Prompt | None]]] = []
+        self._chars = 0  # of the texts waiting or being encoded
+        self._busy: asyncio.AbstractEventLoop | None = None  # the loop a running batch reports to
+
+    def submit(self, text: str, *, special: bool, started: float) -> asyncio.Future[Prompt | None]:
+        loop = asyncio.get_running_loop()
+        if self._busy is not None and self._busy.is_closed():  # its loop ended mid-batch: it never reports
+            self._busy, self._waiting, self._chars = None, [], 0
+        future: asyncio.Future[Prompt | None] = loop.create_future()
+        if self._chars and self._chars + len(text) > self._max_chars:  # an idle encoder takes any text
+            future.set_result(None)
+            if self._on_skip is not None:
+                self._on_skip()
+            return future
+        self._waiting.append((text, special, started, future))
+        self._chars += len(text)
+        if self._busy is None:
+            self._start(loop)
+        return future
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch, self._waiting = self._waiting, []
+        self._busy = loop
+        try:
+            running = loop.run_in_executor(
+                self._thread, self._encode, [(text, special) for text, special, _, _ in batch]
+            )
+        except RuntimeError as exc:  # shut down: nothing more is encoded
+            self._busy = None
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        running.add_done_callback(lambda done: self._finished(loop, batch, done))
+
+    def _encode(self, texts: list[tuple[str, bool]]) -> list[list[int]]:
+        ids: list[list[int]] = [[] for _ in texts]
+        for special in (False, True):
+            indices = [index for index, (_, wanted) in enumerate(texts) if wanted is special]
+            if indices:
+                encodings = self._encode_batch([texts[index][0] for index in indices], add_special_tokens=special)
+                for index, encoding in zip(indices, encodings, strict=True):
+                    ids[index] = list(encoding.ids)
+        return ids
+
+    def _finished(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[tuple[str, bool, float, asyncio.Future[Prompt | None]]],
+        done: asyncio.Future[list[list[int]]],
+    ) -> None:
+        self._busy = None
+        self._chars -= sum(len(text) for text, *_ in batch)
+        failure = None if done.cancelled() else done.exception()
+        now = time.perf_counter()
+        for index, (_, _, started, future) in enumerate(batch):
+            if future.done():
+                continue
+            if done.cancelled():
+                future.cancel()
+            elif failure is not None:
+                future.set_exception(failure)
+            else:
+                ids = done.result()[index]
+                future.set_result(Prompt(token_ids=ids, num_tokens=len(ids), seconds=now - started))
+        if self._waiting:
+            self._start(loop)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 # Before a prompt's head is encoded, the characters one token is taken to stand for.

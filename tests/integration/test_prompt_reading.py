@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from pathlib import Path
 
 import pytest
 
-from dpd_router.tokenizer import LocalTokenizer
+from dpd_router.tokenizer import BackgroundEncoder, LocalTokenizer
 from dpd_sim.cluster import SimCluster
 from dpd_sim.tokenizer_kit import _WORDS
 
@@ -60,3 +61,47 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         )
     logged = [r.fields for r in caplog.records if r.getMessage().startswith("Conditional routing")]  # type: ignore[attr-defined]
     assert [(fields["path"], fields["prompt_tokens"]) for fields in logged] == [("disaggregated", engine_count)]
+
+
+async def test_a_prompt_the_background_encoder_has_no_room_for_is_counted_by_the_engine(
+    cluster: SimCluster, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    encode = BackgroundEncoder._encode
+
+    def held(self: BackgroundEncoder, texts: list[tuple[str, bool]]) -> list[list[int]]:
+        gate.wait(30)  # the first prompt's whole encoding runs until the test lets it end
+        return encode(self, texts)
+
+    monkeypatch.setattr(BackgroundEncoder, "_encode", held)
+    async with running_router(
+        prefill_urls=cluster.prefill_urls,
+        decode_urls=cluster.decode_urls,
+        tokenizer=str(tokenizer_dir),
+        routing_threshold=512,
+        block_size=BLOCK_SIZE,
+        tokenize_background_max_chars=1,
+    ) as base_url:
+        client = openai_client(base_url)
+        try:
+            counts = []
+            for seed in (1, 2):  # the second arrives while the first is still being encoded whole
+                answer = await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": long_text(4000, seed)}], max_tokens=4
+                )
+                assert answer.usage is not None
+                counts.append(answer.usage.prompt_tokens)
+            assert await metric(base_url, "dpd_router_background_encodes_skipped_total") == 1
+            # Both are reported with the engine's count, the first without waiting for its encoding.
+            assert await metric(base_url, "dpd_router_prompt_tokens_count", {"path": "disaggregated"}) == 2
+            assert await metric(base_url, "dpd_router_prompt_tokens_sum", {"path": "disaggregated"}) == sum(counts)
+            # Only the blocks each plan read are indexed until the first's whole encoding is done.
+            indexed = await metric(base_url, "dpd_router_cache_index_blocks", {"index": "prefix"})
+            assert 0 < indexed < sum(counts) // BLOCK_SIZE
+        finally:
+            gate.set()
+        for _ in range(100):
+            if await metric(base_url, "dpd_router_cache_index_blocks", {"index": "prefix"}) > indexed:
+                break
+            await asyncio.sleep(0.05)
+        assert await metric(base_url, "dpd_router_cache_index_blocks", {"index": "prefix"}) > indexed

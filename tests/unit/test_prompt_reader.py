@@ -103,7 +103,7 @@ texts = st.builds(text_of, st.integers(1, 1500), st.integers(0, 2**32))
 def test_a_head_read_starts_the_whole_encoding_and_its_bytes_bound_the_rest(
     local: LocalTokenizer, text: str, wanted: int, special: bool
 ) -> None:
-    whole = local._encode(text, special=special, threaded=False)
+    whole = local._encode(text, special=special)
 
     async def read() -> list[Prompt]:
         specials = byte_level_specials(local._backend) if special else 0

@@ -78,12 +78,11 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tokenizer_dir: Path
     ],
 )
 async def test_the_fast_path_encodes_exactly_as_transformers_does(local: LocalTokenizer, text: str) -> None:
-    """The Rust core is called directly (inline and in a thread): the ids are transformers' own."""
+    """The Rust core is called directly: the ids are transformers' own."""
     reference = local._tokenizer
     for special in (True, False):
         expected = reference.encode(text, add_special_tokens=special)
-        for threaded in (False, True):
-            assert local._encode(text, special=special, threaded=threaded) == expected
+        assert local._encode(text, special=special) == expected
     completion = await local.tokenize(parse_request("completion", orjson.dumps({"prompt": text})))
     assert list(completion.token_ids) == reference.encode(text, add_special_tokens=True)
 
@@ -166,10 +165,10 @@ async def test_a_cancelled_request_stops_tokenizing_at_its_next_step(tokenizer_d
     encoded: list[str] = []
     original = local._encode
 
-    def slow(text: str, *, special: bool, threaded: bool) -> list[int]:
+    def slow(text: str, *, special: bool) -> list[int]:
         encoded.append(text[:5])
         release.wait(10)
-        return original(text, special=special, threaded=threaded)
+        return original(text, special=special)
 
     local._encode = slow  # type: ignore[method-assign]
     batch = parse_request("completion", orjson.dumps({"prompt": ["first " * 50, "second " * 50]}))
@@ -191,9 +190,9 @@ def threads_that_encode(local: LocalTokenizer) -> list[str]:
     seen: list[str] = []
     original = local._encode
 
-    def spy(text: str, *, special: bool, threaded: bool) -> list[int]:
+    def spy(text: str, *, special: bool) -> list[int]:
         seen.append(threading.current_thread().name)
-        return original(text, special=special, threaded=threaded)
+        return original(text, special=special)
 
     local._encode = spy  # type: ignore[method-assign]
     return seen

@@ -69,7 +69,7 @@ class Completion:
         self._decoder: Endpoint | None = None
         self._kv: HeldKV | None = None
         self._deferred: list[Callable[[], object]] = []
-        self._report_after: tuple[asyncio.Future[Any], Callable[[], None]] | None = None
+        self._report_after: tuple[asyncio.Future[Any], Callable[[], None], Callable[[], bool]] | None = None
         self._done = False
         metrics.in_flight.inc()
 
@@ -77,10 +77,13 @@ class Completion:
         """Run `cleanup` when the request is over (for example: cancel a prefill still running)."""
         self._deferred.append(cleanup)
 
-    def report_after(self, ready: asyncio.Future[Any], settle: Callable[[], None]) -> None:
-        """Report the trace (metrics, log line, learning) once `ready` is done and `settle` has put
-        what it brought on the trace: a prompt planned on its first tokens is counted whole then."""
-        self._report_after = (ready, settle)
+    def report_after(
+        self, ready: asyncio.Future[Any], settle: Callable[[], None], *, unless: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Report the trace (metrics, log line, learning) once `ready` is done, or at the end if `unless()`
+        is true then, and `settle` has put what it knows on the trace: a prompt planned on its first
+        tokens is counted whole then."""
+        self._report_after = (ready, settle, unless)
 
     def hold(self, decoder: Endpoint) -> None:
         """Count the request against `decoder` (moving it off a decoder held before)."""
@@ -127,9 +130,9 @@ class Completion:
         if self._report_after is None:
             self._observer.finish(self._trace)
         else:
-            ready, settle = self._report_after
+            ready, settle, unless = self._report_after
             ended = time.perf_counter()
-            if ready.done():
+            if ready.done() or unless():
                 self._report(settle, ended)
             else:
                 ready.add_done_callback(lambda _: self._report(settle, ended))

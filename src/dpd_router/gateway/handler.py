@@ -229,39 +229,46 @@ class Gateway:
             shadow.offer(request, request_id, prompt.num_tokens, headers)
             return
 
-        def offer(whole: asyncio.Future[Prompt]) -> None:
+        def offer(whole: asyncio.Future[Prompt | None]) -> None:
             if not whole.cancelled() and whole.exception() is None:
-                shadow.offer(request, request_id, whole.result().num_tokens, headers)
+                encoded = whole.result()  # None: not encoded whole, the estimate will do
+                shadow.offer(request, request_id, prompt.num_tokens if encoded is None else encoded.num_tokens, headers)
 
         prompt.rest.add_done_callback(offer)
 
     @staticmethod
     def _count_whole_later(
-        prompt: Prompt, whole: asyncio.Future[Prompt], done: Completion, trace: RequestTrace
+        prompt: Prompt, whole: asyncio.Future[Prompt | None], done: Completion, trace: RequestTrace
     ) -> None:
         """The request of a prompt planned on its first tokens is reported (metrics, log line) with its
-        exact counts, once the prompt is encoded whole."""
+        exact count: the engine's, from the answer's usage, or else the whole encoding's once it is done."""
         estimate = prompt.num_tokens
         trace.prompt_tokens = None  # not known yet
 
         def settle() -> None:
-            if whole.cancelled() or whole.exception() is not None:
-                return
-            tokens = whole.result().num_tokens
+            tokens = trace.engine_prompt_tokens
+            if tokens is None and whole.done() and not whole.cancelled() and whole.exception() is None:
+                encoded = whole.result()
+                tokens = None if encoded is None else encoded.num_tokens
+            if tokens is None:
+                return  # neither the engine nor the encoder counted it: reported without a count
             trace.prompt_tokens = tokens
             if trace.uncached_tokens is not None:  # planned: the cached prefix it counted stays the same
                 trace.uncached_tokens = max(tokens - (estimate - trace.uncached_tokens), 0)
 
-        done.report_after(whole, settle)
+        done.report_after(whole, settle, unless=lambda: trace.engine_prompt_tokens is not None)
 
     @staticmethod
-    def _index_whole_later(whole: asyncio.Future[Prompt], plan: Plan, planner: Planner) -> None:
+    def _index_whole_later(whole: asyncio.Future[Prompt | None], plan: Plan, planner: Planner) -> None:
         """The blocks of a prompt planned on its first tokens go into the prefix index once it is encoded
-        whole, for the next prompts that share them."""
+        whole, for the next prompts that share them (a prompt the encoder had no room for keeps the
+        blocks its plan recorded)."""
 
-        def recorded(task: asyncio.Future[Prompt]) -> None:
+        def recorded(task: asyncio.Future[Prompt | None]) -> None:
             if not task.cancelled() and task.exception() is None:
-                planner.record_whole(task.result(), plan)
+                encoded = task.result()
+                if encoded is not None:
+                    planner.record_whole(encoded, plan)
 
         whole.add_done_callback(recorded)
 

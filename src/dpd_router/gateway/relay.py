@@ -66,6 +66,9 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
         trace.completion_tokens = completion
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        trace.engine_prompt_tokens = prompt
     details = usage.get("prompt_tokens_details")
     reported = details.get("cached_tokens") if isinstance(details, dict) else None
     # None when the engine does not report it (vLLM needs --enable-prompt-tokens-details).

@@ -89,7 +89,7 @@ class Components:
         engines = await build_engines(settings, metrics)
         ThresholdGauge(metrics).reconfigure(settings)
         model = ServedModel(settings.model)
-        tokenizers = await load_tokenizers(settings, client, engines.by_tenant, model)
+        tokenizers = await load_tokenizers(settings, client, engines.by_tenant, model, metrics)
         routing = build_routing(settings, engines, metrics, client, connector)
         access = build_access(settings, engines, metrics)
         serving = build_serving(

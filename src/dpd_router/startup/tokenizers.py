@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import httpx
 
 from dpd_router.config import Settings
+from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.template_sandbox import TemplateSandbox
@@ -18,7 +19,11 @@ log = logging.getLogger("dpd_router.app")
 
 
 async def load_tokenizers(
-    settings: Settings, client: httpx.AsyncClient, pools: Mapping[str | None, Pool], model: ServedModel
+    settings: Settings,
+    client: httpx.AsyncClient,
+    pools: Mapping[str | None, Pool],
+    model: ServedModel,
+    metrics: RouterMetrics,
 ) -> dict[str | None, TokenCounter]:
     """The token counter of each pool: the local tokenizer for all, or each pool's own decoders'
     /tokenize, so no prompt of a tenant's reaches an engine not reserved for it."""
@@ -40,6 +45,8 @@ async def load_tokenizers(
         inline_max_chars=settings.tokenize_inline_max_chars,
         threads=settings.tokenizer_threads,
         sandbox=sandbox,
+        background_max_chars=settings.tokenize_background_max_chars,
+        on_background_skip=metrics.background_encodes_skipped.inc,
     )
     return {tenant: local for tenant in pools}
 
