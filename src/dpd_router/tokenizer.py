@@ -209,6 +209,13 @@ class LocalTokenizer:
             return self._ids_and_offsets(text, special)
         return await asyncio.get_running_loop().run_in_executor(lane, self._ids_and_offsets, text, special)
 
+    async def encode_whole(self, text: str, *, special: bool) -> list[int]:
+        """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
+        lane = self._lane(len(text))
+        if lane is None:
+            return self._encode(text, special=special)
+        return await asyncio.get_running_loop().run_in_executor(lane, lambda: self._encode(text, special=special))
+
     def _ids_and_offsets(self, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
         assert self._backend is not None
         encoding = self._backend.encode_batch([text], add_special_tokens=special)[0]  # releases the GIL
@@ -437,7 +444,7 @@ class PromptReader:
         chars = max(2 * self._chars, math.ceil(wanted * self._per_token * margin) + 64)
         cut = head_cut(text, chars) if chars < len(text) else 0
         if cut <= 0:
-            ids, _ = await self._tokenizer.encode_head(text, special=self._special)
+            ids = await self._tokenizer.encode_whole(text, special=self._special)
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
         ids, offsets = await self._tokenizer.encode_head(text[:cut], special=self._special)
