@@ -1,4 +1,5 @@
-"""httpx's client API over aiohttp's connection pool, for every call the router makes to an engine.
+"""httpx's client API over aiohttp's connection pool, for the calls the router makes to engines off
+the request path (the request path's own calls go through engine_pool.py).
 
 Why: at 64 concurrent streams, httpx's own pool (httpcore) spent about two thirds of the router's
 CPU walking every pooled connection (and probing each idle socket with a syscall) on each request
@@ -20,20 +21,21 @@ from typing import NoReturn, Protocol
 import aiohttp
 import httpx
 
+from dpd_router.engine_pool import EnginePool, PooledAnswer
+
+# A connection limit of 0 or None: as good as none.
+_UNLIMITED = 1 << 30
 # Request headers aiohttp writes itself from the body it is given.
 _BODY_HEADERS = frozenset({"content-length", "transfer-encoding"})
 
 
 @contextmanager
-def _as_httpx_errors(request: httpx.Request | tuple[str, str]) -> Iterator[None]:
-    """Re-raise aiohttp's failures as the httpx exceptions the router handles (most specific first).
-
-    `request` may be (method, url): the httpx request the exception carries is then built only when
-    one is raised, so a call that succeeds never makes one."""
+def _as_httpx_errors(request: httpx.Request) -> Iterator[None]:
+    """Re-raise aiohttp's failures as the httpx exceptions the router handles (most specific first)."""
     try:
         yield
     except (aiohttp.ClientError, TimeoutError) as exc:
-        _raise_as_httpx(exc, request if isinstance(request, httpx.Request) else httpx.Request(*request))
+        _raise_as_httpx(exc, request)
 
 
 def _raise_as_httpx(exc: aiohttp.ClientError | TimeoutError, request: httpx.Request) -> NoReturn:
@@ -79,7 +81,7 @@ class _Body(httpx.AsyncByteStream):
 
 class EngineAnswer(Protocol):
     """What the request path reads of an engine's answer: an httpx.Response has it all, and so does
-    the lighter DirectAnswer the aiohttp pool gives without building httpx's models."""
+    the lighter PooledAnswer of the request path's own pool (engine_pool.py)."""
 
     @property
     def status_code(self) -> int: ...
@@ -92,30 +94,6 @@ class EngineAnswer(Protocol):
     def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
-
-
-class DirectAnswer:
-    """An engine's answer straight from aiohttp: status, headers, and the body as it arrives."""
-
-    __slots__ = ("_call", "_response", "headers", "status_code")
-
-    def __init__(self, response: aiohttp.ClientResponse, call: tuple[str, str]) -> None:
-        self._response = response
-        self._call = call  # (method, url), for the httpx exception a failure raises
-        self.status_code = response.status
-        self.headers: Mapping[str, str] = response.headers
-
-    async def aread(self) -> bytes:
-        with _as_httpx_errors(self._call):
-            return await self._response.read()
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        with _as_httpx_errors(self._call):
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-
-    async def aclose(self) -> None:
-        _release(self._response)
 
 
 def _release(response: aiohttp.ClientResponse) -> None:
@@ -131,6 +109,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def __init__(self, limits: httpx.Limits) -> None:
         self._limits = limits
         self._session: aiohttp.ClientSession | None = None
+        # The request path's calls skip aiohttp's client altogether (engine_pool.py says why).
+        self._engine_pool = EnginePool(
+            max_connections=limits.max_connections or _UNLIMITED, keepalive_expiry=limits.keepalive_expiry or 0.0
+        )
 
     def _open_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -147,20 +129,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             timeout=aiohttp.ClientTimeout(total=None),
         )
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, connect_timeout: float) -> DirectAnswer:
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, connect_timeout: float) -> PooledAnswer:
         """POST without httpx's request and response models: the request path's engine calls."""
-        if self._session is None:
-            self._session = self._open_session()
-        with _as_httpx_errors(("POST", url)):
-            response = await self._session.post(
-                url,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                compress=False,
-                timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout),
-            )
-        return DirectAnswer(response, ("POST", url))
+        return await self._engine_pool.post(url, body, headers, connect_timeout=connect_timeout)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._session is None:
@@ -192,6 +163,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         )
 
     async def aclose(self) -> None:
+        await self._engine_pool.aclose()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -203,9 +175,9 @@ class EngineCalls:
 
     An engine call uses nothing of what httpx's client adds per request (merging a base URL,
     headers and cookies, auth and redirect handling, the cookie jar it fills from every answer):
-    on the aiohttp pool the call and its answer skip httpx's models altogether (DirectAnswer);
-    any other transport (tests' mock transports) gets an httpx.Request. The client, over the same
-    transport and so the same connection pool, keeps serving the other calls.
+    beside the aiohttp pool the call and its answer skip httpx's models and aiohttp's client
+    altogether (engine_pool.py's PooledAnswer); any other transport (the httpx one, tests' mock
+    transports) gets an httpx.Request. The client keeps serving the other calls.
     """
 
     # Engine URLs parsed once: the pool's endpoints and their few paths, however many requests.
