@@ -619,14 +619,16 @@ class Settings(BaseSettings):
 
     upstream_transport: Literal["aiohttp", "httpx"] = Field(
         default="aiohttp",
-        description="The engine calls' connection pool: `aiohttp` (far less CPU per request under load: "
-        "httpx's pool walks every pooled connection on each request) or `httpx` (httpcore's).",
+        description="The engine calls' connection pools: `aiohttp` (the request path's calls on the router's "
+        "own kept-alive pool, the others on aiohttp's: far less CPU per request under load, httpx's pool walks "
+        "every pooled connection on each request) or `httpx` (httpcore's, for every call).",
         json_schema_extra=_meta("server"),
     )
     max_connections: int = Field(
         default=4096,
         ge=1,
-        description="The most connections open to the engines at once.",
+        description="The most connections open to the engines at once by the request path's pool (and as "
+        "many by the pool of the other engine calls: probes, scrapes, connectors).",
         json_schema_extra=_meta("server"),
     )
     max_keepalive_connections: int = Field(

@@ -299,6 +299,8 @@ class EnginePool:
             idle = self._idle.get(origin)
             while idle:
                 connection = idle.pop()
+                if connection.closed:  # closing, its loss not reported yet
+                    continue
                 if loop.time() - connection.idle_since < self._expiry:
                     return connection
                 connection.close()  # the engine may be closing it as we send: never reuse it that late
@@ -310,6 +312,8 @@ class EnginePool:
                 async with asyncio.timeout_at(deadline):
                     await waiter
             except TimeoutError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken as the deadline passed: the place it was told of goes to the next
                 raise httpx.PoolTimeout(f"no connection to the engines became free in {within:g} s") from None
             finally:
                 if waiter in self._waiters:

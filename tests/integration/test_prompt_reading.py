@@ -7,7 +7,9 @@ import asyncio
 import logging
 import random
 import threading
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,18 @@ from dpd_sim.tokenizer_kit import _WORDS
 from .conftest import MODEL, metric, openai_client, running_router
 
 BLOCK_SIZE = 16
+
+
+def reading_router(cluster: SimCluster, tokenizer_dir: Path, **settings: Any) -> AbstractAsyncContextManager[str]:
+    """A router over the cluster that plans prompts of 512 tokens and more through a prefiller."""
+    return running_router(
+        prefill_urls=cluster.prefill_urls,
+        decode_urls=cluster.decode_urls,
+        tokenizer=str(tokenizer_dir),
+        routing_threshold=512,
+        block_size=BLOCK_SIZE,
+        **settings,
+    )
 
 
 def long_text(words: int, seed: int) -> str:
@@ -37,13 +51,7 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         return encode_rest(self, text, special=special, started=started)  # type: ignore[return-value]
 
     monkeypatch.setattr(LocalTokenizer, "encode_rest", spy)
-    async with running_router(
-        prefill_urls=cluster.prefill_urls,
-        decode_urls=cluster.decode_urls,
-        tokenizer=str(tokenizer_dir),
-        routing_threshold=512,
-        block_size=BLOCK_SIZE,
-    ) as base_url:
+    async with reading_router(cluster, tokenizer_dir) as base_url:
         client = openai_client(base_url)
         answer = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": long_text(4000, 1)}], max_tokens=4
@@ -74,14 +82,7 @@ async def test_a_prompt_the_background_encoder_has_no_room_for_is_counted_by_the
         return encode(self, texts)
 
     monkeypatch.setattr(BackgroundEncoder, "_encode", held)
-    async with running_router(
-        prefill_urls=cluster.prefill_urls,
-        decode_urls=cluster.decode_urls,
-        tokenizer=str(tokenizer_dir),
-        routing_threshold=512,
-        block_size=BLOCK_SIZE,
-        tokenize_background_max_chars=1,
-    ) as base_url:
+    async with reading_router(cluster, tokenizer_dir, tokenize_background_max_chars=1) as base_url:
         client = openai_client(base_url)
         try:
             counts = []

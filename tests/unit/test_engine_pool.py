@@ -14,7 +14,7 @@ import pytest
 
 from dpd_router.engine_pool import EnginePool
 
-from .test_transport import Handler, Server, keep_answering, serving
+from .test_transport import Handler, Server, keep_answering, serving, unaccepted_address
 
 
 @asynccontextmanager
@@ -149,23 +149,10 @@ async def test_nothing_listening_is_a_connect_error() -> None:
 
 
 async def test_a_full_accept_queue_is_a_connect_timeout() -> None:
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)  # never accepted: once its queue is full, new connects hang
-        address = listener.getsockname()
-        fillers = []
-        for _ in range(4):
-            filler = socket.socket()
-            filler.setblocking(False)
-            filler.connect_ex(address)
-            fillers.append(filler)
-        try:
-            async with engine_pool() as pool:
-                with pytest.raises(httpx.ConnectTimeout):
-                    await pool.post(f"http://127.0.0.1:{address[1]}/", b"{}", {}, connect_timeout=0.3)
-        finally:
-            for filler in fillers:
-                filler.close()
+    with unaccepted_address() as (host, port):
+        async with engine_pool() as pool:
+            with pytest.raises(httpx.ConnectTimeout):
+                await pool.post(f"http://{host}:{port}/", b"{}", {}, connect_timeout=0.3)
 
 
 @pytest.mark.parametrize(

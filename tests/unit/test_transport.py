@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import httpx
 import pytest
@@ -152,10 +152,12 @@ async def test_nothing_listening_is_a_connect_error() -> None:
             await http.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{}")
 
 
-async def test_a_full_accept_queue_is_a_connect_timeout() -> None:
+@contextmanager
+def unaccepted_address() -> Iterator[tuple[str, int]]:
+    """An address whose listener never accepts and whose accept queue is full: a connect there hangs."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
-        listener.listen(0)  # never accepted: once its queue is full, new connects hang
+        listener.listen(0)
         address = listener.getsockname()
         fillers = []
         for _ in range(4):
@@ -164,12 +166,17 @@ async def test_a_full_accept_queue_is_a_connect_timeout() -> None:
             filler.connect_ex(address)
             fillers.append(filler)
         try:
-            async with client(connect=0.3) as http:
-                with pytest.raises(httpx.ConnectTimeout):
-                    await http.post(f"http://127.0.0.1:{address[1]}/", content=b"{}")
+            yield address
         finally:
             for filler in fillers:
                 filler.close()
+
+
+async def test_a_full_accept_queue_is_a_connect_timeout() -> None:
+    with unaccepted_address() as (host, port):
+        async with client(connect=0.3) as http:
+            with pytest.raises(httpx.ConnectTimeout):
+                await http.post(f"http://{host}:{port}/", content=b"{}")
 
 
 async def test_an_engine_that_never_answers_is_a_read_timeout() -> None:
