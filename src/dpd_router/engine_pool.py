@@ -15,12 +15,13 @@ never saw the request.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 import httpx
@@ -39,6 +40,8 @@ class _Target:
     origin: tuple[str, str, int]  # scheme, host, port
     path: bytes
     host_header: bytes
+    # Basic credentials written in the URL (user:password@host), sent unless the call has its own.
+    authorization: str | None
 
 
 class PooledAnswer:
@@ -86,7 +89,9 @@ class PooledAnswer:
         )
         self.headers = CIMultiDictProxy(headers)
         # Neither a length nor chunks: the body runs until the engine closes the connection.
-        self._until_eof = "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "")
+        self._until_eof = (
+            "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower()
+        )
         if not self._head.done():
             self._head.set_result(None)
 
@@ -99,6 +104,8 @@ class PooledAnswer:
         self._wake()
 
     def complete(self, keep_alive: bool) -> None:
+        # The engine's keep-alive timer starts as it ends its answer, not when the router has read it.
+        self._connection.idle_since = self._connection.loop.time()
         self._done = True
         self._keep_alive = keep_alive
         self._wake()
@@ -169,12 +176,6 @@ class PooledAnswer:
         self._released = True
         self._connection.done_with(self, reusable=self._done and self._keep_alive and not self._chunks)
 
-    def __del__(self) -> None:
-        # Dropped unclosed (a caller's bug): close its connection rather than hold it busy for good. From
-        # the loop's thread, as the collector may run this in another.
-        if not self._released and not self._connection.loop.is_closed():
-            self._connection.loop.call_soon_threadsafe(self._connection.close)
-
 
 _NO_HEADERS: Mapping[str, str] = CIMultiDictProxy(CIMultiDict())
 
@@ -217,20 +218,27 @@ class _Connection(asyncio.Protocol):
     # httptools' callbacks.
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.answer is not None:
-            self.answer.raw_headers.append((name, value))
+        if (answer := self._reading()) is not None:
+            answer.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.answer is not None:
-            self.answer.head_received(self._parser.get_status_code())
+        if (answer := self._reading()) is not None:
+            answer.head_received(self._parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
-        if self.answer is not None:
-            self.answer.feed(body)
+        if (answer := self._reading()) is not None:
+            answer.feed(body)
 
     def on_message_complete(self) -> None:
-        if self.answer is not None:
-            self.answer.complete(self._parser.should_keep_alive())
+        if (answer := self._reading()) is not None:
+            answer.complete(self._parser.should_keep_alive())
+        else:
+            self.close()  # a second answer in one read: the connection cannot be trusted again
+
+    def _reading(self) -> PooledAnswer | None:
+        """The answer being read; None past its end (a second message in the same read is not its)."""
+        answer = self.answer
+        return answer if answer is not None and not answer._done else None
 
     # The pool's and the answer's.
 
@@ -256,6 +264,9 @@ class _Connection(asyncio.Protocol):
     def resume(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+
+    def closing(self) -> bool:
+        return self.closed or self.transport is None or self.transport.is_closing()
 
     def close(self) -> None:
         self.closed = True  # at once: the pool must not hand it out while its close completes
@@ -299,10 +310,11 @@ class EnginePool:
             idle = self._idle.get(origin)
             while idle:
                 connection = idle.pop()
-                if connection.closed:  # closing, its loss not reported yet
+                if connection.closing():  # its loss not reported yet
                     continue
                 if loop.time() - connection.idle_since < self._expiry:
                     return connection
+                self._open.discard(connection)  # counted out now: its close completes later
                 connection.close()  # the engine may be closing it as we send: never reuse it that late
             if len(self._open) + self._opening < self._max or self._evict_idle():
                 return await self._connect(origin, deadline - loop.time())
@@ -311,10 +323,12 @@ class EnginePool:
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter
-            except TimeoutError:
+            except BaseException as exc:
                 if waiter.done() and not waiter.cancelled():
-                    self._wake_one()  # woken as the deadline passed: the place it was told of goes to the next
-                raise httpx.PoolTimeout(f"no connection to the engines became free in {within:g} s") from None
+                    self._wake_one()  # woken, then timed out or cancelled: the place goes to the next waiter
+                if isinstance(exc, TimeoutError):
+                    raise httpx.PoolTimeout(f"no connection to the engines became free in {within:g} s") from None
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
@@ -354,7 +368,6 @@ class EnginePool:
         return connection
 
     def release(self, connection: _Connection) -> None:
-        connection.idle_since = connection.loop.time()
         self._idle.setdefault(connection.origin, []).append(connection)
         self._wake_one()
 
@@ -383,8 +396,15 @@ class EnginePool:
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             if len(self._targets) >= self.MAX_TARGETS:  # engines came and went: start over rather than grow
                 self._targets.clear()
+            credentials = None
+            if parts.username is not None:
+                pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+                credentials = "Basic " + base64.b64encode(pair).decode("ascii")
             target = self._targets[url] = _Target(
-                (parts.scheme, parts.hostname, port), path.encode(), parts.netloc.rpartition("@")[2].encode()
+                (parts.scheme, parts.hostname, port),
+                path.encode(),
+                parts.netloc.rpartition("@")[2].encode(),
+                credentials,
             )
         return target
 
@@ -403,6 +423,8 @@ class EnginePool:
 
 def _request_head(target: _Target, headers: Mapping[str, str], length: int) -> bytes:
     lines = [b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (target.path, target.host_header)]
+    if target.authorization is not None and not any(name.lower() == "authorization" for name in headers):
+        lines.append(b"Authorization: %s\r\n" % target.authorization.encode("ascii"))
     for name, value in headers.items():
         if name.lower() in _OWN_HEADERS:
             continue

@@ -320,10 +320,11 @@ class BackgroundEncoder:
     """Whole encodings of prompts that were planned on their first tokens, made off the request's path.
 
     They serve the exact counts a request is reported with (when the engine reports none) and the tail
-    blocks of the prefix index, so they may lag: one thread encodes every text waiting, in one batch
-    call of the tokenizer's Rust core, which releases the GIL. The event loop pays no encoding even for
-    short prompts, and however many long prompts arrive the background work takes at most one core,
-    leaving the rest to the requests. At most `max_chars` characters wait or run: a text beyond them
+    blocks of the prefix index, so they may lag: one thread takes every text waiting at once and encodes
+    them one after another with the tokenizer's Rust core, which releases the GIL (one text a call: a
+    batch call would spread over every core). The event loop pays no encoding even for short prompts,
+    and however many long prompts arrive the background work takes at most one core, leaving the rest
+    to the requests. At most `max_chars` characters wait or run: a text beyond them
     is not encoded (its future holds None, `on_skip` counts it), rather than the lag growing without
     end while prompts arrive faster than one core encodes them.
     """
@@ -363,21 +364,16 @@ class BackgroundEncoder:
             )
         except RuntimeError as exc:  # shut down: nothing more is encoded
             self._busy = None
+            self._chars -= sum(len(text) for text, *_ in batch)
             for *_, future in batch:
                 if not future.done():
                     future.set_exception(exc)
+                    future.exception()  # retrieved: a future nobody waits for any more logs nothing
             return
         running.add_done_callback(lambda done: self._finished(loop, batch, done))
 
     def _encode(self, texts: list[tuple[str, bool]]) -> list[list[int]]:
-        ids: list[list[int]] = [[] for _ in texts]
-        for special in (False, True):
-            indices = [index for index, (_, wanted) in enumerate(texts) if wanted is special]
-            if indices:
-                encodings = self._encode_batch([texts[index][0] for index in indices], add_special_tokens=special)
-                for index, encoding in zip(indices, encodings, strict=True):
-                    ids[index] = list(encoding.ids)
-        return ids
+        return [list(self._encode_batch([text], add_special_tokens=special)[0].ids) for text, special in texts]
 
     def _finished(
         self,
@@ -396,6 +392,7 @@ class BackgroundEncoder:
                 future.cancel()
             elif failure is not None:
                 future.set_exception(failure)
+                future.exception()  # retrieved: a refused request's encoding has nobody waiting for it
             else:
                 ids = done.result()[index]
                 future.set_result(Prompt(token_ids=ids, num_tokens=len(ids), seconds=now - started))

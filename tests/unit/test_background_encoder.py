@@ -32,17 +32,24 @@ class GatedBackend:
         self._backend = backend
         self.gate = threading.Event()
         self.batches: list[list[str]] = []
+        self.threads: set[str] = set()
 
     def encode_batch_fast(self, texts: list[str], *, add_special_tokens: bool) -> Any:
         self.gate.wait(10)
         self.batches.append(list(texts))
+        self.threads.add(threading.current_thread().name)
         return self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
 
 
-async def test_texts_waiting_are_encoded_in_one_batch_as_the_tokenizer_encodes_them(local: LocalTokenizer) -> None:
+async def test_texts_waiting_are_taken_at_once_and_encoded_on_one_thread_as_the_tokenizer_encodes_them(
+    local: LocalTokenizer,
+) -> None:
     backend = local._tokenizer.backend_tokenizer
     gated = GatedBackend(backend)
     encoder = BackgroundEncoder(gated, max_chars=1 << 30)
+    jobs: list[int] = []
+    encode = encoder._encode
+    encoder._encode = lambda texts: jobs.append(len(texts)) or encode(texts)  # type: ignore[method-assign]
     try:
         texts = [text_of(30 + i, i) for i in range(12)]
         first = encoder.submit(texts[0], special=False, started=0.0)
@@ -52,8 +59,9 @@ async def test_texts_waiting_are_encoded_in_one_batch_as_the_tokenizer_encodes_t
         encoded = await asyncio.gather(first, *rest)
     finally:
         encoder.close()
-    assert gated.batches[0] == [texts[0]]
-    assert sorted(map(len, gated.batches[1:])) == [5, 6]  # two calls, one per special-token setting
+    assert jobs == [1, 11]  # the first alone; the eleven that arrived meanwhile in one job
+    assert gated.batches == [[text] for text in texts]  # one text a call: never spread over every core
+    assert len(gated.threads) == 1
     for i, (text, prompt) in enumerate(zip(texts, encoded, strict=True)):
         assert prompt is not None
         want = list(backend.encode(text, add_special_tokens=i != 0 and i % 2 == 0).ids)

@@ -207,3 +207,37 @@ async def test_a_cancelled_call_closes_its_connection() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await call
     assert server.connections == 2
+
+
+async def test_the_keepalive_expiry_counts_from_the_answer_end_not_from_when_it_was_read() -> None:
+    async with serving(keep_answering()) as (server, url), engine_pool(keepalive_expiry=0.1) as pool:
+        answer = await pool.post(url, b"{}", {}, connect_timeout=5)
+        await asyncio.sleep(0.15)  # a slow reader: the engine's keep-alive timer has run meanwhile
+        await answer.aread()
+        await (await pool.post(url, b"{}", {}, connect_timeout=5)).aread()
+    assert server.connections == 2
+
+
+async def test_credentials_in_the_url_are_sent_as_basic_auth_unless_the_call_has_its_own() -> None:
+    async with serving(keep_answering()) as (server, url), engine_pool() as pool:
+        with_credentials = url.replace("http://", "http://user:p%40ss@")
+        await (await pool.post(with_credentials, b"{}", {}, connect_timeout=5)).aread()
+        await (await pool.post(with_credentials, b"{}", {"Authorization": "Bearer k"}, connect_timeout=5)).aread()
+    assert b"\r\nAuthorization: Basic dXNlcjpwQHNz\r\n" in server.requests[0]  # user:p@ss
+    assert b"Basic" not in server.requests[1] and b"\r\nAuthorization: Bearer k\r\n" in server.requests[1]
+    assert b"@" not in server.requests[0].split(b"\r\n")[1]  # the Host header holds no credentials
+
+
+async def test_a_chunked_body_cut_by_a_clean_close_is_a_read_error_whatever_the_header_case() -> None:
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nfirst\r\n")
+            await writer.drain()
+
+        return handler
+
+    async with serving(handler_for) as (_, url), engine_pool() as pool:
+        answer = await pool.post(url, b"{}", {}, connect_timeout=5)
+        with pytest.raises(httpx.ReadError):
+            await answer.aread()
