@@ -153,6 +153,14 @@ class RouterMetrics:
             "prompt): a KV connector misconfiguration.",
             registry=r,
         )
+        self.orphaned_prefills = Counter(
+            f"{PREFIX}_orphaned_prefills",
+            "Prefill calls whose client left while they ran, by what became of them: released (answered "
+            "within the grace, its KV released), cut (no answer within the grace: the call was cut, and KV "
+            "the engine staged meanwhile waits out its lease), failed (the call failed).",
+            ["outcome"],
+            registry=r,
+        )
         self.kv_released = Counter(
             f"{PREFIX}_kv_released",
             "Staged KV that no decode call picked up (its client left between the hops, or its decoder was "

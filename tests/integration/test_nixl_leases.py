@@ -73,6 +73,8 @@ async def test_a_client_that_leaves_as_the_prefill_answers_has_its_blocks_releas
         await wait_until_no_lease(prefiller)
         assert (await engine_stats(prefiller))["leases_released"] == 1
         assert await metric(url, "dpd_router_kv_released_total", {"connector": "nixl"}) == 1
+        assert await metric(url, "dpd_router_orphaned_prefills_total", {"outcome": "released"}) == 1
+        assert await metric(url, "dpd_router_orphaned_prefills_total", {"outcome": "cut"}) == 0
         assert await metric(url, "dpd_router_client_disconnects_total") == 1
         # The decoder only refused the release call: it decoded nothing.
         assert [entry["kind"] for entry in (await engine_stats(decoder))["recent"]] == []

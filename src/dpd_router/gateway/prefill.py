@@ -106,11 +106,14 @@ class PrefillHop:
     async def _release_orphaned(self, task: asyncio.Task[StagedKV], handoff: Handoff) -> None:
         await asyncio.wait({task}, timeout=ORPHANED_PREFILL_GRACE)
         if not task.done():
+            self._metrics.orphaned_prefills.labels("cut").inc()
             task.cancel()
             await asyncio.wait({task})
             return
         if task.cancelled() or task.exception() is not None:
+            self._metrics.orphaned_prefills.labels("failed").inc()
             return
+        self._metrics.orphaned_prefills.labels("released").inc()
         HeldKV(replace(task.result(), handoff=handoff), self._connector, self._metrics).release()
 
     def _deadline(
