@@ -14,7 +14,7 @@ import pytest
 
 from dpd_router.engine_pool import EnginePool
 
-from .test_transport import Handler, Server, keep_answering, serving, unaccepted_address
+from .test_transport import Handler, Server, answer_once, keep_answering, serving, unaccepted_address
 
 
 @asynccontextmanager
@@ -99,15 +99,8 @@ async def test_a_chunked_stream_comes_chunk_by_chunk_and_a_stream_cut_short_clos
 
 
 async def test_a_body_without_length_runs_to_the_close() -> None:
-    def handler_for(server: Server) -> Handler:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await server.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
-            await writer.drain()
-
-        return handler
-
-    async with serving(handler_for) as (_, url), engine_pool() as pool:
+    sent = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it"
+    async with serving(answer_once(sent)) as (_, url), engine_pool() as pool:
         answer = await pool.post(url, b"{}", {}, connect_timeout=5)
         assert await answer.aread() == b"all of it"
 
@@ -167,15 +160,7 @@ async def test_a_full_accept_queue_is_a_connect_timeout() -> None:
 async def test_an_engine_failing_after_the_request_is_never_a_connect_error(
     sent: bytes, error: type[httpx.HTTPError]
 ) -> None:
-    def handler_for(server: Server) -> Handler:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await server.read_request(reader)
-            writer.write(sent)
-            await writer.drain()
-
-        return handler
-
-    async with serving(handler_for) as (server, url), engine_pool() as pool:
+    async with serving(answer_once(sent)) as (server, url), engine_pool() as pool:
         with pytest.raises(error):
             answer = await pool.post(url, b"{}", {}, connect_timeout=5)
             await answer.aread()
@@ -229,15 +214,8 @@ async def test_credentials_in_the_url_are_sent_as_basic_auth_unless_the_call_has
 
 
 async def test_a_chunked_body_cut_by_a_clean_close_is_a_read_error_whatever_the_header_case() -> None:
-    def handler_for(server: Server) -> Handler:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await server.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nfirst\r\n")
-            await writer.drain()
-
-        return handler
-
-    async with serving(handler_for) as (_, url), engine_pool() as pool:
+    sent = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nfirst\r\n"
+    async with serving(answer_once(sent)) as (_, url), engine_pool() as pool:
         answer = await pool.post(url, b"{}", {}, connect_timeout=5)
         with pytest.raises(httpx.ReadError):
             await answer.aread()

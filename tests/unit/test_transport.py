@@ -67,6 +67,20 @@ async def client(**timeouts: float) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
+def answer_once(sent: bytes) -> Callable[[Server], Handler]:
+    """A server that reads one request, sends `sent` as its answer and closes the connection."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(sent)
+            await writer.drain()
+
+        return handler
+
+    return handler_for
+
+
 def keep_answering(body: bytes = b'{"ok": true}') -> Callable[[Server], Handler]:
     def handler_for(server: Server) -> Handler:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -206,29 +220,14 @@ async def test_a_connection_closed_before_the_answer_is_a_protocol_error_not_a_c
 
 
 async def test_a_body_cut_off_midway_is_a_read_error() -> None:
-    def handler_for(server: Server) -> Handler:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await server.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part")
-            await writer.drain()
-
-        return handler
-
-    async with serving(handler_for) as (_, url), client() as http:
+    sent = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part"
+    async with serving(answer_once(sent)) as (_, url), client() as http:
         with pytest.raises(httpx.ReadError):
             await http.post(url, content=b"{}")
 
 
 async def test_every_failure_is_an_httpx_error_the_router_can_catch() -> None:
-    def handler_for(server: Server) -> Handler:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await server.read_request(reader)
-            writer.write(b"this is not HTTP\r\n\r\n")
-            await writer.drain()
-
-        return handler
-
-    async with serving(handler_for) as (_, url), client() as http:
+    async with serving(answer_once(b"this is not HTTP\r\n\r\n")) as (_, url), client() as http:
         with pytest.raises(httpx.HTTPError) as failure:
             await http.post(url, content=b"{}")
     assert not isinstance(failure.value, httpx.ConnectError | httpx.ConnectTimeout)
