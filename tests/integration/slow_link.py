@@ -85,3 +85,7 @@ class SlowLink:
                 await writer.drain()
             except ConnectionError:
                 return
+        # The engine closed its side (its keep-alive ran out): pass it on as a network would, or the
+        # router sends its next request into a connection no engine reads and waits for good.
+        with contextlib.suppress(OSError):
+            writer.write_eof()

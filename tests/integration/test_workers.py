@@ -131,14 +131,30 @@ async def worker_states(router: Supervised, *, count: int, within: float = 30.0)
 
 
 @asynccontextmanager
-async def pinned_clients(count: int, base_url: str) -> AsyncIterator[list[httpx.AsyncClient]]:
-    """Clients of one keep-alive connection each, so a client's requests all reach the worker it first reached."""
+async def clients_on_each_worker(
+    base_url: str, *, each: int = 1, within: float = 30.0
+) -> AsyncIterator[dict[int, list[httpx.AsyncClient]]]:
+    """`each` clients on each of the two workers, by worker, each client of one keep-alive connection, so
+    its requests all reach the worker it first reached.
+
+    The kernel picks the worker of each connection, and while one worker waits in accept it may take
+    every connection in a row: clients are opened in concurrent batches until both workers hold `each`.
+    """
     limits = httpx.Limits(max_connections=1, keepalive_expiry=60)  # not httpx's 5 s: a later request would reconnect
-    clients = [httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) for _ in range(count)]
+    opened: list[httpx.AsyncClient] = []
+    by_worker: dict[int, list[httpx.AsyncClient]] = {}
     try:
-        yield clients
+        async with asyncio.timeout(within):
+            while len(by_worker) < 2 or any(len(group) < each for group in by_worker.values()):
+                batch = [httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) for _ in range(8)]
+                opened.extend(batch)
+                for client, worker in zip(batch, await asyncio.gather(*map(worker_of, batch)), strict=True):
+                    group = by_worker.setdefault(worker, [])
+                    if len(group) < each:
+                        group.append(client)
+        yield by_worker
     finally:
-        for client in clients:
+        for client in opened:
             await client.aclose()
 
 
@@ -196,16 +212,7 @@ async def test_a_killed_worker_is_replaced_and_the_other_loses_nothing(
     engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     async with supervised_router(engines, tokenizer_dir, tmp_path) as router:
-        async with pinned_clients(100, router.base_url) as clients:
-            # Connections until each worker holds at least 3 (the kernel picks the worker of each).
-            by_worker: dict[int, list[httpx.AsyncClient]] = {}
-            for client in clients:
-                by_worker.setdefault(await worker_of(client), []).append(client)
-                if len(by_worker) == 2 and all(len(group) >= 3 for group in by_worker.values()):
-                    break
-            assert len(by_worker) == 2 and all(len(group) >= 3 for group in by_worker.values()), {
-                pid: len(group) for pid, group in by_worker.items()
-            }
+        async with clients_on_each_worker(router.base_url, each=3) as by_worker:
             victim, survivor = sorted(by_worker)
             started = {pid: [asyncio.Event() for _ in group] for pid, group in by_worker.items()}
             streams = {
@@ -275,13 +282,9 @@ async def test_a_shared_limits_store_holds_each_keys_whole_limit_across_workers(
     headers = {"Authorization": "Bearer four-a-minute"}
     async with (
         supervised_router(engines, tokenizer_dir, tmp_path, **settings) as router,
-        pinned_clients(12, router.base_url) as clients,
+        clients_on_each_worker(router.base_url) as by_worker,
     ):
-        by_worker: dict[int, httpx.AsyncClient] = {}
-        for client in clients:
-            by_worker.setdefault(await worker_of(client), client)
-        assert len(by_worker) == 2, "the kernel gave every connection to one worker"
-        first, second = by_worker.values()
+        (first,), (second,) = by_worker.values()
 
         async def ask(client: httpx.AsyncClient) -> int:
             response = await client.post("/v1/chat/completions", json=chat_body("hello"), headers=headers)
@@ -299,17 +302,6 @@ def with_admin_key(tmp_path: Path) -> dict[str, str]:
     keys = tmp_path / "keys.yaml"
     keys.write_text(f"keys:\n  - sha256: {hash_key('workers-admin-key')}\n    admin: true\n")
     return {"api_keys_file": str(keys)}
-
-
-async def one_client_a_worker(clients: list[httpx.AsyncClient]) -> dict[int, httpx.AsyncClient]:
-    """A pinned client on each of the two workers (the kernel picks the worker of each connection)."""
-    by_worker: dict[int, httpx.AsyncClient] = {}
-    for client in clients:
-        by_worker.setdefault(await worker_of(client), client)
-        if len(by_worker) == 2:
-            break
-    assert len(by_worker) == 2, "the kernel gave every connection to one worker"
-    return by_worker
 
 
 async def thresholds_become(router: Supervised, value: int) -> dict[int, int]:
@@ -341,10 +333,9 @@ async def test_a_put_to_one_worker_reaches_every_worker_and_a_replacement(
 ) -> None:
     async with (
         supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router,
-        pinned_clients(12, router.base_url) as clients,
+        clients_on_each_worker(router.base_url) as by_worker,
     ):
-        by_worker = await one_client_a_worker(clients)
-        (taker, taker_client), (sibling, sibling_client) = by_worker.items()
+        (taker, (taker_client,)), (sibling, (sibling_client,)) = by_worker.items()
         response = await taker_client.put("/admin/config", json={"routing_threshold": 3000}, headers=ADMIN)
         assert response.status_code == 200, response.text
         # The answer is the worker's that took the PUT: what it changed.
@@ -416,9 +407,9 @@ async def test_a_shadow_put_reaches_the_sibling_with_its_key_through_a_private_l
     shadow = {"url": engines.decode_urls[0], "share": 0, "api_key": "sk-shadow-secret"}
     async with (
         supervised_router(engines, tokenizer_dir, tmp_path, **with_admin_key(tmp_path)) as router,
-        pinned_clients(12, router.base_url) as clients,
+        clients_on_each_worker(router.base_url) as by_worker,
     ):
-        (_, taker_client), (sibling, sibling_client) = (await one_client_a_worker(clients)).items()
+        (_, (taker_client,)), (sibling, (sibling_client,)) = by_worker.items()
         response = await taker_client.put("/admin/config", json={"shadow": shadow}, headers=ADMIN)
         assert response.status_code == 200, response.text
         async with asyncio.timeout(20):

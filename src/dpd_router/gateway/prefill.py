@@ -112,6 +112,8 @@ class PrefillHop:
             return
         if task.cancelled() or task.exception() is not None:
             self._metrics.orphaned_prefills.labels("failed").inc()
+            reason = "cancelled" if task.cancelled() else repr(task.exception())
+            log.warning("request %s: its client left and its prefill failed: %s", handoff.request_id, reason)
             return
         self._metrics.orphaned_prefills.labels("released").inc()
         HeldKV(replace(task.result(), handoff=handoff), self._connector, self._metrics).release()
