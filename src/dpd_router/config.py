@@ -628,7 +628,7 @@ class Settings(BaseSettings):
         default=4096,
         ge=1,
         description="The most connections open to the engines at once by the request path's pool (and as "
-        "many by the pool of the other engine calls: probes, scrapes, connectors).",
+        "many by the pool of the other engine calls: probes, scrapes, remote tokenizing).",
         json_schema_extra=_meta("server"),
     )
     max_keepalive_connections: int = Field(

@@ -1,6 +1,7 @@
-"""The request path's calls to engines: kept-alive HTTP/1.1 connections, answers parsed by httptools.
+"""The request path's calls to engines (decode calls, the connectors' prefill and release calls):
+kept-alive HTTP/1.1 connections, answers parsed by httptools.
 
-Why not aiohttp, which serves the router's other engine calls (probes, scrapes, connectors): through
+Why not aiohttp, which serves the router's other engine calls (probes, scrapes, tokenize): through
 aiohttp's client a call builds its request and response objects, timers, tracing hooks and stream
 reader, several times the CPU of writing the request on a kept-alive connection and feeding what
 comes back to httptools' parser (the C parser uvicorn's server side uses), and the router makes one

@@ -14,8 +14,10 @@ or `httpx.ConnectTimeout` alone.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 import aiohttp
@@ -77,6 +79,18 @@ class _Body(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         _release(self._response)
+
+
+@dataclass(frozen=True, slots=True)
+class WholeAnswer:
+    """An engine's answer read to its end."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
 
 
 class EngineAnswer(Protocol):
@@ -203,6 +217,21 @@ class EngineCalls:
         response = await self._transport.handle_async_request(request)
         response.request = request
         return response
+
+    async def whole(self, url: str, body: bytes, headers: Mapping[str, str], *, limits: httpx.Timeout) -> WholeAnswer:
+        """POST `body` to `url` and read the whole answer, all within `limits.read` seconds (None:
+        no limit), of which at most `limits.connect` go to taking or opening a connection.
+
+        The connectors' calls (a prefill, a release of unused KV): one answer each, read whole. A
+        deadline past is TimeoutError; every other failure is the httpx exception the pool raised.
+        """
+        connect = next((limit for limit in (limits.connect, limits.read) if limit is not None), math.inf)
+        async with asyncio.timeout(limits.read):
+            answer = await self.post(url, body, headers, connect_timeout=connect)
+            try:
+                return WholeAnswer(answer.status_code, await answer.aread())
+            finally:
+                await answer.aclose()
 
     def _url(self, url: str) -> httpx.URL:
         parsed = self._urls.get(url)

@@ -133,9 +133,8 @@ def gateway(engines: Engines, *, decoders: tuple[str, ...] = (DECODER,)) -> tupl
     )
     metrics = RouterMetrics()
     transport = httpx.MockTransport(engines)
-    client = httpx.AsyncClient(transport=transport)
     connector = LMCacheConnector(
-        client,
+        EngineCalls(transport, {}),
         timeout=httpx.Timeout(5.0),
         receivers=ReceiverMap([8300], [8400]),
         notifications=LandedAtOnce(),  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from dpd_router.transfer.lmcache.connector import LMCacheConnector
 from dpd_router.transfer.lmcache.notify import ProxyNotifications
 from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
+from dpd_router.transport import EngineCalls
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
 DECODER = Endpoint("http://10.0.0.9:8000", "decode")
@@ -376,9 +377,8 @@ async def test_other_messages_and_unknown_ids_are_ignored(notifications: ProxyNo
 
 
 def connector(handler: Any, notifications: ProxyNotifications, **options: Any) -> LMCacheConnector:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     return LMCacheConnector(
-        client,
+        EngineCalls(httpx.MockTransport(handler), {}),
         timeout=httpx.Timeout(5.0),
         receivers=ReceiverMap([8300], [8400]),
         notifications=notifications,
@@ -565,7 +565,7 @@ def test_kv_connector_setting_selects_lmcache_with_its_ports() -> None:
         lmcache_receiver_alloc_ports="8400,8401",
         lmcache_receivers={"http://10.0.0.8:8000": {"host": "rdma-8", "init_ports": [9000], "alloc_ports": [9100]}},
     )
-    built = build_connector(settings, httpx.AsyncClient())
+    built = build_connector(settings, EngineCalls(httpx.AsyncHTTPTransport(), {}))
     assert isinstance(built, LMCacheConnector) and built.name == "lmcache" and not built.concurrent
     handoff = built.handoff(parse_request("completion", b'{"prompt": "x"}'), PROMPT, PREFILLER, DECODER, "r")
     assert handoff.transfer["disagg_spec"]["receiver_init_port"] == [8300, 8301]

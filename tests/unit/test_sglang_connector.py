@@ -19,6 +19,7 @@ from dpd_router.startup.connectors import build_connector
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.sglang import SGLangConnector, bootstrap_fields
+from dpd_router.transport import EngineCalls
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
 OTHER_PREFILLER = Endpoint("http://10.0.0.2:8000", "prefill")
@@ -28,9 +29,7 @@ PROMPT = Prompt(token_ids=[1, 2, 3], num_tokens=3, seconds=0.0)
 
 def connector(handler: Any = None, **options: Any) -> SGLangConnector:
     transport = httpx.MockTransport(handler or (lambda _: httpx.Response(500)))
-    return SGLangConnector(
-        httpx.AsyncClient(transport=transport), timeout=httpx.Timeout(5.0), path_for=ENGINE_PATHS, **options
-    )
+    return SGLangConnector(EngineCalls(transport, {}), timeout=httpx.Timeout(5.0), path_for=ENGINE_PATHS, **options)
 
 
 def chat(**extra: Any) -> Any:
@@ -123,7 +122,7 @@ def test_kv_connector_setting_selects_sglang() -> None:
         sglang_bootstrap_port=9000,
         sglang_bootstrap_ports={"10.0.0.1:8000": 9001},
     )
-    built = build_connector(settings, httpx.AsyncClient())
+    built = build_connector(settings, EngineCalls(httpx.AsyncHTTPTransport(), {}))
     assert isinstance(built, SGLangConnector) and built.concurrent and built.batches
     assert not built.serves_direct, "a decode-mode server needs a bootstrap room"
     assert built.bootstrap_port(PREFILLER) == 9001 and built.bootstrap_port(OTHER_PREFILLER) == 9000

@@ -15,6 +15,7 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.startup.connectors import build_connector
 from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.shared_storage import SharedStorageConnector, prefill_body, staged_from_answer
+from dpd_router.transport import EngineCalls
 
 PREFILLER = Endpoint("http://127.0.0.1:9", "prefill")
 
@@ -41,8 +42,8 @@ def answer(prompt_tokens: int = 300, cached: int | None = 32) -> dict[str, Any]:
 
 
 def connector(handler: Any) -> SharedStorageConnector:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return SharedStorageConnector(client, timeout=httpx.Timeout(5.0), path_for=ENGINE_PATHS)
+    engines = EngineCalls(httpx.MockTransport(handler), {})
+    return SharedStorageConnector(engines, timeout=httpx.Timeout(5.0), path_for=ENGINE_PATHS)
 
 
 def test_prefill_body_asks_for_one_unstreamed_token_and_no_transfer_params() -> None:
@@ -127,5 +128,5 @@ async def test_prefill_fails_when_the_prefiller_cannot_be_reached(error: Excepti
 
 def test_kv_connector_setting_selects_the_shared_storage_connector() -> None:
     settings = load_settings(decode_urls=["http://127.0.0.1:1"], kv_connector="shared_storage")
-    built = build_connector(settings, httpx.AsyncClient())
+    built = build_connector(settings, EngineCalls(httpx.AsyncHTTPTransport(), {}))
     assert isinstance(built, SharedStorageConnector) and built.name == "shared_storage"

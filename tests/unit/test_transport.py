@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager, contextmanager
 import httpx
 import pytest
 
-from dpd_router.transport import AiohttpTransport
+from dpd_router.transport import AiohttpTransport, EngineCalls
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -231,3 +231,43 @@ async def test_every_failure_is_an_httpx_error_the_router_can_catch() -> None:
         with pytest.raises(httpx.HTTPError) as failure:
             await http.post(url, content=b"{}")
     assert not isinstance(failure.value, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+@asynccontextmanager
+async def engine_calls() -> AsyncIterator[EngineCalls]:
+    transport = AiohttpTransport(httpx.Limits(max_connections=10, keepalive_expiry=4.0))
+    try:
+        yield EngineCalls(transport, {"Authorization": "Bearer engine-key"})
+    finally:
+        await transport.aclose()
+
+
+async def test_a_connectors_call_reads_the_whole_answer_on_the_request_paths_pool() -> None:
+    async with serving(keep_answering(b'{"kv_transfer_params": {}}')) as (server, url), engine_calls() as calls:
+        limits = httpx.Timeout(5.0, connect=1.0)
+        first = await calls.whole(f"{url}/v1/completions", b'{"prompt": "hi"}', {"X-Request-Id": "r1"}, limits=limits)
+        second = await calls.whole(f"{url}/v1/completions", b"{}", {}, limits=limits)
+    assert (first.status_code, first.content, second.content) == (200, b'{"kv_transfer_params": {}}', first.content)
+    assert server.connections == 1, "the second call reused the first call's connection"
+    head = server.requests[0].lower()
+    assert b"x-request-id: r1" in head and b"authorization: bearer engine-key" in head
+    assert server.requests[0].endswith(b'{"prompt": "hi"}')
+
+
+async def test_a_connectors_call_past_its_deadline_is_a_timeout_and_its_connection_is_not_reused() -> None:
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if len(server.requests) == 0:  # the first call: its answer's head, then nothing
+                await server.read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\npart")
+                await reader.read()
+                return
+            await keep_answering()(server)(reader, writer)
+
+        return handler
+
+    async with serving(handler_for) as (server, url), engine_calls() as calls:
+        with pytest.raises(TimeoutError):
+            await calls.whole(url, b"{}", {}, limits=httpx.Timeout(0.3, connect=1.0))
+        answer = await calls.whole(url, b"{}", {}, limits=httpx.Timeout(5.0))
+    assert answer.content == b'{"ok": true}' and server.connections == 2

@@ -67,14 +67,15 @@ class Components:
         client = build_client(settings, transport)
         # First, before anything else runs: a notification address that cannot be bound stops the
         # router here, with nothing else to close.
-        connector = build_connector(settings, client)
+        engine_calls = EngineCalls(transport, engine_headers(settings))
+        connector = build_connector(settings, engine_calls)
         try:
             await connector.start()
         except BaseException:
             await client.aclose()
             raise
         try:
-            return await cls._build(settings, client, EngineCalls(transport, engine_headers(settings)), connector)
+            return await cls._build(settings, client, engine_calls, connector)
         except BaseException:
             await connector.close()
             await client.aclose()

@@ -16,17 +16,18 @@ from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.sglang import SGLangConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector
+from dpd_router.transport import EngineCalls
 
 # The logger operators know these warnings under (they were logged by app.py).
 log = logging.getLogger("dpd_router.app")
 
 
-def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:
+def build_connector(settings: Settings, engines: EngineCalls) -> Connector:
     timeout = httpx.Timeout(settings.prefill_timeout, connect=settings.connect_timeout)
     if settings.kv_connector == "nixl":
-        return NixlConnector(client, timeout=timeout, path_for=ENGINE_PATHS)
+        return NixlConnector(engines, timeout=timeout, path_for=ENGINE_PATHS)
     if settings.kv_connector == "shared_storage":
-        return SharedStorageConnector(client, timeout=timeout, path_for=ENGINE_PATHS)
+        return SharedStorageConnector(engines, timeout=timeout, path_for=ENGINE_PATHS)
     if settings.kv_connector == "lmcache":
         receivers = {
             url: Receiver(
@@ -37,7 +38,7 @@ def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:
             for url, receiver in settings.lmcache_receivers.items()
         }
         return LMCacheConnector(
-            client,
+            engines,
             timeout=timeout,
             receivers=ReceiverMap(
                 settings.lmcache_receiver_init_ports, settings.lmcache_receiver_alloc_ports, receivers
@@ -49,7 +50,7 @@ def build_connector(settings: Settings, client: httpx.AsyncClient) -> Connector:
         )
     if settings.kv_connector == "sglang":
         return SGLangConnector(
-            client,
+            engines,
             timeout=timeout,
             path_for=ENGINE_PATHS,
             bootstrap_port=settings.sglang_bootstrap_port,

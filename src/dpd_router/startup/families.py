@@ -107,7 +107,7 @@ def build_transport(settings: Settings) -> httpx.AsyncBaseTransport:
 
 
 def build_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
-    """The client for the engine calls off the request path (health, load, tokenize, connectors)."""
+    """The client for the engine calls off the request path (health, load, tokenize, metrics scrapes)."""
     return httpx.AsyncClient(
         transport=transport,
         timeout=httpx.Timeout(settings.request_timeout, connect=settings.connect_timeout),

@@ -14,6 +14,7 @@ from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.tokenizer import Prompt
+from dpd_router.transport import EngineCalls
 
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -151,7 +152,7 @@ class Connector(Protocol):
 
 
 async def post_prefill(
-    client: httpx.AsyncClient,
+    engines: EngineCalls,
     prefiller: Endpoint,
     path: str,
     body: dict[str, Any],
@@ -160,9 +161,9 @@ async def post_prefill(
     limits: httpx.Timeout,
 ) -> dict[str, Any]:
     """Send a prefill call and return its JSON answer; every way it can fail becomes PrefillFailed."""
-    response = await send_prefill(client, prefiller, path, orjson.dumps(body), request_id=request_id, limits=limits)
+    content = await send_prefill(engines, prefiller, path, orjson.dumps(body), request_id=request_id, limits=limits)
     try:
-        payload = orjson.loads(response.content)
+        payload = orjson.loads(content)
     except orjson.JSONDecodeError:
         raise PrefillFailed("bad_answer", f"{prefiller.url} answered with invalid JSON") from None
     if not isinstance(payload, dict):
@@ -171,30 +172,26 @@ async def post_prefill(
 
 
 async def send_prefill(
-    client: httpx.AsyncClient,
+    engines: EngineCalls,
     prefiller: Endpoint,
     path: str,
     content: bytes,
     *,
     request_id: str,
     limits: httpx.Timeout,
-) -> httpx.Response:
+) -> bytes:
     """Send a prefill call and read its answer; a failed call or a status other than 200 is PrefillFailed."""
+    headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     try:
-        response = await client.post(
-            f"{prefiller.url}{path}",
-            content=content,
-            headers={"X-Request-Id": request_id, "Content-Type": "application/json"},
-            timeout=limits,
-        )
-    except httpx.TimeoutException as exc:
+        response = await engines.whole(f"{prefiller.url}{path}", content, headers, limits=limits)
+    except (TimeoutError, httpx.TimeoutException) as exc:
         raise PrefillFailed("timeout", f"{prefiller.url}: {type(exc).__name__}") from None
     except httpx.HTTPError as exc:
         raise PrefillFailed("connect_error", f"{prefiller.url}: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:
         reason = "status_5xx" if response.status_code >= 500 else "status_4xx"
         raise PrefillFailed(reason, f"{prefiller.url} answered {response.status_code}: {response.text[:300]}")
-    return response
+    return response.content
 
 
 def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
@@ -236,8 +233,8 @@ class SequentialConnector:
     pushes_to_decoder = False
     holds_kv = False
 
-    def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
-        self._client = client
+    def __init__(self, engines: EngineCalls, *, timeout: httpx.Timeout, path_for: dict[str, str]):
+        self._engines = engines
         self._timeout = timeout
         self._path_for = path_for
 
@@ -276,7 +273,7 @@ class SequentialConnector:
 
     async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
         payload = await post_prefill(
-            self._client,
+            self._engines,
             prefiller,
             self._path_for[request.kind],
             self.prefill_body(request),

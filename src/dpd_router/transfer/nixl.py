@@ -23,6 +23,7 @@ from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, prefill_usage
+from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.transfer.nixl")
 
@@ -74,8 +75,8 @@ class NixlConnector(SequentialConnector):
     name = "nixl"
     holds_kv = True
 
-    def __init__(self, client: httpx.AsyncClient, *, timeout: httpx.Timeout, path_for: dict[str, str]):
-        super().__init__(client, timeout=timeout, path_for=path_for)
+    def __init__(self, engines: EngineCalls, *, timeout: httpx.Timeout, path_for: dict[str, str]):
+        super().__init__(engines, timeout=timeout, path_for=path_for)
         self._releases: set[asyncio.Task[None]] = set()
         self.released = 0
 
@@ -105,13 +106,13 @@ class NixlConnector(SequentialConnector):
         decoder = handoff.decoder
         headers = {"X-Request-Id": f"{handoff.request_id}-release", "Content-Type": "application/json"}
         try:
-            response = await self._client.post(
+            response = await self._engines.whole(
                 f"{decoder.url}{RELEASE_PATH}",
-                content=orjson.dumps(release_body(staged.params)),
-                headers=headers,
-                timeout=self._timeout,
+                orjson.dumps(release_body(staged.params)),
+                headers,
+                limits=self._timeout,
             )
-        except httpx.HTTPError as exc:
+        except (TimeoutError, httpx.HTTPError) as exc:
             log.warning(
                 "request %s: could not hand the unused KV to %s (%s: %s); the prefiller holds it until its lease ends",
                 handoff.request_id,

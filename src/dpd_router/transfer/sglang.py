@@ -25,6 +25,7 @@ from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.base import DecodeCall, Handoff, StagedKV, prefill_usage, send_prefill
+from dpd_router.transport import EngineCalls
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 _ROOM_BITS = 63
@@ -52,9 +53,8 @@ def engine_body(request: ClientRequest, fields: Mapping[str, Any]) -> bytes:
     return orjson.dumps({**request.body, **fields})
 
 
-def read_answer(response: httpx.Response, prefiller: Endpoint) -> StagedKV:
+def read_answer(content: bytes, prefiller: Endpoint) -> StagedKV:
     """The prefill call's answer, streamed or whole: its token counts, or PrefillFailed for an in-band error."""
-    content = response.content
     payloads: list[Any] = []
     if content.lstrip().startswith(b"data:"):
         for event in content.split(b"\n\n"):
@@ -99,14 +99,14 @@ class SGLangConnector:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        engines: EngineCalls,
         *,
         timeout: httpx.Timeout,
         path_for: dict[str, str],
         bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
         bootstrap_ports: Mapping[str, int] | None = None,
     ) -> None:
-        self._client = client
+        self._engines = engines
         self._timeout = timeout
         self._path_for = path_for
         self._bootstrap_port = bootstrap_port
@@ -132,15 +132,15 @@ class SGLangConnector:
         return Handoff(request, prompt, prefiller, decoder, request_id, transfer=fields)
 
     async def stage(self, handoff: Handoff) -> StagedKV:
-        response = await send_prefill(
-            self._client,
+        content = await send_prefill(
+            self._engines,
             handoff.prefiller,
             self._path_for[handoff.request.kind],
             engine_body(handoff.request, handoff.transfer),
             request_id=handoff.request_id,
             limits=self._timeout,
         )
-        return read_answer(response, handoff.prefiller)
+        return read_answer(content, handoff.prefiller)
 
     def decode_call(self, handoff: Handoff, staged: StagedKV) -> DecodeCall:
         return DecodeCall(self._path_for[handoff.request.kind], engine_body(handoff.request, handoff.transfer))

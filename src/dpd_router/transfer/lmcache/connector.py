@@ -28,6 +28,7 @@ from dpd_router.transfer.lmcache.compat import unsupported
 from dpd_router.transfer.lmcache.notify import ProxyNotifications
 from dpd_router.transfer.lmcache.receivers import ReceiverMap
 from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
+from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.lmcache")
 
@@ -54,7 +55,7 @@ class LMCacheConnector:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        engines: EngineCalls,
         *,
         timeout: httpx.Timeout,
         receivers: ReceiverMap,
@@ -64,7 +65,7 @@ class LMCacheConnector:
         local_tokenizer: bool = True,
         late_notification_window: float = LATE_NOTIFICATION_WINDOW,
     ) -> None:
-        self._client = client
+        self._engines = engines
         self._timeout = timeout
         self._receivers = receivers
         self.notifications = notifications
@@ -109,7 +110,7 @@ class LMCacheConnector:
         landed = False
         try:
             payload = await post_prefill(
-                self._client,
+                self._engines,
                 handoff.prefiller,
                 COMPLETIONS_PATH,
                 prefill_body(handoff.request, handoff.prompt, spec),
@@ -183,10 +184,10 @@ class LMCacheConnector:
         body = orjson.dumps(drain_body(handoff.request, handoff.prompt, first_token))
         headers = {"X-Request-Id": f"{handoff.request_id}-drain", "Content-Type": "application/json"}
         try:
-            response = await self._client.post(
-                f"{decoder.url}{COMPLETIONS_PATH}", content=body, headers=headers, timeout=self._timeout
+            response = await self._engines.whole(
+                f"{decoder.url}{COMPLETIONS_PATH}", body, headers, limits=self._timeout
             )
-        except httpx.HTTPError as exc:
+        except (TimeoutError, httpx.HTTPError) as exc:
             log.warning(
                 "request %s: could not drain the KV pushed to %s (%s: %s); it stays in that decoder's LMCache buffer",
                 handoff.request_id,
