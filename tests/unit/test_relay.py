@@ -277,3 +277,33 @@ def test_the_request_log_line_carries_the_evidence_of_the_routing_decision(caplo
         12.0,
         3000.0,
     )
+
+
+async def test_a_slow_client_is_not_taken_for_an_idle_decoder() -> None:
+    stream, trace, _ = stream_of([TOKEN, LAST, DONE], idle=0.1)
+    out = b""
+    async for part in stream:
+        out += part
+        await asyncio.sleep(0.3)  # the client takes its time; the decoder had everything ready
+    assert out == TOKEN + LAST + DONE and trace.outcome == "ok"
+
+
+async def test_each_read_gets_the_whole_idle_limit_however_long_the_stream() -> None:
+    stream, trace, _ = stream_of([TOKEN] * 8 + [LAST, DONE], idle=0.25, gap=0.1)
+    out = b"".join([part async for part in stream])
+    assert out.endswith(DONE) and b'"error"' not in out and trace.outcome == "ok"
+
+
+async def test_a_cancel_from_outside_during_a_read_stays_a_cancel() -> None:
+    stream, trace, _ = stream_of([TOKEN, LAST, DONE], idle=0.2, gap=0.15)
+
+    async def relay() -> None:
+        async for _ in stream:
+            pass
+
+    task = asyncio.create_task(relay())
+    await asyncio.sleep(0.2)  # inside the second read, whose idle limit is still ahead
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert trace.outcome == "client_disconnect"

@@ -131,6 +131,11 @@ class EventStream:
         self._saw_done = False
         self._complete = False
         self._closed = False
+        # The idle limit of the relay's reads (see _read_within_idle): when the current read started
+        # (None: no read under way), and the one timer that checks it.
+        self._read_since: float | None = None
+        self._idle_check: asyncio.TimerHandle | None = None
+        self._idle_cancel: int | None = None  # the task's cancel count before the idle check cancelled it
 
     @property
     def media_type(self) -> str:
@@ -159,6 +164,50 @@ class EventStream:
         except StopAsyncIteration:
             return None
 
+    async def _read_within_idle(self) -> bytes | None:
+        """The next upstream read, or None at its end; TimeoutError after `idle_timeout` seconds.
+
+        What `_read(idle_timeout)` does, without an asyncio.timeout (a timer scheduled and cancelled)
+        for every chunk of a long stream: one timer a stream checks, when it fires, how long the read
+        under way has waited, and moves itself to that read's own limit when it is younger.
+        """
+        loop = asyncio.get_running_loop()
+        self._read_since = loop.time()
+        if self._idle_check is None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._idle_check = loop.call_at(self._read_since + self._idle_timeout, self._check_idle, loop, task)
+        try:
+            return await anext(self._chunks)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            cancelled_before, self._idle_cancel = self._idle_cancel, None
+            task = asyncio.current_task()
+            if cancelled_before is not None and task is not None and task.uncancel() <= cancelled_before:
+                raise TimeoutError from None  # the idle check's own cancel, nobody else's
+            raise
+        finally:
+            self._read_since = None
+
+    def _check_idle(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        since = self._read_since
+        now = loop.time()
+        if since is not None and now - since >= self._idle_timeout:
+            self._idle_check = None
+            self._idle_cancel = task.cancelling()
+            task.cancel()
+            return
+        # No read under way (the client is taking the last chunk), or a younger one: check again then.
+        self._idle_check = loop.call_at(
+            (now if since is None else since) + self._idle_timeout, self._check_idle, loop, task
+        )
+
+    def _stop_idle_check(self) -> None:
+        if self._idle_check is not None:
+            self._idle_check.cancel()
+            self._idle_check = None
+
     def _absorb(self, chunk: bytes) -> bytes:
         """Add a read to the partial event; return the complete events, inspected, ready to send."""
         self._pending += chunk
@@ -172,6 +221,7 @@ class EventStream:
         if self._closed:
             return
         self._closed = True
+        self._stop_idle_check()
         with anyio.CancelScope(shield=True):
             await self._upstream.aclose()
 
@@ -180,6 +230,7 @@ class EventStream:
         if self._closed:
             return
         self._closed = True
+        self._stop_idle_check()
         if not self._complete and self._trace.outcome == "ok":
             self._trace.fail("client_disconnect", "the client disconnected during the stream", status=499)
             if self._on_disconnect is not None:
@@ -196,7 +247,7 @@ class EventStream:
                 head, self._head = self._head, b""
                 yield head
             while not self._ended:
-                chunk = await self._read(self._idle_timeout)
+                chunk = await self._read_within_idle()
                 if chunk is None:
                     break
                 out = self._absorb(chunk)
