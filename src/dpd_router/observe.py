@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from dpd_router.metrics import RouterMetrics, prompt_length_bucket
+from dpd_router.metrics import RouterMetrics, observe_each, prompt_length_bucket
 from dpd_router.outcome import Outcome
 
 log = logging.getLogger("dpd_router.request")
@@ -229,12 +229,9 @@ class Observer:
             if trace.token_chunks > 1 and trace.last_chunk_at is not None:
                 series.tpot.observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
             if trace.gaps:
-                itl = series.itl
-                by_prompt = None if bucket is None else series.child(self.metrics.itl_by_prompt, bucket)
-                for gap in trace.gaps:
-                    itl.observe(gap)
-                    if by_prompt is not None:
-                        by_prompt.observe(gap)
+                observe_each(series.itl, trace.gaps)
+                if bucket is not None:
+                    observe_each(series.child(self.metrics.itl_by_prompt, bucket), trace.gaps)
         if trace.prompt_tokens is not None:
             series.prompt_tokens.observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:
