@@ -55,6 +55,8 @@ def observe_each(histogram: Histogram, values: Sequence[float]) -> None:
         if count:
             buckets[index].inc(count)
     total.inc(math.fsum(values))
+
+
 # Request metrics carry an `arm` label first: the experiment arm whose routing settings served the request
 # ("live" without experiments), or "shadow" for the copies sent to a shadow endpoint. Dashboards that sum
 # over it see the whole router; `dpd-router advise` compares the arms.

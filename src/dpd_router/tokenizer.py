@@ -221,6 +221,12 @@ class LocalTokenizer:
         encoding = self._backend.encode_batch([text], add_special_tokens=special)[0]  # releases the GIL
         return list(encoding.ids), list(encoding.offsets)
 
+    def encode_at_once(self, text: str, *, special: bool) -> list[int] | None:
+        """The ids of `text`, encoded on the event loop if it is small enough to be (None: it is not)."""
+        if self._lane(len(text)) is not None:
+            return None
+        return self._encode(text, special=special)
+
     def encode_rest(self, text: str, *, special: bool, started: float) -> asyncio.Future[Prompt | None]:
         """The whole prompt, encoded in the background (off the request's path): None in the future when
         the background encoder is too far behind to take it."""
@@ -465,7 +471,13 @@ class PromptReader:
         return len(prompt.token_ids) + math.ceil(excess / (bytes_per_token - 1))
 
     def rest(self) -> Prompt:
-        """The prompt as read so far, with its whole encoding to come (in the background)."""
+        """The prompt as read so far, with its whole encoding to come (in the background); a prompt
+        small enough to encode on the event loop is encoded whole at once, which costs the router less
+        CPU than handing it to the background thread and waking the loop when that is done."""
+        ids = self._tokenizer.encode_at_once(self._text, special=self._special)
+        if ids is not None:
+            self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
+            return self.prompt
         whole = self._tokenizer.encode_rest(self._text, special=self._special, started=self._started)
         self.prompt = replace(self.prompt, rest=whole)
         return self.prompt

@@ -81,7 +81,7 @@ def text_of(pieces: int, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def local(tokenizer_dir: Path) -> LocalTokenizer:
-    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=1 << 30, threads=1)
+    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def chatml(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Loc
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = CHATML
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return LocalTokenizer.load(directory, inline_max_chars=1 << 30, threads=1)
+    return LocalTokenizer.load(directory, inline_max_chars=2048, threads=1)
 
 
 texts = st.builds(text_of, st.integers(1, 1500), st.integers(0, 2**32))
@@ -281,15 +281,31 @@ async def test_a_window_far_above_the_estimate_is_left_to_the_engines_and_a_near
     assert read.at_most is None or read.at_most < tight
 
 
-async def test_a_prompt_below_the_threshold_by_its_bytes_is_not_encoded_for_one_decoder(local: LocalTokenizer) -> None:
-    request = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": text_of(50, 2)}]}))
-    settings = load_settings(decode_urls=["http://127.0.0.1:8200"], routing_threshold=4096)
+async def test_a_prompt_below_the_threshold_by_its_bytes_is_encoded_off_the_requests_path(
+    local: LocalTokenizer,
+) -> None:
+    text = text_of(600, 2)
+    assert 2048 < len(text) < 8192 - 64
+    request = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": text}]}))
+    settings = load_settings(decode_urls=["http://127.0.0.1:8200"], routing_threshold=8192)
     planner = build_planner(settings, Pool([], settings.decode_urls), RouterMetrics())
     reader = await local.reader(request)
     assert reader is not None
     read = await read_prompt(reader, planner.tokens_to_settle, 32768)
     assert read.token_ids == [] and read.rest is not None
     assert (await read.rest).num_tokens == (await local.tokenize(request)).num_tokens
+
+
+async def test_a_small_prompt_is_encoded_whole_at_once_rather_than_in_the_background(local: LocalTokenizer) -> None:
+    """Up to the inline size (tokenize_inline_max_chars), encoding costs less than the hand-off."""
+    request = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": text_of(50, 2)}]}))
+    settings = load_settings(decode_urls=["http://127.0.0.1:8200"], routing_threshold=4096)
+    planner = build_planner(settings, Pool([], settings.decode_urls), RouterMetrics())
+    reader = await local.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, 32768)
+    assert read.at_most is None and read.rest is None
+    assert read.token_ids == (await local.tokenize(request)).token_ids
 
 
 async def test_adaptive_mode_reads_the_whole_prompt(local: LocalTokenizer) -> None:
