@@ -222,16 +222,20 @@ class EngineCalls:
         """POST `body` to `url` and read the whole answer, all within `limits.read` seconds (None:
         no limit), of which at most `limits.connect` go to taking or opening a connection.
 
-        The connectors' calls (a prefill, a release of unused KV): one answer each, read whole. A
-        deadline past is TimeoutError; every other failure is the httpx exception the pool raised.
+        The connectors' calls (a prefill, a release of unused KV): one answer each, read whole. Every
+        failure is an httpx exception, as through httpx's client: the deadline past is ReadTimeout (the
+        request may have reached the engine).
         """
         connect = next((limit for limit in (limits.connect, limits.read) if limit is not None), math.inf)
-        async with asyncio.timeout(limits.read):
-            answer = await self.post(url, body, headers, connect_timeout=connect)
-            try:
-                return WholeAnswer(answer.status_code, await answer.aread())
-            finally:
-                await answer.aclose()
+        try:
+            async with asyncio.timeout(limits.read):
+                answer = await self.post(url, body, headers, connect_timeout=connect)
+                try:
+                    return WholeAnswer(answer.status_code, await answer.aread())
+                finally:
+                    await answer.aclose()
+        except TimeoutError:
+            raise httpx.ReadTimeout(f"no whole answer from {url} within {limits.read:g} s") from None
 
     def _url(self, url: str) -> httpx.URL:
         parsed = self._urls.get(url)

@@ -267,7 +267,7 @@ async def test_a_connectors_call_past_its_deadline_is_a_timeout_and_its_connecti
         return handler
 
     async with serving(handler_for) as (server, url), engine_calls() as calls:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(httpx.ReadTimeout):
             await calls.whole(url, b"{}", {}, limits=httpx.Timeout(0.3, connect=1.0))
         answer = await calls.whole(url, b"{}", {}, limits=httpx.Timeout(5.0))
     assert answer.content == b'{"ok": true}' and server.connections == 2

@@ -184,7 +184,7 @@ async def send_prefill(
     headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     try:
         response = await engines.whole(f"{prefiller.url}{path}", content, headers, limits=limits)
-    except (TimeoutError, httpx.TimeoutException) as exc:
+    except httpx.TimeoutException as exc:
         raise PrefillFailed("timeout", f"{prefiller.url}: {type(exc).__name__}") from None
     except httpx.HTTPError as exc:
         raise PrefillFailed("connect_error", f"{prefiller.url}: {type(exc).__name__}: {exc}") from None

@@ -112,7 +112,7 @@ class NixlConnector(SequentialConnector):
                 headers,
                 limits=self._timeout,
             )
-        except (TimeoutError, httpx.HTTPError) as exc:
+        except httpx.HTTPError as exc:
             log.warning(
                 "request %s: could not hand the unused KV to %s (%s: %s); the prefiller holds it until its lease ends",
                 handoff.request_id,

@@ -187,7 +187,7 @@ class LMCacheConnector:
             response = await self._engines.whole(
                 f"{decoder.url}{COMPLETIONS_PATH}", body, headers, limits=self._timeout
             )
-        except (TimeoutError, httpx.HTTPError) as exc:
+        except httpx.HTTPError as exc:
             log.warning(
                 "request %s: could not drain the KV pushed to %s (%s: %s); it stays in that decoder's LMCache buffer",
                 handoff.request_id,
