@@ -1,8 +1,11 @@
-"""Start simulated engines as real processes on 127.0.0.1, for tests, demos and benchmarks."""
+"""Start simulated engines on 127.0.0.1, for tests, demos and benchmarks: as real processes, or served
+inside the caller's event loop where a test is not about processes (no interpreter to start)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import shutil
 import signal
@@ -13,11 +16,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import httpx
 
 from dpd_sim.config import Role
 from dpd_sim.tokenizer_kit import ensure_tokenizer
+
+if TYPE_CHECKING:
+    import uvicorn
 
 HOST = "127.0.0.1"
 
@@ -28,7 +35,7 @@ class EngineStartError(RuntimeError):
 
 @dataclass
 class SimEngine:
-    """One engine process of a cluster."""
+    """One engine of a cluster: a process, or a server in the cluster's event loop."""
 
     name: str
     role: Role
@@ -36,6 +43,9 @@ class SimEngine:
     log_path: Path
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
     kv_events_port: int | None = None
+    server: uvicorn.Server | None = field(default=None, repr=False)
+    serving: asyncio.Task[None] | None = field(default=None, repr=False)
+    listener: socket.socket | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -48,6 +58,8 @@ class SimEngine:
 
     @property
     def alive(self) -> bool:
+        if self.serving is not None:
+            return not self.serving.done()
         return self.process is not None and self.process.returncode is None
 
     def log_tail(self, limit: int = 4000) -> str:
@@ -67,6 +79,10 @@ class SimCluster:
     (`engine.kv_events_address`; `cluster.kv_events_endpoints` maps engine URLs to them, the
     router's `kv_events_endpoints` setting). `engine_args` adds arguments for one engine by name
     (`"prefill-0"`, `"decode-1"`), after `extra_args`.
+
+    With `in_process=True` each engine is the same app (`create_app`, from the same arguments) served by
+    uvicorn inside the caller's event loop on a socket bound before it starts: nothing to spawn or import,
+    no port to race for. What needs a process stays with processes: `kill` (a crash) is refused there.
     """
 
     def __init__(
@@ -81,7 +97,9 @@ class SimCluster:
         stop_grace: float = 5.0,
         kv_events: bool = False,
         engine_args: Mapping[str, Sequence[str]] | None = None,
+        in_process: bool = False,
     ) -> None:
+        self.in_process = in_process
         self.counts: dict[Role, int] = {"prefill": prefill, "decode": decode, "both": both}
         self.tokenizer = tokenizer
         self.model = model
@@ -138,14 +156,25 @@ class SimCluster:
         for role, count in self.counts.items():
             for index in range(count):
                 name = f"{role}-{index}"
-                port = ports.pop()
+                listener = _listener(0) if self.in_process else None
+                port = listener.getsockname()[1] if listener is not None else ports.pop()
                 kv_events_port = ports.pop() if self.kv_events else None
                 self.engines.append(
-                    SimEngine(name, role, port, self.log_dir / f"{name}.log", kv_events_port=kv_events_port)
+                    SimEngine(
+                        name,
+                        role,
+                        port,
+                        self.log_dir / f"{name}.log",
+                        kv_events_port=kv_events_port,
+                        listener=listener,
+                    )
                 )
         try:
-            for engine in self.engines:
-                await self._spawn(engine)
+            if self.in_process:
+                await asyncio.gather(*(self._spawn(engine) for engine in self.engines))
+            else:
+                for engine in self.engines:
+                    await self._spawn(engine)
             await asyncio.gather(*(self._wait_healthy(engine) for engine in self.engines))
         except BaseException:
             await self.stop()
@@ -153,36 +182,39 @@ class SimCluster:
 
     async def kill(self, engine: SimEngine) -> None:
         """SIGKILL the engine, as a crash would."""
+        if self.in_process:
+            raise RuntimeError("a crash needs an engine process: use SimCluster(in_process=False)")
         process = engine.process
         if process is not None and process.returncode is None:
             process.send_signal(signal.SIGKILL)
             await process.wait()
 
     async def restart(self, engine: SimEngine) -> None:
-        """Start the engine again on the same port (killing it first if it still runs)."""
-        await self.kill(engine)
+        """Start the engine again on the same port, with fresh state (killing it first if it still runs;
+        an engine in the event loop is shut down instead)."""
+        if self.in_process:
+            await self._terminate(engine)
+        else:
+            await self.kill(engine)
         await self._spawn(engine)
         await self._wait_healthy(engine)
 
     async def stop(self) -> None:
         """SIGTERM every engine, SIGKILL those still running after the grace period."""
         await asyncio.gather(*(self._terminate(engine) for engine in self.engines))
+        for engine in self.engines:
+            if engine.listener is not None:  # never served (its start failed)
+                engine.listener.close()
+                engine.listener = None
         if self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self.log_dir = None
 
     async def _spawn(self, engine: SimEngine) -> None:
-        args = [
-            "--role", engine.role,
-            "--host", HOST,
-            "--port", str(engine.port),
-            "--model", self.model,
-            "--tokenizer", str(self.tokenizer),
-            *self.extra_args,
-        ]  # fmt: skip
-        if engine.kv_events_port is not None:
-            args += ["--kv-events-port", str(engine.kv_events_port)]
-        args += self.engine_args.get(engine.name, [])
+        args = self._engine_arguments(engine)
+        if self.in_process:
+            await self._serve_in_loop(engine, args)
+            return
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error"}
         with engine.log_path.open("ab") as log:
             engine.process = await asyncio.create_subprocess_exec(
@@ -196,11 +228,59 @@ class SimCluster:
                 env=env,
             )
 
+    def _engine_arguments(self, engine: SimEngine) -> list[str]:
+        args = [
+            "--role", engine.role,
+            "--host", HOST,
+            "--port", str(engine.port),
+            "--model", self.model,
+            "--tokenizer", str(self.tokenizer),
+            *self.extra_args,
+        ]  # fmt: skip
+        if engine.kv_events_port is not None:
+            args += ["--kv-events-port", str(engine.kv_events_port)]
+        args += self.engine_args.get(engine.name, [])
+        return args
+
+    async def _serve_in_loop(self, engine: SimEngine, args: list[str]) -> None:
+        """The engine's app on uvicorn in this event loop; a bad argument fails as the process would."""
+        import uvicorn
+
+        from dpd_sim.engine import build_arg_parser, config_from_args, create_app
+
+        complaint = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(complaint):
+                parsed = build_arg_parser().parse_args(args)
+        except SystemExit as exc:
+            raise EngineStartError(f"engine {engine.name} refused its arguments:\n{complaint.getvalue()}") from exc
+        # Loading the tokenizer takes a while: off the loop, where the other engines are starting.
+        app = await asyncio.to_thread(lambda: create_app(config_from_args(parsed)))
+        config = uvicorn.Config(
+            app,
+            log_level=parsed.log_level,
+            access_log=False,
+            lifespan="on",
+            loop="none",
+            timeout_graceful_shutdown=2,
+        )
+        sock, engine.listener = engine.listener, None
+        if sock is None:  # a restart: the same port again
+            try:
+                sock = _listener(engine.port)
+            except OSError as exc:
+                raise EngineStartError(f"engine {engine.name} cannot listen on port {engine.port}: {exc}") from exc
+        engine.server = server = uvicorn.Server(config)
+        engine.serving = asyncio.create_task(_serve(server, sock), name=f"sim-{engine.name}")
+
     async def _wait_healthy(self, engine: SimEngine) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.startup_timeout
         async with httpx.AsyncClient(timeout=1.0) as client:
             while loop.time() < deadline:
+                if engine.serving is not None and engine.serving.done():
+                    failure = engine.serving.exception() if not engine.serving.cancelled() else None
+                    raise EngineStartError(f"engine {engine.name} stopped while starting: {failure!r}")
                 if not engine.alive:
                     raise EngineStartError(
                         f"engine {engine.name} exited with {_returncode(engine)} while starting:\n{engine.log_tail()}"
@@ -218,6 +298,9 @@ class SimCluster:
         )
 
     async def _terminate(self, engine: SimEngine) -> None:
+        if engine.serving is not None:
+            await _shut_down(engine)
+            return
         process = engine.process
         if process is None or process.returncode is not None:
             return
@@ -226,6 +309,40 @@ class SimCluster:
             await asyncio.wait_for(process.wait(), self.stop_grace)
         except TimeoutError:
             await self.kill(engine)
+
+
+def _listener(port: int) -> socket.socket:
+    """A socket bound to the port (0: one the OS picks), held until the engine's server takes it. Its
+    protocol named, so that asyncio turns Nagle's algorithm off on the connections it accepts."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((HOST, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        sock.close()
+
+
+async def _shut_down(engine: SimEngine) -> None:
+    """Stop an engine served in the loop as SIGTERM stops a process: open streams get the grace, then go."""
+    server, serving = engine.server, engine.serving
+    engine.server = engine.serving = None
+    if server is None or serving is None or serving.done():
+        return
+    server.should_exit = True
+    try:
+        await asyncio.wait_for(asyncio.shield(serving), timeout=10)
+    except TimeoutError:
+        server.force_exit = True
+        await serving
 
 
 def free_ports(count: int) -> list[int]:

@@ -83,7 +83,7 @@ class LiveRun:
 @pytest.fixture(scope="module")
 async def live(tokenizer_dir: Path) -> AsyncIterator[LiveRun]:
     async with (
-        SimCluster(prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(
             prefill_urls=cluster.prefill_urls,
             decode_urls=cluster.decode_urls,

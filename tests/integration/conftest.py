@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from openai import AsyncOpenAI
 
 from dpd_router.app import build_server
@@ -23,19 +24,25 @@ MODEL = "sim-model"
 @pytest.fixture(scope="session")
 async def cluster(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
     """Two prefill engines and two decode engines, shared by the integration tests."""
-    async with SimCluster(prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL) as engines:
+    async with SimCluster(in_process=True, prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL) as engines:
         yield engines
 
 
 @asynccontextmanager
 async def running_router(**settings: Any) -> AsyncIterator[str]:
     """The router app served by uvicorn on a free 127.0.0.1 port; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio turns Nagle off
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = load_settings(host="127.0.0.1", port=port, health_interval=0.5, **settings)
-    server = build_server(config, loop="none", lifespan="on")
+    config = load_settings(host="127.0.0.1", port=port, **settings)
+    async with serving(build_server(config, loop="none", lifespan="on"), sock):
+        yield f"http://127.0.0.1:{port}"
+
+
+@asynccontextmanager
+async def serving(server: uvicorn.Server, sock: socket.socket) -> AsyncIterator[uvicorn.Server]:
+    """`server` serving on `sock` in this event loop, once it has started; stopped (and `sock` closed) after."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(30):
@@ -43,7 +50,7 @@ async def running_router(**settings: Any) -> AsyncIterator[str]:
                 if task.done():
                     task.result()
                 await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        yield server
     finally:
         server.should_exit = True
         await task

@@ -27,7 +27,9 @@ async def adaptive_router(
 ) -> AsyncIterator[tuple[SimCluster, str, httpx.AsyncClient]]:
     """One prefill and one decode engine behind an adaptive router (no exploration, admin key "ops")."""
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=engine_args) as cluster,
+        SimCluster(
+            in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=engine_args
+        ) as cluster,
         running_router(
             prefill_urls=cluster.prefill_urls,
             decode_urls=cluster.decode_urls,

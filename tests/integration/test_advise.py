@@ -73,7 +73,9 @@ async def live(tokenizer_dir: Path) -> AsyncIterator[Setup]:
     engine_args |= {"decode-0": DECODER_TIMING, "decode-1": DECODER_TIMING}
     common: dict[str, Any] = {"tokenizer": str(tokenizer_dir), "model": MODEL}
     async with (
-        SimCluster(prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL, engine_args=engine_args) as cluster,
+        SimCluster(
+            in_process=True, prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL, engine_args=engine_args
+        ) as cluster,
         running_router(
             prefill_urls=cluster.prefill_urls,
             decode_urls=cluster.decode_urls[:1],

@@ -112,6 +112,7 @@ async def lmcache_cluster(tokenizer_dir: Path) -> AsyncIterator[LMCacheCluster]:
     init_ports, alloc_ports = ports[:2], ports[2:]
     receiver = [arg for port in init_ports for arg in ("--lmcache-receiver-port", str(port))]
     async with SimCluster(
+        in_process=True,
         prefill=2,
         decode=1,
         tokenizer=tokenizer_dir,
@@ -379,6 +380,7 @@ async def small_buffer_cluster(tokenizer_dir: Path) -> AsyncIterator[LMCacheClus
     """One prefiller, one decoder whose LMCache receive buffer holds two 120-token prompts."""
     notify_port, init_port, alloc_port = free_ports(3)
     async with SimCluster(
+        in_process=True,
         prefill=1,
         decode=1,
         tokenizer=tokenizer_dir,
@@ -465,6 +467,7 @@ class SGLangCluster:
 async def sglang_cluster(tokenizer_dir: Path) -> AsyncIterator[SGLangCluster]:
     ports = free_ports(2)
     async with SimCluster(
+        in_process=True,
         prefill=2,
         decode=1,
         tokenizer=tokenizer_dir,

@@ -28,7 +28,9 @@ TOKEN = "stand-in-token"
 async def engines(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
     """One prefiller and two decoders, decoding slowly enough to drain one mid-stream."""
     slow = ["--decode-step-base", "0.01"]
-    async with SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow) as cluster:
+    async with SimCluster(
+        in_process=True, prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow
+    ) as cluster:
         yield cluster
 
 

@@ -21,7 +21,12 @@ THRESHOLD = 64
 async def small_context(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
     """A prefiller and a decoder serving a model of CONTEXT tokens."""
     async with SimCluster(
-        prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=["--max-model-len", str(CONTEXT)]
+        in_process=True,
+        prefill=1,
+        decode=1,
+        tokenizer=tokenizer_dir,
+        model=MODEL,
+        extra_args=["--max-model-len", str(CONTEXT)],
     ) as engines:
         yield engines
 

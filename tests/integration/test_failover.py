@@ -31,7 +31,7 @@ async def test_hung_prefillers_are_left_at_their_learned_deadline_for_the_decode
     """Both prefillers hang: with prefill_timeout 30 s, a request would wait 2 x 30 s; prefills of its
     size took milliseconds, so each hop is abandoned at the learned deadline and the decoder serves."""
     async with (
-        SimCluster(prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(
             **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_timeout=30, **LEARN_FAST)
         ) as base_url,
@@ -59,7 +59,7 @@ async def test_a_hung_decoder_is_replaced_before_the_first_byte(tokenizer_dir: P
     30 s) sent to it are moved to the other at the learned deadline, none answered 504."""
     timeouts = {"first_token_timeout": 30, "request_timeout": 30}
     async with (
-        SimCluster(prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(
             **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, **timeouts, **LEARN_FAST)
         ) as base_url,
@@ -87,7 +87,9 @@ async def test_a_burst_while_every_decoder_recovers_is_served_not_refused(tokeni
     """Both decoders' breakers opened (each hung once), and both are fine again: once half-open, a
     burst of 24 is served whole, not refused but for the one trial each breaker lets through."""
     async with (
-        SimCluster(prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=SLOW_DECODE) as cluster,
+        SimCluster(
+            in_process=True, prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=SLOW_DECODE
+        ) as cluster,
         running_router(
             **cluster_settings(
                 cluster,

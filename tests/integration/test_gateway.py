@@ -220,7 +220,7 @@ async def test_a_dead_prefill_pool_still_answers_every_request(tokenizer_dir: Pa
 
 async def test_prefill_answer_without_kv_params_falls_back(tokenizer_dir: Path) -> None:
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as small,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as small,
         running_router(
             prefill_urls=small.prefill_urls,
             decode_urls=small.decode_urls,

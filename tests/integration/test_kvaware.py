@@ -48,7 +48,13 @@ async def kv_cluster(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
         "decode-1": array,
     }
     async with SimCluster(
-        prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL, kv_events=True, engine_args=engine_args
+        in_process=True,
+        prefill=2,
+        decode=2,
+        tokenizer=tokenizer_dir,
+        model=MODEL,
+        kv_events=True,
+        engine_args=engine_args,
     ) as engines:
         yield engines
 
@@ -204,7 +210,9 @@ async def test_a_prefiller_that_clears_or_evicts_a_prefix_is_no_longer_preferred
 async def running_controller(cluster: SimCluster) -> AsyncIterator[str]:
     """The LMCache controller stand-in, subscribed to every engine's KV events, on a free port."""
     publishers = {engine.name: address for engine in cluster.engines if (address := engine.kv_events_address)}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(
+        socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )  # TCP named: asyncio then turns Nagle off
     sock.bind(("127.0.0.1", 0))
     app = create_controller_app(Controller(publishers))
     server = uvicorn.Server(uvicorn.Config(app, loop="none", log_level="warning", lifespan="on"))

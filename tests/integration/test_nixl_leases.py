@@ -25,7 +25,7 @@ async def wait_until_no_lease(prefiller: str, *, within: float = 5.0) -> None:
 
 async def test_n_above_one_is_served_by_a_decoder_alone_and_leaves_no_lease(tokenizer_dir: Path) -> None:
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
@@ -56,7 +56,7 @@ async def test_a_client_that_leaves_as_the_prefill_answers_has_its_blocks_releas
     tokenizer_dir: Path, stream: bool
 ) -> None:
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         SlowLink(cluster.prefill_urls[0], hold=0.2) as link,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_urls=[link.url])) as url,
         httpx.AsyncClient(base_url=url, timeout=30) as client,

@@ -202,7 +202,7 @@ async def test_a_decoder_that_recomputes_the_prompt_is_flagged_as_an_ineffective
     tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as small,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as small,
         running_router(**settings_for(small, tokenizer_dir)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):

@@ -100,7 +100,7 @@ async def test_killing_a_decoder_ends_its_streams_in_band_and_new_requests_use_t
 
 async def test_a_hanging_prefiller_times_out_and_the_decoder_serves(tokenizer_dir: Path) -> None:
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(
             **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_timeout=0.5)
         ) as base_url,
@@ -115,7 +115,7 @@ async def test_a_hanging_prefiller_times_out_and_the_decoder_serves(tokenizer_di
 
 async def test_prefill_failure_policy_fail_answers_503(tokenizer_dir: Path) -> None:
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(
             **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_failure_policy="fail")
         ) as base_url,
@@ -133,7 +133,7 @@ async def test_a_decoder_that_cannot_load_the_kv_computes_the_prompt_itself(toke
     """The decoder rejects every transferred KV (in-band, finish_reason "error"): staging it again would
     be rejected again, so the decode call is sent without kv_transfer_params, counted as ineffective."""
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
@@ -178,7 +178,7 @@ async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
     tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """A connect failure means the decoder never saw the request: with no other decoder, resend it there."""
-    async with SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster:
+    async with SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster:
         decoder = cluster.decode_urls[0]
 
         def flaky_transport(settings: Any) -> httpx.AsyncBaseTransport:
@@ -206,7 +206,7 @@ async def test_the_only_decoder_unreachable_for_a_moment_is_tried_again(
 async def test_decoders_failing_only_their_probes_still_serve_until_their_calls_fail(tokenizer_dir: Path) -> None:
     """No decoder passes /health, but one still answers: serve there (counted), not 503 for everyone."""
     async with (
-        SimCluster(prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(
             **cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, health_unhealthy_threshold=1)
         ) as base_url,
@@ -243,7 +243,9 @@ async def _all_refused(client: httpx.AsyncClient) -> bool:
 async def test_a_client_that_leaves_cancels_both_hops_and_frees_everything(tokenizer_dir: Path) -> None:
     slow = ["--decode-step-base", "0.02", "--prefill-per-token", "0.01"]
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow) as cluster,
+        SimCluster(
+            in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow
+        ) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
     ):
         prefiller, decoder = cluster.prefill_urls[0], cluster.decode_urls[0]
@@ -404,7 +406,7 @@ async def test_poison_requests_leave_every_breaker_closed(tokenizer_dir: Path) -
     """A request every engine fails (an engine bug it trips) is the request's fault, not the engines':
     a failure that a second engine repeats counts against neither, so no client can open the breakers."""
     async with (
-        SimCluster(prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=2, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
@@ -421,7 +423,7 @@ async def test_poison_requests_leave_every_breaker_closed(tokenizer_dir: Path) -
 
 async def test_a_failure_another_engine_does_not_repeat_still_counts(tokenizer_dir: Path) -> None:
     async with (
-        SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(in_process=True, prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):

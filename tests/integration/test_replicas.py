@@ -71,7 +71,9 @@ async def router_process(cluster: SimCluster, tokenizer_dir: Path, log: Path, ha
 
 async def test_two_router_processes_prefill_each_prefix_on_one_prefiller(tokenizer_dir: Path, tmp_path: Path) -> None:
     async with AsyncExitStack() as stack:
-        cluster = await stack.enter_async_context(SimCluster(prefill=3, decode=2, tokenizer=tokenizer_dir, model=MODEL))
+        cluster = await stack.enter_async_context(
+            SimCluster(in_process=True, prefill=3, decode=2, tokenizer=tokenizer_dir, model=MODEL)
+        )
         routers = [
             await stack.enter_async_context(router_process(cluster, tokenizer_dir, tmp_path / f"router-{i}.log", seed))
             for i, seed in enumerate((1, 2))

@@ -29,7 +29,7 @@ MIN_TOKENS = 100
 @pytest.fixture(scope="module")
 async def engines(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
     """A prefiller and a decoder serving the live traffic, and a decoder alone as the monolithic shadow."""
-    async with SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster:
+    async with SimCluster(in_process=True, prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster:
         yield cluster
 
 

@@ -23,7 +23,9 @@ async def decoders(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
     """Three decoders: one for the shared pool, one reserved for tenant acme, one for tenant beta
     (slow: a stream there lasts seconds)."""
     slow = {"decode-2": ["--decode-step-base", "0.01"]}
-    async with SimCluster(prefill=0, decode=3, tokenizer=tokenizer_dir, model=MODEL, engine_args=slow) as engines:
+    async with SimCluster(
+        in_process=True, prefill=0, decode=3, tokenizer=tokenizer_dir, model=MODEL, engine_args=slow
+    ) as engines:
         yield engines
 
 

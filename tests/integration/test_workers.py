@@ -40,7 +40,9 @@ ADMIN = {"Authorization": "Bearer workers-admin-key"}
 async def engines(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
     """Decoders slow enough (10 ms a token) that a long stream is still running when a test acts."""
     slow = ["--decode-step-base", "0.01"]
-    async with SimCluster(prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow) as cluster:
+    async with SimCluster(
+        in_process=True, prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=slow
+    ) as cluster:
         yield cluster
 
 

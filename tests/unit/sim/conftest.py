@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from dpd_sim import SimConfig, create_app, ensure_tokenizer
+from dpd_sim import SimConfig, create_app
 from dpd_sim.core import EngineCore
 
 
@@ -31,8 +31,9 @@ EngineFactory = Callable[..., AbstractAsyncContextManager[Engine]]
 
 
 @pytest.fixture(scope="session")
-def sim_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tokenizer(tmp_path_factory.mktemp("sim") / "tokenizer")
+def sim_tokenizer(tokenizer_dir: Path) -> Path:
+    """The session's tokenizer (tests/conftest.py), trained once for the whole run."""
+    return tokenizer_dir
 
 
 @pytest.fixture
@@ -57,7 +58,9 @@ def live_engine(sim_tokenizer: Path) -> EngineFactory:
 
     @asynccontextmanager
     async def start(**settings: Any) -> AsyncIterator[Engine]:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(
+            socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+        )  # TCP named: asyncio then turns Nagle off
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

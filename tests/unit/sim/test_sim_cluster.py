@@ -85,3 +85,33 @@ async def test_an_engine_that_dies_at_startup_reports_its_output(sim_tokenizer: 
     cluster = SimCluster(prefill=1, decode=0, tokenizer=sim_tokenizer, extra_args=["--max-model-len", "many"])
     with pytest.raises(EngineStartError, match="invalid int value"):
         await cluster.start()
+
+
+async def test_engines_in_the_event_loop_serve_the_same_app_and_restart_fresh(sim_tokenizer: Path) -> None:
+    cluster = SimCluster(prefill=1, decode=1, tokenizer=sim_tokenizer, in_process=True, extra_args=["--seed", "7"])
+    async with cluster, httpx.AsyncClient(timeout=10) as http:
+        assert all(engine.process is None and engine.alive for engine in cluster.engines)
+        decoder = cluster.engine("decode-0")
+        body = {"messages": [{"role": "user", "content": "word " * 20}], "max_tokens": 4}
+        first = (await http.post(f"{decoder.url}/v1/chat/completions", json=body)).json()
+        assert (await http.get(f"{decoder.url}/sim/stats")).json()["local_prefills"] == 1
+
+        with pytest.raises(RuntimeError, match="needs an engine process"):
+            await cluster.kill(decoder)
+        await cluster.restart(decoder)
+        assert decoder.alive and cluster.decode_urls == [decoder.url]
+        assert (await http.get(f"{decoder.url}/sim/stats")).json()["local_prefills"] == 0  # a new engine
+        again = (await http.post(f"{decoder.url}/v1/chat/completions", json=body)).json()
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert not any(engine.alive for engine in cluster.engines)
+    async with httpx.AsyncClient(timeout=10) as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get(f"{decoder.url}/health")
+
+
+async def test_an_engine_in_the_event_loop_that_refuses_its_arguments_says_why(sim_tokenizer: Path) -> None:
+    cluster = SimCluster(
+        prefill=1, decode=0, tokenizer=sim_tokenizer, in_process=True, extra_args=["--max-model-len", "many"]
+    )
+    with pytest.raises(EngineStartError, match="invalid int value"):
+        await cluster.start()
