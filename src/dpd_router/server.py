@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,19 @@ class _TooManyHeaders(Exception):
     pass
 
 
+def _send_without_delay(transport: asyncio.Transport) -> None:
+    """Turn Nagle's algorithm off, whichever loop runs and whichever socket the connection came from.
+
+    uvloop does so for every TCP connection; asyncio's own loop only for sockets whose `proto` says TCP,
+    which a listener made with `socket.socket()` (the supervisor's, or one given to `serve(sockets=...)`)
+    does not. There, an answer written in two parts (its head, then its body) waited for the client's
+    delayed acknowledgement, 40 ms on Linux, on every kept-alive request after the first few."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):  # the connection is already gone
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with `limits` enforced, counting into `refused`."""
 
@@ -72,6 +87,7 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
         # uvicorn's connection_made narrows asyncio's BaseTransport to Transport (it ignores that as well).
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
             super().connection_made(transport)
+            _send_without_delay(transport)
             self._arm(limits.header_timeout, "header_timeout")
 
         def connection_lost(self, exc: Exception | None) -> None:
