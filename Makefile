@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), each given whole files so a module's fixtures start once; 0 runs in this process.
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-vllm lint docs unit integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms bench-all
+.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -33,14 +36,25 @@ lint: $(VENV)/.installed-test
 docs: $(VENV)/.installed-test
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 
-test: lint docs
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# The checks, the docs build and the tests side by side: the tests wait on sockets and timers often enough
+# to leave the type checker room. Each part's output is printed whole when it ends.
+test: $(VENV)/.installed-test
+	@$(MAKE) --no-print-directory -j3 --output-sync=target lint docs pytest
+
+pytest: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 unit: $(VENV)/.installed-test
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) tests/unit $(PYTEST_ARGS)
+
+# The edit loop between commits: the unit tests and the request path end to end on simulated engines
+# (tests/integration/test_gateway.py). `make test` still runs everything.
+quick: $(VENV)/.installed-test
+	$(BIN)/ruff check --quiet .
+	$(BIN)/python -m pytest $(XDIST) -q tests/unit tests/integration/test_gateway.py $(PYTEST_ARGS)
 
 integration: $(VENV)/.installed-test
-	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) tests/integration $(PYTEST_ARGS)
 
 # Real vLLM engines (docs/engines.md): build or reuse their venv outside the repo, then run
 # tests/e2e_vllm against a real prefill/decode pair. Exit 3 from the install means the engines cannot

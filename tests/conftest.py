@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,8 +14,15 @@ from tests.redis_server import RedisServer, redis_server
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small tokenizer trained for the test session; the router and the engines both load it."""
-    return ensure_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    """A small tokenizer trained once for the test run; the router and the engines both load it.
+
+    Under pytest-xdist every worker has a base directory of its own inside the run's: the tokenizer goes
+    beside them, where the first worker to train it renames it into place whole (ensure_tokenizer) and
+    the others load that copy."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return ensure_tokenizer(root / "tokenizer")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import pytest
-
-REDIS_SERVER = shutil.which("redis-server")
+from tests.tools import required_tool
 
 
 def redis_server_binary() -> str:
     """The redis-server to run: missing, a CI run fails (.ci/run installs it) and a local one skips."""
-    if REDIS_SERVER is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the shared limits tests: install Debian's redis-server (.ci/run does)")
-        pytest.skip("no redis-server on this machine (apt-get install redis-server)")
-    return REDIS_SERVER
+    return required_tool("redis-server", package="redis-server", purpose="the shared limits tests")
 
 
 @dataclass

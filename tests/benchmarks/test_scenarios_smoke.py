@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.tools import required_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -124,10 +124,7 @@ def test_prompts_have_the_exact_token_count_and_differ_from_the_first_token() ->
 
 
 def test_capacity_drives_every_setup_with_wrk_and_counts_router_cpu(tmp_path: Path) -> None:
-    if shutil.which("wrk") is None:  # missing, a CI run fails (.ci/run installs it) and a local one skips
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the capacity benchmark's smoke test: install Debian's wrk (.ci/run does)")
-        pytest.skip("no wrk on this machine (apt-get install wrk)")
+    required_tool("wrk", package="wrk", purpose="the capacity benchmark's smoke test")
     results = run_scenario("capacity", tmp_path, timeout=240)
 
     assert {(row["cell"], row["setup"]) for row in results["rows"]} == {

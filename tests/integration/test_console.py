@@ -4,7 +4,6 @@ prefiller turns red, and a threshold changed from the page routes the next reque
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import httpx
@@ -13,8 +12,8 @@ import pytest
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, cluster_settings, metric, running_router
+from tests.tools import required_tool
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ADMIN_KEY = "console-admin-key"
 THRESHOLD = 64
 LONG = "Every region reported steady growth while costs stayed flat across the whole year. " * 10
@@ -23,11 +22,7 @@ SHORT = "Hi there."
 
 @pytest.fixture
 def chromium() -> str:
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the browser test: install Debian's chromium (.ci/run does)")
-        pytest.skip("no Chromium on this machine (apt-get install chromium)")
-    return CHROMIUM
+    return required_tool("chromium", "chromium-browser", package="chromium", purpose="the browser test")
 
 
 async def test_the_console_shows_the_routing_live_and_changes_the_threshold(
