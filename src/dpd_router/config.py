@@ -7,6 +7,7 @@ Precedence, highest first: command-line flags, environment, YAML file, defaults.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -854,9 +855,18 @@ class Settings(BaseSettings):
     auth_failures_per_minute: float = Field(
         default=60.0,
         ge=0,
-        description="Failed authentications a source address may make per minute; past that its requests get "
-        "429 unchecked until it slows down (behind a proxy every client shares the proxy's address; 0: no "
-        "limit).",
+        description="Failed authentications a source address, and a wrong key, may make per minute; past that "
+        "their wrong keys get 429 instead of 401 until they slow down. A valid key is never refused for what "
+        "others sent from its address (behind a proxy every client shares the proxy's address unless "
+        "`trusted_proxies` names it; 0: no limit).",
+        json_schema_extra=_meta("auth"),
+    )
+    trusted_proxies: UrlList = Field(
+        default_factory=list,
+        description="Addresses or CIDR networks (`10.0.0.0/8`) of the proxies in front of the router (an "
+        "ingress, a load balancer) whose `X-Forwarded-For` is believed: for a request from one of them, "
+        "failed authentications count against the client it names (the rightmost entry that is not itself "
+        "a trusted proxy). Empty: the peer's address, and the header is ignored.",
         json_schema_extra=_meta("auth"),
     )
     tenants: dict[str, TenantPools] = Field(
@@ -1042,10 +1052,20 @@ class Settings(BaseSettings):
     def _lower_header(cls, value: str) -> str:
         return value.strip().lower()
 
-    @field_validator("api_key_hashes", "admin_key_hashes", mode="before")
+    @field_validator("api_key_hashes", "admin_key_hashes", "trusted_proxies", mode="before")
     @classmethod
     def _parse_hash_list(cls, value: Any) -> Any:
         return _split_urls(value)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or CIDR network") from None
+        return value
 
     @field_validator("api_key_hashes", "admin_key_hashes")
     @classmethod

@@ -427,18 +427,51 @@ async def test_a_caller_without_a_key_gets_401_before_sending_its_body(keyed_rou
 
 async def test_failed_authentications_are_throttled_per_source_and_counted(keyed_router: str) -> None:
     async with httpx.AsyncClient(base_url=keyed_router, timeout=30) as client:
+        started = time.monotonic()
         statuses = [
             (await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer wrong-{i}"}))
-            for i in range(40)
+            for i in range(80)
         ]
+        elapsed = time.monotonic() - started
         assert [s.status_code for s in statuses[:20]] == [401] * 20
-        assert {s.status_code for s in statuses[20:]} == {429}
-        assert int(statuses[-1].headers["retry-after"]) >= 1
-        # Throttled attempts are not even checked: the right key waits too, from this address.
+        # The budget refills at 20 a minute: one more attempt is checked every 3 s, the rest wait.
+        refilled = sum(1 for s in statuses[20:] if s.status_code == 401)
+        assert refilled <= elapsed / 3 + 1
+        throttled = [s for s in statuses[20:] if s.status_code == 429]
+        assert len(throttled) == 60 - refilled
+        assert all(int(s.headers["retry-after"]) >= 1 for s in throttled)
+        # A neighbour's wrong keys cost a valid key nothing, from the same address.
         right = await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {KEY}"})
-        assert right.status_code == 429
-    assert await metric(keyed_router, "dpd_router_auth_failures_total") == 20
-    assert await metric(keyed_router, "dpd_router_auth_throttled_total") == 21
+        assert right.status_code == 200
+    assert await metric(keyed_router, "dpd_router_auth_failures_total") == 20 + refilled
+    assert await metric(keyed_router, "dpd_router_auth_throttled_total") == 60 - refilled
+
+
+async def test_a_wrong_key_is_throttled_from_every_address_behind_a_trusted_proxy(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    """Behind an ingress (a trusted proxy on 127.0.0.1) failures count per client address and per key."""
+    settings = cluster_settings(
+        cluster,
+        tokenizer_dir,
+        threshold=THRESHOLD,
+        api_key_hashes=[hash_key(KEY)],
+        auth_failures_per_minute=5,
+        trusted_proxies=["127.0.0.0/8"],
+    )
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+
+        async def call(key: str, client_address: str) -> int:
+            headers = {"Authorization": f"Bearer {key}", "X-Forwarded-For": f"198.51.100.7, {client_address}"}
+            return (await client.post("/v1/chat/completions", json=chat(), headers=headers)).status_code
+
+        # One client's five failures throttle its address: a sixth wrong key from it waits ...
+        assert [await call(f"bad-{i}", "203.0.113.1") for i in range(6)] == [401] * 5 + [429]
+        # ... while another client behind the same proxy is judged on its own.
+        assert await call("bad-other", "203.0.113.2") == 401
+        assert await call(KEY, "203.0.113.1") == 200
+        # One wrong key retried from new addresses each time is throttled by the key itself.
+        assert [await call("stale-key", f"203.0.113.{10 + i}") for i in range(6)] == [401] * 5 + [429]
 
 
 async def test_the_request_log_line_names_the_key(keyed_router: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from dpd_router.api.auth import source_of
 from dpd_router.api.errors import error_response, response_for
 from dpd_router.errors import RateLimited, RouterError
 from dpd_router.live import ConfigRejected
@@ -41,7 +40,7 @@ def authorize(request: Request, gatekeeper: Gatekeeper, *, open_without_keys: bo
     if open_without_keys and not gatekeeper.keys.configured:
         return None
     try:
-        gatekeeper.authenticate_admin(request.headers.get("authorization"), source_of(request))
+        gatekeeper.authenticate_admin(request.headers.get("authorization"), gatekeeper.source_of(request))
     except RouterError as exc:
         headers = {"WWW-Authenticate": "Bearer"}
         if isinstance(exc, RateLimited):

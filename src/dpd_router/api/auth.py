@@ -7,6 +7,7 @@ the first 12 hex digits of its hash.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections import OrderedDict
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpd_router.auth")
 
-# Source addresses whose failed attempts are remembered at once; the longest quiet ones are forgotten first.
+# Source addresses and wrong credentials whose failed attempts are remembered at once; the longest quiet
+# ones are forgotten first.
 MAX_TRACKED_SOURCES = 10_000
 
 
@@ -134,25 +136,50 @@ class KeyRing:
         return cls(principals)
 
 
-def source_of(request: Request) -> str:
-    """The peer address a request came from (a proxy's, behind one)."""
-    return request.client.host if request.client is not None else "unknown"
+class ClientAddresses:
+    """Which address a request came from: its peer's, or, when the peer is a trusted proxy (an ingress, a
+    load balancer), the client its `X-Forwarded-For` names: the rightmost entry that is not itself a trusted
+    proxy, since every proxy appends the address it was reached from and only the trusted ones are believed.
+    With no trusted proxies the header is ignored: anyone could write it."""
+
+    def __init__(self, trusted_proxies: list[str]) -> None:
+        self._trusted = [ipaddress.ip_network(entry, strict=False) for entry in trusted_proxies]
+
+    def source_of(self, request: Request) -> str:
+        peer = request.client.host if request.client is not None else "unknown"
+        if not self._trusted or not self._is_trusted(peer):
+            return peer
+        forwarded = ",".join(request.headers.getlist("x-forwarded-for"))
+        for hop in reversed([part.strip() for part in forwarded.split(",") if part.strip()]):
+            if not self._is_trusted(hop):
+                return hop
+        return peer
+
+    def _is_trusted(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self._trusted)
 
 
 class AuthThrottled(RateLimited):
-    """This source address failed to authenticate too often; its attempts wait."""
+    """This source address, or this wrong key, failed to authenticate too often; its attempts wait."""
 
     def __init__(self, message: str, *, retry_after: float) -> None:
         super().__init__(message, kind="auth_failures", retry_after=retry_after)
 
 
 class Gatekeeper:
-    """Checks each call's key against the key ring, and throttles the addresses that keep failing.
+    """Checks each call's key against the key ring, and throttles the callers that keep failing.
 
-    Failed attempts are counted per source address in a token bucket of `failures_per_minute`;
-    a source that spent it gets 429 before its key is even looked at, until the bucket refills, so
-    guessing keys costs the guesser time and the router nothing. Behind a proxy every client shares
-    the proxy's address: size the budget for that.
+    A valid key is always let in: what others sent from its address costs it nothing, so behind an
+    ingress, where every client shares one address, a misconfigured client cannot lock the others out.
+    A failed attempt is counted twice, in token buckets of `failures_per_minute`: for its address and for
+    the credential it presented (by hash). An attempt with a wrong key from an address, or with a key,
+    that spent its bucket gets 429 instead of 401 until the bucket refills, so a client retrying a bad key
+    is slowed down and told why. Keys are random 256-bit secrets (`dpd-router hash-key`): the throttle
+    is there to quiet broken clients and to make noise (the log line, the counter), not to stop guessing.
     """
 
     def __init__(
@@ -161,57 +188,73 @@ class Gatekeeper:
         metrics: RouterMetrics,
         *,
         failures_per_minute: float,
+        addresses: ClientAddresses | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.keys = keys
+        self.addresses = addresses or ClientAddresses([])
         self._metrics = metrics
         self._rate = failures_per_minute
         self._clock = clock
         self._failures: OrderedDict[str, _FailedSource] = OrderedDict()
 
+    def source_of(self, request: Request) -> str:
+        """The address whose failures a request's failure counts against (ClientAddresses)."""
+        return self.addresses.source_of(request)
+
     def authenticate(self, authorization: str | None, source: str) -> Principal:
         """The caller of the OpenAI API (anonymous when no API keys are configured)."""
         if not self.keys.enabled:
             return ANONYMOUS
-        return self._checked(lambda: self.keys.authenticate(authorization), source)
+        return self._checked(lambda: self.keys.authenticate(authorization), authorization, source)
 
     def authenticate_admin(self, authorization: str | None, source: str) -> Principal:
         """The caller of an admin endpoint: an admin key, always required."""
-        return self._checked(lambda: self.keys.authenticate_admin(authorization), source)
+        return self._checked(lambda: self.keys.authenticate_admin(authorization), authorization, source)
 
-    def _checked(self, check: Callable[[], Principal], source: str) -> Principal:
-        failed = self._failures.get(source)
-        if failed is not None and self._rate > 0:
-            wait = failed.bucket.wait_for(1)
-            if wait:
-                self._metrics.auth_throttled.inc()
-                raise AuthThrottled("Too many failed authentications from this address; retry later.", retry_after=wait)
+    def _checked(self, check: Callable[[], Principal], authorization: str | None, source: str) -> Principal:
         try:
             return check()
         except RouterError:
+            if self._rate <= 0:
+                self._metrics.auth_failures.inc()
+                raise
+            counted = [f"address {source}"]
+            if authorization:  # by its hash: the router never holds a presented key in the clear
+                counted.append(f"key {hash_key(authorization)[:12]}")
+            wait = max(self._wait(name) for name in counted)
+            if wait:
+                self._metrics.auth_throttled.inc()
+                raise AuthThrottled(
+                    "Too many failed authentications from this address or with this key; retry later.",
+                    retry_after=wait,
+                ) from None
             self._metrics.auth_failures.inc()
-            self._count_failure(source)
+            for name in counted:
+                self._count_failure(name)
             raise
 
-    def _count_failure(self, source: str) -> None:
-        if self._rate <= 0:
-            return
-        failed = self._failures.get(source)
+    def _wait(self, name: str) -> float:
+        failed = self._failures.get(name)
+        return 0.0 if failed is None else failed.bucket.wait_for(1)
+
+    def _count_failure(self, name: str) -> None:
+        failed = self._failures.get(name)
         if failed is None:
-            failed = self._failures[source] = _FailedSource(TokenBucket(self._rate, clock=self._clock))
+            failed = self._failures[name] = _FailedSource(TokenBucket(self._rate, clock=self._clock))
             if len(self._failures) > MAX_TRACKED_SOURCES:
                 self._failures.popitem(last=False)
         else:
-            self._failures.move_to_end(source)
+            self._failures.move_to_end(name)
         failed.bucket.take(1)
         now = self._clock()
         if failed.bucket.wait_for(1) and (failed.warned_at is None or now - failed.warned_at >= 60.0):
             failed.warned_at = now  # one line a minute for a source that keeps failing
             log.warning(
-                "%s failed to authenticate %g times within a minute: its requests get 429 until it slows down",
-                source,
+                "%s failed to authenticate %g times within a minute: its wrong keys get 429 until it slows down",
+                name,
                 self._rate,
-                extra={"fields": {"event": "auth_throttled", "source": source}},
+                extra={"fields": {"event": "auth_throttled", "source": name}},
             )
 
 

@@ -15,7 +15,6 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from dpd_router.api.auth import source_of
 from dpd_router.api.errors import response_for
 from dpd_router.api.limits import count_refusal
 from dpd_router.api.responses import discard, http_response
@@ -99,7 +98,7 @@ class OpenAIApi:
         """The request's id, and the refusal to send when the caller's key is not accepted."""
         request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
         try:
-            self._gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
+            self._gatekeeper.authenticate(request.headers.get("authorization"), self._gatekeeper.source_of(request))
         except RouterError as exc:
             return request_id, self._error(exc, request_id)
         return request_id, None
@@ -110,7 +109,9 @@ class OpenAIApi:
         request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
         try:
             # Who is asking, from the headers alone: a body nobody may send is never read.
-            principal = self._gatekeeper.authenticate(request.headers.get("authorization"), source_of(request))
+            principal = self._gatekeeper.authenticate(
+                request.headers.get("authorization"), self._gatekeeper.source_of(request)
+            )
             await principal.limits.take_request()
             raw = await _read_body(request, settings.max_body_bytes)
             trusted = settings.trust_request_chat_template

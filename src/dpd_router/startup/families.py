@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from dpd_router.api.admission import Admissions
-from dpd_router.api.auth import Gatekeeper, KeyRing
+from dpd_router.api.auth import ClientAddresses, Gatekeeper, KeyRing
 from dpd_router.api.redis_limits import RedisBuckets
 from dpd_router.config import Settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
@@ -201,7 +201,12 @@ def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -
         log.info("tenants %s have no reserved engines: they share the main pool", sorted(unknown_tenants))
     return Access(
         # Each worker process throttles its share of the failures (supervisor.py).
-        Gatekeeper(keys, metrics, failures_per_minute=settings.auth_failures_per_minute / settings.workers),
+        Gatekeeper(
+            keys,
+            metrics,
+            failures_per_minute=settings.auth_failures_per_minute / settings.workers,
+            addresses=ClientAddresses(settings.trusted_proxies),
+        ),
         Admissions(metrics, settings),
         store,
     )
