@@ -131,6 +131,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+# The engines run eagerly: these tests are about what crosses the wire between the router and the engines,
+# not the engines' compiled kernels, and an eager engine is healthy in about 60 s instead of 100 and never
+# stops mid-test for a new batch size to compile (the prefiller restarted in test_prefill_failure too).
+ENGINE_ARGS = ("--enforce-eager",)
+
+
 class Engines:
     """Hands out the running pair of one mode, stopping the other mode's pair first."""
 
@@ -146,7 +152,7 @@ class Engines:
                 return self.current
             await self.stop()
             check_memory()
-            pair = VllmPair(mode, layout=self.layout, log_dir=self.log_dir)
+            pair = VllmPair(mode, layout=self.layout, log_dir=self.log_dir, extra_args=ENGINE_ARGS)
             started = time.monotonic()
             _say(f"starting the {mode} pair (logs in {self.log_dir}) ...")
             await pair.start()
@@ -166,7 +172,7 @@ class Engines:
 
 
 async def warm_up(pair: VllmPair) -> None:
-    """Run the shapes the tests use once on each engine: the first batch of a new size compiles for ~25 s."""
+    """Run the shapes the tests use once on each engine, so that no first call of its kind is timed."""
     for engine in pair.engines:
         await warm_up_engine(engine)
 
