@@ -142,6 +142,7 @@ def build_server(settings: Settings, *, loop: str = "uvloop", **config: Any) -> 
             port=settings.port,
             loop=loop,
             http=guarded_protocol(ListenerLimits.from_settings(settings), refused),
+            ws="none",  # no WebSocket endpoint: an Upgrade is answered as plain HTTP (server.py)
             log_level="warning",
             access_log=False,
             timeout_keep_alive=settings.client_keepalive_timeout,

@@ -5,8 +5,14 @@ waits for a body as long as the client likes: a 32 MB header is parsed, and a th
 that never finish their request stay open for good. The protocol here (a uvicorn `http` class)
 adds nginx's client_header_timeout, client_body_timeout and header buffer limits: a head must
 arrive within `header_timeout` seconds in at most `max_header_bytes` and `max_headers` lines, and a
-body within `body_timeout` seconds of its head. A connection that misses one is answered 408 or
-431 (when no answer has begun) and closed, and counted.
+body within `body_timeout` seconds of its head. A connection that misses one is answered 408, 414 or
+431 (when no answer has begun) and closed, and counted; so is a request httptools cannot parse (an
+OpenAI-shaped 400, where uvicorn writes plain text) and one that asks to switch protocols with a body
+the parser then leaves unread (the router serves no other protocol; uvicorn would leave it waiting).
+
+Closing is lingering, as nginx's: the answer is sent, the sending side shut, and whatever the client
+still sends is read and dropped for a moment before the connection closes. Closing with unread bytes
+makes the kernel reset the connection, and a reset discards the answer before the client reads it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +33,22 @@ from dpd_router.config import Settings
 REASONS = {
     "header_timeout": (408, "The request's headers did not arrive in time."),
     "body_timeout": (408, "The request's body did not arrive in time."),
+    "uri_too_long": (414, "The request's target (its path and query) is too long."),
     "header_too_large": (431, "The request's headers are too large."),
     "too_many_headers": (431, "The request has too many header lines."),
+    "malformed": (400, "The request is not valid HTTP/1.1."),
+    "upgrade": (400, "This server does not switch protocols: send the request without an Upgrade header."),
 }
+_STATUS_TEXT = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+}
+# After a refusal, how long and how much of what the client still sends is read (and dropped) before
+# the connection closes, so that the refusal is read rather than reset away.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,13 @@ def _send_without_delay(transport: asyncio.Transport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _declares_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+            return True
+    return False
+
+
 def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with `limits` enforced, counting into `refused`."""
 
@@ -83,6 +110,8 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
             self._head_bytes = 0
             self._head_lines = 0
             self._refusal: str | None = None
+            self._line_ended = False  # the request line of the head being read has arrived whole
+            self._lingering = -1  # bytes dropped since a refusal (-1: not refused)
 
         # uvicorn's connection_made narrows asyncio's BaseTransport to Transport (it ignores that as well).
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's
@@ -95,21 +124,46 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering >= 0:
+                self._lingering += len(data)
+                if self._lingering > LINGER_BYTES:
+                    self.transport.close()
+                return
             if not self._in_head:
-                super().data_received(data)
+                self._feed(data)
                 return
             room = limits.max_header_bytes - self._head_bytes
             if len(data) <= room:
                 self._head_bytes += len(data)
-                super().data_received(data)
+                self._line_ended = self._line_ended or b"\n" in data
+                self._feed(data)
                 return
             # More than a head may hold: the head must end within what fits, the rest is body.
             self._head_bytes += room
-            super().data_received(data[:room])
-            if self._in_head:
-                self._refuse("header_too_large")
-            elif not self.transport.is_closing():
+            self._line_ended = self._line_ended or b"\n" in data[:room]
+            self._feed(data[:room])
+            if self._in_head and self._lingering < 0:
+                self._refuse("header_too_large" if self._line_ended else "uri_too_long")
+            elif self._lingering < 0 and not self.transport.is_closing():
                 self.data_received(data[room:])
+
+        def _feed(self, data: bytes) -> None:
+            super().data_received(data)
+            cycle = self.cycle
+            if self._lingering >= 0 or cycle is None or not self.parser.should_upgrade():
+                return
+            # httptools parses nothing past the head of a request that asks to switch protocols: its body
+            # would reach the app as empty, and a next request on the connection not at all.
+            if _declares_body(cycle.scope["headers"]) and not cycle.response_started:
+                self._refuse("upgrade")
+            else:
+                cycle.keep_alive = False  # answered as plain HTTP, then closed
+
+        def eof_received(self) -> None:
+            if self._lingering >= 0:  # the client has sent all it will: the refusal has been read
+                self.transport.close()
+                return
+            super().eof_received()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -133,13 +187,11 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
             self._disarm()
             self._in_head = True  # what comes next is the next request's head
             self._head_bytes = 0
+            self._line_ended = False
             super().on_message_complete()
 
         def send_400_response(self, msg: str) -> None:
-            if self._refusal is not None:
-                self._refuse(self._refusal)
-            else:
-                super().send_400_response(msg)
+            self._refuse(self._refusal or "malformed")
 
         def _arm(self, seconds: float, reason: str) -> None:
             self._disarm()
@@ -153,7 +205,7 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
         def _refuse(self, reason: str) -> None:
             """Answer (if no answer began) and close the connection; the request, if running, sees a disconnect."""
             self._disarm()
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._lingering >= 0:
                 return
             refused.counts[reason] += 1
             # The request being served, if any (a finished one's cycle stays until the next begins).
@@ -163,17 +215,22 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
                 body = error_body(message, "BadRequestError", status)
                 self.transport.write(
                     b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n%s"
-                    % (
-                        status,
-                        b"Request Timeout" if status == 408 else b"Request Header Fields Too Large",
-                        len(body),
-                        body,
-                    )
+                    b"connection: close\r\n\r\n%s" % (status, _STATUS_TEXT[status], len(body), body)
                 )
             if cycle is not None:
                 cycle.disconnected = True
                 cycle.message_event.set()
-            self.transport.close()
+            self._linger()
+
+        def _linger(self) -> None:
+            """Shut the sending side after the answer, drop what still arrives, close within a bound."""
+            transport = self.transport
+            if not transport.can_write_eof():
+                transport.close()
+                return
+            self._lingering = 0
+            transport.write_eof()
+            transport.resume_reading()  # uvicorn pauses it under a body it has not handed on yet
+            self.loop.call_later(LINGER_SECONDS, transport.close)
 
     return GuardedHttpToolsProtocol

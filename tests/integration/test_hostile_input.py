@@ -538,8 +538,29 @@ HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applicat
         (HEAD + b"Content-Length: 100\r\n\r\n" + b'{"messages": ', 408, "body_timeout"),
         (HEAD + b"X-Big: " + b"a" * 40_000 + b"\r\n\r\n", 431, "header_too_large"),
         (HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(80)) + b"\r\n", 431, "too_many_headers"),
+        # Megabytes past the limit: still read (and dropped) after the answer, so it is not reset away.
+        (HEAD + b"X-Big: " + b"a" * 8_000_000 + b"\r\n\r\n", 431, "header_too_large"),
+        (HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(100_000)) + b"\r\n", 431, "too_many_headers"),
+        (b"GET /v1/models?q=" + b"q" * 8_000_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400, "malformed"),
+        (
+            HEAD + b"Connection: Upgrade\r\nUpgrade: websocket\r\nContent-Length: 20\r\n\r\n" + b'{"messages": [1, 2]}',
+            400,
+            "upgrade",
+        ),
     ],
-    ids=["idle", "half_header", "slow_body", "header_too_large", "too_many_headers"],
+    ids=[
+        "idle",
+        "half_header",
+        "slow_body",
+        "header_too_large",
+        "too_many_headers",
+        "header_of_8MB",
+        "hundred_thousand_headers",
+        "query_of_8MB",
+        "malformed_request_line",
+        "upgrade_with_a_body",
+    ],
 )
 async def test_slow_and_oversized_requests_are_answered_closed_and_counted(
     strict_listener: str, sent: bytes, status: int, reason: str
@@ -550,6 +571,16 @@ async def test_slow_and_oversized_requests_are_answered_closed_and_counted(
     assert b"connection: close" in answer.lower()
     assert orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == status
     assert await metric(strict_listener, "dpd_router_connections_refused_total", {"reason": reason}) == before + 1
+
+
+async def test_an_upgrade_without_a_body_is_served_as_plain_http(strict_listener: str) -> None:
+    """The router switches to no other protocol: a GET that asks to is answered as the GET it is."""
+    answer = await answer_and_close(
+        strict_listener,
+        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
 
 
 async def test_a_thousand_connections_that_never_finish_are_all_closed(strict_listener: str) -> None:
