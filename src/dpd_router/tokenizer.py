@@ -185,7 +185,7 @@ class LocalTokenizer:
         started = time.perf_counter()
         if request.kind == "chat":
             rendered = await self._render_client_template(request)
-            text, special = (rendered if rendered is not None else self._render(request.body)), False
+            text, special = (rendered if rendered is not None else await self._render_in_lane(request)), False
         else:
             prompt = request.body["prompt"]
             if not isinstance(prompt, str):
@@ -276,6 +276,14 @@ class LocalTokenizer:
             return list(self._tokenizer.encode(text, add_special_tokens=special))
         # The batch call without offsets: the cheapest the Rust core has, and it releases the GIL.
         return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
+
+    async def _render_in_lane(self, request: ClientRequest) -> str:
+        """The tokenizer's template over the request's messages: on the event loop for a small body, else in
+        the lane its size calls for (a body of many short messages renders for seconds)."""
+        lane = self._lane(len(request.raw))
+        if lane is None:
+            return self._render(request.body)
+        return await asyncio.get_running_loop().run_in_executor(lane, self._render, request.body)
 
     def _render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat request, by the tokenizer's own (trusted) template."""

@@ -302,6 +302,58 @@ async def test_a_32_mb_prompt_is_refused_from_its_size_without_tokenizing(fuzzed
     assert grown_mib < 400  # the bodies themselves, twice over; tokenizing them took gigabytes
 
 
+@contextlib.asynccontextmanager
+async def loop_gaps(every: float = 0.002) -> AsyncIterator[list[float]]:
+    """The event loop's stalls while the block runs: how much later than asked each short sleep woke.
+    The router is served in this loop, so what holds it holds every other client of the router."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(every)
+            now = time.perf_counter()
+            gaps.append(now - last - every)
+            last = now
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield gaps
+    finally:
+        stop.set()
+        await watcher
+
+
+# The most a request may hold the event loop (hardening round 2); a test asserts half of it.
+LOOP_BOUND = 0.050
+
+
+@pytest.mark.parametrize(
+    ("messages", "bound"),
+    [
+        (60_000, LOOP_BOUND / 2),
+        # 21 MB of them: parsed, checked and rendered off the loop too (they held it for 12 s), but something
+        # still holds it for about a tenth of a second; this guards what was gained, not the bound.
+        (600_000, 0.25),
+    ],
+)
+async def test_a_body_of_many_messages_holds_no_other_client(fuzzed_router: str, messages: int, bound: float) -> None:
+    """Messages without content: parsed, checked, rendered and counted off the loop; refused for their
+    length (the engine's context window) as the engine would."""
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": None}] * messages, "max_tokens": 2})
+    async with httpx.AsyncClient(base_url=fuzzed_router, timeout=120) as client:
+        await client.get("/health")
+        async with loop_gaps() as gaps:
+            answer = await client.post(
+                "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
+    assert answer.status_code == 400, answer.text[:500]
+    assert answer.json()["error"]["param"] == "input_tokens"
+    print(f"\n{messages} messages: the loop's worst gap {max(gaps) * 1000:.1f} ms over {len(gaps)} wake-ups")
+    assert max(gaps) < bound
+
+
 # --- Malformed fields and unexpected errors ------------------------------------------------------
 
 

@@ -116,7 +116,9 @@ class OpenAIApi:
             raw = await _read_body(request, settings.max_body_bytes)
             trusted = settings.trust_request_chat_template
             if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request
-                client_request = await asyncio.to_thread(parse_request, kind, raw, trust_chat_template=trusted)
+                client_request = await asyncio.to_thread(
+                    parse_request, kind, raw, trust_chat_template=trusted, yielding=True
+                )
             else:
                 client_request = parse_request(kind, raw, trust_chat_template=trusted)
             _resolve_model(client_request, self._model.name)
