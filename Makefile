@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), each given whole files so a module's fixtures start once; 0 runs in this process.
-PYTEST_WORKERS ?= 2
+# Three on two cores: the tests wait on sockets and timers often enough to leave a core idle with two.
+PYTEST_WORKERS ?= 3
 XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms bench-all
