@@ -23,6 +23,7 @@ import contextlib
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -38,12 +39,6 @@ REASONS = {
     "too_many_headers": (431, "The request has too many header lines."),
     "malformed": (400, "The request is not valid HTTP/1.1."),
     "upgrade": (400, "This server does not switch protocols: send the request without an Upgrade header."),
-}
-_STATUS_TEXT = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    414: b"URI Too Long",
-    431: b"Request Header Fields Too Large",
 }
 # After a refusal, how long and how much of what the client still sends is read (and dropped) before
 # the connection closes, so that the refusal is read rather than reset away.
@@ -215,7 +210,7 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
                 body = error_body(message, "BadRequestError", status)
                 self.transport.write(
                     b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n%s" % (status, _STATUS_TEXT[status], len(body), body)
+                    b"connection: close\r\n\r\n%s" % (status, HTTPStatus(status).phrase.encode(), len(body), body)
                 )
             if cycle is not None:
                 cycle.disconnected = True
