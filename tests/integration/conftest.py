@@ -35,17 +35,18 @@ async def running_router(**settings: Any) -> AsyncIterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = load_settings(host="127.0.0.1", port=port, **settings)
+    config = load_settings(host="127.0.0.1", port=port, health_interval=0.5, **settings)
     async with serving(build_server(config, loop="none", lifespan="on"), sock):
         yield f"http://127.0.0.1:{port}"
 
 
 @asynccontextmanager
-async def serving(server: uvicorn.Server, sock: socket.socket) -> AsyncIterator[uvicorn.Server]:
-    """`server` serving on `sock` in this event loop, once it has started; stopped (and `sock` closed) after."""
+async def serving(server: uvicorn.Server, sock: socket.socket, *, within: float = 30) -> AsyncIterator[uvicorn.Server]:
+    """`server` serving on `sock` in this event loop, once it has started (within `within` seconds); stopped
+    (and `sock` closed) after."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(within):
             while not server.started:
                 if task.done():
                     task.result()

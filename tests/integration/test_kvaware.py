@@ -24,7 +24,15 @@ import uvicorn
 from dpd_sim.cluster import SimCluster
 from dpd_sim.lmcache_controller import Controller
 from dpd_sim.lmcache_controller import create_app as create_controller_app
-from tests.integration.conftest import MODEL, cluster_settings, metric, openai_client, requests_seen, running_router
+from tests.integration.conftest import (
+    MODEL,
+    cluster_settings,
+    metric,
+    openai_client,
+    requests_seen,
+    running_router,
+    serving,
+)
 
 THRESHOLD = 64
 BLOCK = 16
@@ -210,24 +218,12 @@ async def test_a_prefiller_that_clears_or_evicts_a_prefix_is_no_longer_preferred
 async def running_controller(cluster: SimCluster) -> AsyncIterator[str]:
     """The LMCache controller stand-in, subscribed to every engine's KV events, on a free port."""
     publishers = {engine.name: address for engine in cluster.engines if (address := engine.kv_events_address)}
-    sock = socket.socket(
-        socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-    )  # TCP named: asyncio then turns Nagle off
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio turns Nagle off
     sock.bind(("127.0.0.1", 0))
     app = create_controller_app(Controller(publishers))
     server = uvicorn.Server(uvicorn.Config(app, loop="none", log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(10):
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.02)
+    async with serving(server, sock, within=10):
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 async def controller_heard(http: httpx.AsyncClient, controller_url: str, cluster: SimCluster) -> None:

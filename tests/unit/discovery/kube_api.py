@@ -224,9 +224,7 @@ class FakeKubernetes:
     @asynccontextmanager
     async def serve(self) -> AsyncIterator[str]:
         """Serve on a free 127.0.0.1 port; yields the base URL."""
-        sock = socket.socket(
-            socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-        )  # TCP named: asyncio then turns Nagle off
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio turns Nagle off
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

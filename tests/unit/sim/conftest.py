@@ -58,9 +58,7 @@ def live_engine(sim_tokenizer: Path) -> EngineFactory:
 
     @asynccontextmanager
     async def start(**settings: Any) -> AsyncIterator[Engine]:
-        sock = socket.socket(
-            socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-        )  # TCP named: asyncio then turns Nagle off
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio turns Nagle off
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
