@@ -750,6 +750,16 @@ class Settings(BaseSettings):
         description="A learned deadline is at least this many seconds (and at most the phase's timeout).",
         json_schema_extra=_meta("reliability", live=True),
     )
+    hang_probe_timeout: float = Field(
+        default=5.0,
+        ge=0,
+        description="A hop that has run as long as it should (its learned deadline, or before there is history "
+        "a prior from its size) while its engine produced nothing for any call is asked about: the engine gets "
+        "a one-token completion, and one that leaves it unanswered this many seconds is taken for hung: the hop "
+        "goes to another engine (or fails), and the engine's breaker opens. An engine whose other calls move is "
+        "busy, not hung: its hops wait. 0 turns the probe off (then the timeouts alone bound a hop without history).",
+        json_schema_extra=_meta("reliability", live=True),
+    )
     hop_deadline_samples: int = Field(
         default=20,
         ge=1,

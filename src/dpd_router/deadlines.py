@@ -4,7 +4,8 @@ A fixed timeout must allow for the longest legitimate call (minutes), so a hung 
 request sent to it that long. A hop's learned deadline is `factor` times the time recent hops of
 its size took (never below `floor`), capped by the fixed timeout; a hop past it is abandoned for
 another engine, or for the decoder alone, long before the fixed timeout. Until `samples` hops of a
-kind have completed, the fixed timeout alone applies.
+kind have completed, a prior from the hop's size says when the hop is first looked at, and only
+an engine found hung (gateway/watch.py) cuts it short of the fixed timeout.
 
 What a hop's size is, per kind of hop:
 - a prefill hop: its uncached prompt tokens;
@@ -32,6 +33,17 @@ if TYPE_CHECKING:
 WINDOW = 64
 
 HopKind = Literal["prefill", "first_token", "answer"]
+
+# Before there is history, the first look at a hop (gateway/watch.py) of `tokens` uncached prompt
+# tokens comes after PRIOR_SECONDS plus the time an engine computing PRIOR_TOKENS_PER_SECOND takes
+# (slower than any serving engine; a look at a live engine costs one probe, never the hop).
+PRIOR_SECONDS = 4.0
+PRIOR_TOKENS_PER_SECOND = 1000.0
+
+
+def prior(tokens: int) -> float:
+    """Seconds after which a hop of `tokens` prompt tokens with no history to judge it is looked at."""
+    return PRIOR_SECONDS + max(tokens, 0) / PRIOR_TOKENS_PER_SECOND
 
 
 @dataclass(frozen=True)

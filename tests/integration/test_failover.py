@@ -122,3 +122,88 @@ async def test_a_burst_while_every_decoder_recovers_is_served_not_refused(tokeni
         )
         assert [answer.status_code for answer in burst] == [200] * 24
         assert all(served(answer) for answer in burst)
+
+
+# Before any history: the first look at a hop comes from its size (a few seconds), and an engine
+# that produced nothing meanwhile gets this long to answer a one-token probe.
+PROBE = {"hang_probe_timeout": 1.0}
+# Far below every timeout the default settings give (120 s a prefill or first token, 600 s an
+# answer), far above a look and a probe per engine.
+COLD_GUARD = 30.0
+
+
+async def test_from_a_cold_start_hung_prefillers_cost_seconds_not_their_timeouts(tokenizer_dir: Path) -> None:
+    """Just started, both prefillers hung: with nothing learned, each prefill hop is looked at after
+    a prior from its size, the prefiller asked for one token and, silent, taken for hung: the decoder
+    serves in seconds (it was 2 x prefill_timeout), and their breakers open."""
+    async with (
+        SimCluster(in_process=True, prefill=2, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, **PROBE)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=COLD_GUARD * 2) as client,
+    ):
+        for prefiller in cluster.prefill_urls:
+            await client.post(f"{prefiller}/sim/fault", json={"mode": "hang"})
+        async with asyncio.timeout(COLD_GUARD):
+            answer = await client.post("/v1/chat/completions", json=chat_body(f"cold {LONG}"))
+        assert served(answer), answer.text
+        assert await metric(base_url, "dpd_router_prefill_fallbacks_total", {"reason": "hung"}) == 1
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened") == 2
+        for prefiller in cluster.prefill_urls:
+            # Each got the prefill and one probe, both left unanswered.
+            assert (await engine_stats(prefiller))["requests_total"] == 2
+
+        async with asyncio.timeout(COLD_GUARD):
+            answer = await client.post("/v1/chat/completions", json=chat_body(f"next {LONG}", stream=True))
+        assert served(answer), answer.text
+
+
+async def test_from_a_cold_start_every_decoder_hung_is_told_in_seconds(tokenizer_dir: Path) -> None:
+    """Just started, both decoders hung: a whole answer (request_timeout 600 s) and a stream
+    (first_token_timeout 120 s) each learn within seconds that no decoder answers, from the looks
+    and probes; the decoders' breakers are open then."""
+    async with (
+        SimCluster(in_process=True, prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, **PROBE)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=COLD_GUARD * 2) as client,
+    ):
+        for decoder in cluster.decode_urls:
+            await client.post(f"{decoder}/sim/fault", json={"mode": "hang"})
+        async with asyncio.timeout(COLD_GUARD):
+            whole = await client.post("/v1/chat/completions", json=chat_body(f"whole {SHORT}", max_tokens=500))
+        assert whole.status_code == 502, whole.text
+        assert "is hung" in whole.json()["error"]["message"]
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened") == 2
+        assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 1
+
+        async with asyncio.timeout(HANG_GUARD):
+            stream = await client.post("/v1/chat/completions", json=chat_body(f"stream {SHORT}", stream=True))
+        assert stream.status_code in (502, 503, 504), stream.text
+        assert not served(stream)
+
+
+async def test_a_burst_on_busy_decoders_waits_its_turn_instead_of_failing_over(tokenizer_dir: Path) -> None:
+    """Decoders that run four streams at a time: a burst of 32 queues behind them, its first tokens
+    far past the learned deadline (first tokens took one step when they were idle). Their running
+    streams move all along, so the decoders are busy, not hung: every stream is served where it was
+    sent, none retried."""
+    busy = ["--max-batch-size", "4", "--decode-step-base", "0.03"]
+    async with (
+        SimCluster(
+            in_process=True, prefill=0, decode=2, tokenizer=tokenizer_dir, model=MODEL, extra_args=busy
+        ) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, **LEARN_FAST)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+    ):
+        for i in range(6):
+            learned = await client.post("/v1/chat/completions", json=chat_body(f"{i} {SHORT}", stream=True))
+            assert served(learned)
+        burst = await asyncio.gather(
+            *(
+                client.post("/v1/chat/completions", json=chat_body(f"burst {i} {SHORT}", max_tokens=20, stream=True))
+                for i in range(32)
+            )
+        )
+        assert all(served(answer) for answer in burst), [answer.text for answer in burst if not served(answer)]
+        assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) == 0
+        assert await metric(base_url, "dpd_router_endpoint_circuit_opened") == 0
+        assert len(cluster.decode_urls) == 2

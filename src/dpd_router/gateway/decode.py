@@ -2,7 +2,8 @@
 
 Every way a decode call can fail before the client saw a byte becomes a `DecodeFailed` here (the
 one error map of the hop), which `DecoderReplacement` turns into the next decoder to try. A learned
-deadline, where another decoder could take the request, bounds the wait for a hung decoder.
+deadline, where another decoder could take the request, and before there is history a look at the
+decoder (gateway/watch.py) bound the wait for a hung decoder; a busy one is waited for.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import anyio
 import httpx
 
+from dpd_router.deadlines import prior
 from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
@@ -22,6 +24,7 @@ from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learn
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
+from dpd_router.gateway.watch import EngineProbe, HopWatch
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
@@ -37,11 +40,14 @@ SAME_DECODER_BACKOFF = 0.25
 class DecodeHop:
     """Sends decode calls and reads their answers; built once, shared by all requests."""
 
-    def __init__(self, engines: EngineCalls, connector: Connector, metrics: RouterMetrics, model: ServedModel) -> None:
+    def __init__(
+        self, engines: EngineCalls, connector: Connector, metrics: RouterMetrics, model: ServedModel, probe: EngineProbe
+    ) -> None:
         self._engines = engines
         self._connector = connector
         self._metrics = metrics
         self._model = model
+        self._probe = probe
 
     async def answer(
         self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
@@ -69,13 +75,16 @@ class DecodeHop:
         if call.answered is not None:
             return self.answer_from_prefill(exchange, call, staged)
         deadline = self._deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
-        exchange.done.kv_sent_to(decoder)
-        upstream = await self.open(exchange, decoder, call, deadline)
-        if upstream.status_code != 200:
-            return await self._engine_refusal(exchange, upstream, decoder)
-        if not request.stream:
-            return await self._whole_answer(exchange, upstream, decoder, staged, call, deadline)
-        stream = await self.primed_stream(exchange, upstream, decoder, staged, call, deadline)
+        try:
+            exchange.done.kv_sent_to(decoder)
+            upstream = await self.open(exchange, decoder, call, deadline)
+            if upstream.status_code != 200:
+                return await self._engine_refusal(exchange, upstream, decoder)
+            if not request.stream:
+                return await self._whole_answer(exchange, upstream, decoder, staged, call, deadline)
+            stream = await self.primed_stream(exchange, upstream, decoder, staged, call, deadline)
+        finally:
+            deadline.stop()
         exchange.done.kv_taken_by(decoder)
         return StreamedAnswer(stream, stream.close, exchange.headers, media_type=stream.media_type)
 
@@ -88,7 +97,7 @@ class DecodeHop:
         }
         late = "The decoder did not answer in time."
         with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke the connection"):
-            async with asyncio.timeout_at(deadline.at):
+            async with deadline.bound():
                 return await self._engines.post(
                     f"{decoder.url}{call.path}", call.body, headers, connect_timeout=exchange.timeouts.connect
                 )
@@ -103,7 +112,7 @@ class DecodeHop:
         deadline: Deadline,
     ) -> EventStream:
         """The decoder's stream, read up to its first token (so a failing decoder can still be replaced)."""
-        stream = self.event_stream(exchange, upstream, call, staged)
+        stream = self.event_stream(exchange, upstream, call, staged, decoder)
         if staged is not None and staged.pending is not None:
             # The prefiller's cache hit is known once its call ends, usually before the decoder's usage.
             staged.pending.add_done_callback(
@@ -115,7 +124,8 @@ class DecodeHop:
             with decode_errors(
                 decoder, deadline, late=late, timeout_failure="no first token in time", broke="broke its stream"
             ):
-                await stream.prime(deadline.at)
+                async with deadline.bound():
+                    await stream.prime(deadline.at)
             primed = True
         except DecodeFailedEarly as exc:
             raise DecodeFailed(exc.detail, kv_consumed=True, failure=exc.detail, answered=True, in_band=True) from None
@@ -147,12 +157,18 @@ class DecodeHop:
         return self.event_stream(exchange, upstream, call, staged)
 
     def event_stream(
-        self, exchange: Exchange, upstream: EngineAnswer, call: DecodeCall, staged: StagedKV | None
+        self,
+        exchange: Exchange,
+        upstream: EngineAnswer,
+        call: DecodeCall,
+        staged: StagedKV | None,
+        decoder: Endpoint | None = None,
     ) -> EventStream:
-        """The relay of a decoder's stream (or of the prefill's answer) to this client."""
+        """The relay of a decoder's stream (or of the prefill's answer, `decoder` None) to this client."""
         return EventStream(
             upstream,
             exchange.trace,
+            engine=decoder,
             cached_tokens=prefiller_cached_tokens(staged),
             on_close=exchange.done,
             idle_timeout=exchange.timeouts.idle,
@@ -173,10 +189,11 @@ class DecodeHop:
         late = f"The decoder did not finish within {exchange.timeouts.total:g} s."
         try:
             with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke off its answer"):
-                async with asyncio.timeout_at(deadline.at):
+                async with deadline.bound():
                     content = await upstream.aread()
         finally:
             await close_quietly(upstream)
+        decoder.progressed(asyncio.get_running_loop().time())
         exchange.done.kv_taken_by(decoder)
         # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
         failure = failed_before_output(content)
@@ -205,34 +222,59 @@ class DecodeHop:
         return WholeAnswer(content, exchange.headers, status=status, media_type=media_type)
 
     def _deadline(self, exchange: Exchange, decoder: Endpoint, *, with_kv: bool, replaceable: bool) -> Deadline:
-        """When the decoder must have answered: its first token (streams) or its whole answer.
+        """When the decoder must have answered: its first token (streams) or its whole answer, by the
+        phase's timeout, and the watch that may tell sooner that it will not.
 
         The learned deadline, where one is known and shorter than the phase's timeout, judges a
         non-streamed answer by its `max_tokens` (vLLM sends nothing before the whole answer), so a
         long answer still has the time an answer that long takes. It applies only while another
         decoder could take the request (a retry left, a decoder to take it): the last attempt, or
-        the only decoder, merely slower than usual, keeps the timeout rather than fail for nothing.
+        the only decoder, merely slower than usual, keeps the timeout rather than fail for nothing;
+        there, and before there is history, the watch cuts the call short only for a hung decoder.
         """
         request, timeouts = exchange.request, exchange.timeouts
         started = asyncio.get_running_loop().time()
         # Judged as if the decoder held none of the prompt it is to compute (it may have evicted what
         # the router believes it caches); learned by the router's estimate of what it computed.
         tokens = exchange.prompt.num_tokens if not with_kv else (exchange.trace.uncached_tokens or 0)
+        cap = timeouts.first_token if request.stream else timeouts.total
+        learned = None
         others = exchange.planner.pool.healthy("decode")
-        if not replaceable or not any(other is not decoder for other in others):
-            return Deadline(started, started + (timeouts.first_token if request.stream else timeouts.total))
-        if request.stream:
-            cap = timeouts.first_token
-            learned = exchange.deadlines.deadline("first_token", (tokens,), timeouts.learned, cap, with_kv=with_kv)
-        else:
-            cap = timeouts.total
-            output = self._most_output(exchange)
-            learned = (
-                None
-                if output is None
-                else exchange.deadlines.deadline("answer", (tokens, output), timeouts.learned, cap, with_kv=with_kv)
-            )
-        return Deadline(started, started + (cap if learned is None else learned), learned)
+        if replaceable and any(other is not decoder for other in others):
+            policy = timeouts.learned
+            if request.stream:
+                learned = exchange.deadlines.deadline("first_token", (tokens,), policy, cap, with_kv=with_kv)
+            elif (output := self._most_output(exchange)) is not None:
+                learned = exchange.deadlines.deadline("answer", (tokens, output), policy, cap, with_kv=with_kv)
+        return Deadline(started, started + cap, learned, self._watch(exchange, decoder, tokens, learned, cap))
+
+    def continuation_deadline(self, exchange: Exchange, decoder: Endpoint) -> Deadline:
+        """The deadline of a decode call whose client has its head already: the phase's timeout,
+        cut short only for a hung decoder."""
+        cap = exchange.timeouts.first_token
+        started = asyncio.get_running_loop().time()
+        return Deadline(
+            started, started + cap, None, self._watch(exchange, decoder, exchange.prompt.num_tokens, None, cap)
+        )
+
+    def _watch(
+        self, exchange: Exchange, decoder: Endpoint, tokens: int, learned: float | None, cap: float
+    ) -> HopWatch | None:
+        """The call's watch: at its learned deadline or, before there is history, when its first
+        token should have come (a whole answer may take far longer, but an engine that answers the
+        probe is waited for)."""
+        timeouts = exchange.timeouts
+        expected = learned if learned is not None else max(timeouts.learned.floor, prior(tokens))
+        if expected >= cap or (learned is None and timeouts.hang_probe <= 0):
+            return None
+        return HopWatch(
+            decoder,
+            expected,
+            learned=learned is not None,
+            probe=self._probe,
+            model=_model_of(exchange),
+            probe_timeout=timeouts.hang_probe,
+        )
 
     def _most_output(self, exchange: Exchange) -> int | None:
         """The most output tokens the answer may have (None: not known, so no learned deadline)."""
@@ -318,8 +360,11 @@ def decode_errors(
     try:
         yield
     except TimeoutError:
-        if deadline.learned is not None:
+        verdict = None if deadline.watch is None else deadline.watch.verdict
+        if verdict == "slow" and deadline.learned is not None:
             raise missed_learned_deadline(deadline.learned) from None
+        if verdict == "hung":
+            raise hung(decoder, deadline) from None
         decoder.record_failure(timeout_failure)
         raise UpstreamTimeout(late) from None
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -329,6 +374,21 @@ def decode_errors(
     except httpx.HTTPError as exc:
         failure = type(exc).__name__
         raise DecodeFailed(f"{decoder.url} {broke}: {failure}", kv_consumed=True, failure=failure) from None
+
+
+def hung(decoder: Endpoint, deadline: Deadline) -> DecodeFailed:
+    """The decoder produced nothing for any call and left a one-token probe unanswered: its breaker
+    opens, and another decoder (if one is left) takes the request."""
+    waited = asyncio.get_running_loop().time() - deadline.started
+    detail = f"{decoder.url} is hung: nothing from it for {waited:.3g} s and no answer to a one-token probe"
+    decoder.record_hang(detail)
+    return DecodeFailed(detail, kv_consumed=True, failure="hung")
+
+
+def _model_of(exchange: Exchange) -> str | None:
+    """The model name the engine was asked for (the probe's)."""
+    model = exchange.request.body.get("model")
+    return model if isinstance(model, str) else None
 
 
 async def read_refusal(upstream: EngineAnswer, decoder: Endpoint) -> bytes:

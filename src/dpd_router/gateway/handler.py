@@ -35,6 +35,7 @@ from dpd_router.gateway.exchange import Exchange, ask_for_usage
 from dpd_router.gateway.head_first import HeadFirst
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.prefill import PrefillHop
+from dpd_router.gateway.watch import EngineProbe
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
@@ -77,8 +78,9 @@ class Gateway:
         self._timeouts = timeouts
         self._retries = retries
         self._shadow = shadow
-        self._prefill = PrefillHop(connector, metrics)
-        self._decode = DecodeHop(engines, connector, metrics, model)
+        probe = EngineProbe(engines)
+        self._prefill = PrefillHop(connector, metrics, probe)
+        self._decode = DecodeHop(engines, connector, metrics, model, probe)
         self._head_first = HeadFirst(self._decode, metrics)
         # One per pool, as planners: a tenant's engines may be faster or slower than the shared ones.
         self._deadlines = {tenant: HopDeadlines() for tenant in planners}

@@ -8,7 +8,6 @@ served ends the stream with an in-band error.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -21,7 +20,6 @@ from dpd_router.gateway.answer import StreamedAnswer
 from dpd_router.gateway.decode import DecodeHop, DecoderReplacement, read_refusal
 from dpd_router.gateway.errors import DecodeFailed
 from dpd_router.gateway.exchange import Exchange
-from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import EventStream, error_event
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
@@ -92,9 +90,8 @@ class HeadFirst:
             decoder = plan.decoder
             done.hold(decoder)
             trace.decoder = decoder.url
-            now = asyncio.get_running_loop().time()
             # The client already has the head: the continuation keeps the phase's timeout.
-            deadline = Deadline(now, now + exchange.timeouts.first_token)
+            deadline = self._decode.continuation_deadline(exchange, decoder)
             try:
                 upstream = await self._decode.open(exchange, decoder, call, deadline)
                 if upstream.status_code != 200:
@@ -108,6 +105,8 @@ class HeadFirst:
             else:
                 done.kv_taken_by(decoder)
                 return stream
+            finally:
+                deadline.stop()
 
 
 async def _refused_after_head(upstream: EngineAnswer, decoder: Endpoint) -> None:

@@ -3,10 +3,12 @@ hop is tried elsewhere, and when one decode call must have answered."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from dpd_router.config import Settings
 from dpd_router.deadlines import DeadlinePolicy
+from dpd_router.gateway.watch import Bound, HopWatch
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,9 @@ class PhaseTimeouts:
     first_token: float = 120.0
     idle: float = 120.0
     total: float = 600.0
+    # Seconds an engine that seems stuck has to answer a one-token probe before it is taken for hung
+    # (gateway/watch.py); 0: no probe, and before there is history the timeouts alone apply.
+    hang_probe: float = 5.0
     # Shorter, learned bounds on the prefill hop and on a decoder's first byte (deadlines.py).
     learned: DeadlinePolicy = field(default_factory=DeadlinePolicy)
 
@@ -29,6 +34,7 @@ class PhaseTimeouts:
             first_token=settings.first_token_timeout,
             idle=settings.idle_timeout,
             total=settings.request_timeout,
+            hang_probe=settings.hang_probe_timeout,
             learned=DeadlinePolicy.from_settings(settings),
         )
 
@@ -48,9 +54,25 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class Deadline:
-    """When a decode call must have answered (a loop time), and whether that is a learned deadline
-    (missed: the decoder is replaced) or the phase's timeout (missed: the client gets 504)."""
+    """When a decode call must have answered at the latest (a loop time: the phase's timeout, missed:
+    the client gets 504), and the watch that may end it sooner: past a learned deadline (`learned`
+    seconds) with the decoder idle, or with the decoder hung (the decoder is then replaced)."""
 
     started: float
     at: float
     learned: float | None = None
+    watch: HopWatch | None = None
+
+    def bound(self) -> Bound:
+        """The timeout scope of one wait of the call."""
+        return Bound(self.watch, self.at)
+
+    def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+
+    @classmethod
+    def fixed(cls, seconds: float) -> Deadline:
+        """The phase's timeout alone, from now."""
+        now = asyncio.get_running_loop().time()
+        return cls(now, now + seconds)

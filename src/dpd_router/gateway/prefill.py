@@ -15,10 +15,12 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
+from dpd_router.deadlines import prior
 from dpd_router.errors import PrefillFailed, PrefillUnavailable
 from dpd_router.gateway.completion import HeldKV
 from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
 from dpd_router.gateway.exchange import Exchange
+from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
@@ -39,9 +41,10 @@ ORPHANED_PREFILL_GRACE = 10.0
 class PrefillHop:
     """Stages a request's KV on a prefiller, retried on others; built once, shared by all requests."""
 
-    def __init__(self, connector: Connector, metrics: RouterMetrics) -> None:
+    def __init__(self, connector: Connector, metrics: RouterMetrics, probe: EngineProbe) -> None:
         self._connector = connector
         self._metrics = metrics
+        self._probe = probe
         # Prefill calls whose client left, given a moment to answer so that what they staged is released.
         self._orphaned: set[asyncio.Task[None]] = set()
 
@@ -118,27 +121,41 @@ class PrefillHop:
         self._metrics.orphaned_prefills.labels("released").inc()
         HeldKV(replace(task.result(), handoff=handoff), self._connector, self._metrics).release()
 
-    def _deadline(
+    def _watch(
         self, exchange: Exchange, prefiller: Endpoint, tried: list[Endpoint], queued_ahead: int
-    ) -> float | None:
-        """The learned deadline of this request's prefill call (None: prefill_timeout alone applies).
+    ) -> HopWatch | None:
+        """The watch of this request's prefill call (None: prefill_timeout alone applies).
 
-        Only where an abandoned hop has somewhere to go (the decoder alone, or another prefiller not
-        tried yet): else a prefiller merely slower than usual would fail requests it would have served.
-        A hop is judged as if the prefiller cached none of the prompt, behind the prompt tokens this
-        router has queued there already, so a cold prompt or a burst is not taken for a hang. And not
-        for a concurrent connector, whose prefill call lasts as long as its decoder takes to fetch
-        the KV, however long other prefills took.
+        At the learned deadline, only where an abandoned hop has somewhere to go (the decoder alone,
+        or another prefiller not tried yet): else a prefiller merely slower than usual would fail
+        requests it would have served. A hop is judged as if the prefiller cached none of the prompt,
+        behind the prompt tokens this router has queued there already, so a cold prompt or a burst
+        is not taken for a hang. Before there is history (or with nowhere to go), a prior from the
+        same size says when to look, and only a hung prefiller cuts the call short. And no watch for
+        a concurrent connector, whose prefill call lasts as long as its decoder takes to fetch the
+        KV, however long other prefills took.
         """
         if self._connector.concurrent:
             return None
         retries, timeouts = exchange.retries, exchange.timeouts
+        size = queued_ahead + exchange.prompt.num_tokens  # the worst case: the prefiller caches nothing
         falls_back = retries.prefill_failure_policy == "fallback" and self._connector.serves_direct
         untried = [other for other in exchange.planner.pool.healthy("prefill") if other not in (*tried, prefiller)]
-        if not falls_back and not (untried and len(tried) < retries.prefill_retries):
+        learned = None
+        if falls_back or (untried and len(tried) < retries.prefill_retries):
+            learned = exchange.deadlines.deadline("prefill", (size,), timeouts.learned, timeouts.prefill)
+        expected = learned if learned is not None else max(timeouts.learned.floor, prior(size))
+        if expected >= timeouts.prefill or (learned is None and timeouts.hang_probe <= 0):
             return None
-        size = (queued_ahead + exchange.prompt.num_tokens,)  # the worst case: the prefiller caches nothing
-        return exchange.deadlines.deadline("prefill", size, timeouts.learned, timeouts.prefill)
+        model = exchange.request.body.get("model")
+        return HopWatch(
+            prefiller,
+            expected,
+            learned=learned is not None,
+            probe=self._probe,
+            model=model if isinstance(model, str) else None,
+            probe_timeout=timeouts.hang_probe,
+        )
 
     async def _call(self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint]) -> StagedKV:
         """One prefill call. One past its learned deadline, far longer than prefills of its size have
@@ -150,30 +167,41 @@ class PrefillHop:
         started = trace.prefill_started = time.perf_counter()
         tokens = trace.uncached_tokens or 0
         queued_ahead = prefiller.queued_tokens
-        learned = self._deadline(exchange, prefiller, tried, queued_ahead)
-        limit = exchange.timeouts.prefill if learned is None else learned
+        watch = self._watch(exchange, prefiller, tried, queued_ahead)
+        limit = exchange.timeouts.prefill
         prefiller.start()
         dequeue = prefiller.queue_prefill(tokens)
         outcome = "ok"
         try:
-            async with asyncio.timeout(limit):
+            async with Bound(watch, asyncio.get_running_loop().time() + limit):
                 staged = await self._connector.stage(handoff)
+            prefiller.progressed(asyncio.get_running_loop().time())
             judge.succeeded(prefiller)
             # Learned by what the prefiller computed: a prefix-cache hit's speed would make cold prompts look hung.
             computed = (staged.prompt_tokens or exchange.prompt.num_tokens) - staged.cached_tokens
             exchange.deadlines.learn("prefill", (queued_ahead + max(computed, 1),), time.perf_counter() - started)
             return staged
         except TimeoutError:
-            if learned is None:
+            verdict = None if watch is None else watch.verdict
+            if watch is None or verdict is None:
                 # No answer within the fixed timeout is the engine's failure whatever the request.
                 outcome = "timeout"
                 prefiller.record_failure("prefill timed out")
                 raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {limit:g} s") from None
-            # Far slower than the worst case of its size, queue included: taken for a hang, which
-            # must open the breaker of an engine that hangs while it passes its health probes.
+            if verdict == "hung":
+                outcome = "hung"
+                waited = time.perf_counter() - started
+                detail = (
+                    f"{prefiller.url} is hung: nothing from it for {waited:.3g} s and no answer to a one-token probe"
+                )
+                prefiller.record_hang(detail)
+                raise PrefillFailed("hung", detail) from None
+            # Far slower than the worst case of its size, queue included, and the prefiller idle
+            # meanwhile: taken for a hang, which must open the breaker of an engine that hangs while it
+            # passes its health probes.
             outcome = "slow"
             prefiller.record_failure("prefill far slower than learned")
-            detail = f"{prefiller.url}: no answer within its learned deadline of {limit:.3g} s"
+            detail = f"{prefiller.url}: no answer within its learned deadline of {watch.expected:.3g} s"
             raise PrefillFailed("slow", detail) from None
         except PrefillFailed as exc:
             outcome = exc.reason
@@ -184,6 +212,8 @@ class PrefillHop:
             outcome = "cancelled"  # the client left, or a concurrent prefill was no longer needed
             raise
         finally:
+            if watch is not None:
+                watch.stop()
             prefiller.finish()
             dequeue()
             trace.prefill_seconds = time.perf_counter() - started

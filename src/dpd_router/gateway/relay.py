@@ -19,6 +19,7 @@ import httpx
 import orjson
 
 from dpd_router.observe import RequestTrace
+from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transport import EngineAnswer
 
 Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
@@ -111,8 +112,11 @@ class EventStream:
         strip_usage: bool = False,
         rewrite: Rewrite | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        engine: Endpoint | None = None,
     ) -> None:
         self._upstream = upstream
+        # The decoder whose stream this is: every chunk it sends shows it moving (gateway/watch.py).
+        self._engine = engine
         self._on_disconnect = on_disconnect
         self._strip_usage = strip_usage
         self._rewrite = rewrite
@@ -160,9 +164,12 @@ class EventStream:
         """The next upstream read, or None at its end; TimeoutError after `wait` seconds."""
         try:
             async with asyncio.timeout(max(wait, 0.0)):
-                return await anext(self._chunks)
+                chunk = await anext(self._chunks)
         except StopAsyncIteration:
             return None
+        if self._engine is not None:
+            self._engine.progressed(asyncio.get_running_loop().time())
+        return chunk
 
     async def _read_within_idle(self) -> bytes | None:
         """The next upstream read, or None at its end; TimeoutError after `idle_timeout` seconds.
@@ -173,6 +180,9 @@ class EventStream:
         """
         loop = asyncio.get_running_loop()
         self._read_since = loop.time()
+        if self._engine is not None:
+            # Reads follow one another at once: one starting now means the last chunk has just come.
+            self._engine.last_moved = self._read_since
         if self._idle_check is None:
             task = asyncio.current_task()
             assert task is not None

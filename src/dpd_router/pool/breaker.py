@@ -76,6 +76,14 @@ class CircuitBreaker:
             return True
         return False
 
+    def trip(self) -> bool:
+        """Open now, whatever the count (a hang seen for certain); True when this opened it."""
+        if self.opened_at is None:
+            self.consecutive_failures = max(self.consecutive_failures + 1, self.policy.failures)
+            self._open(self.policy.cooldown)
+            return True
+        return self.on_failure()
+
     def reset(self) -> None:
         self.on_success()
 

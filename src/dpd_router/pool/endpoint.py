@@ -56,6 +56,9 @@ class Endpoint:
     load: EngineLoad | None = field(default=None, repr=False)
     load_fresh_until: float = field(default=0.0, repr=False)
     draining: bool = False
+    # Loop time this engine last produced something for any call of this router: a streamed chunk, a
+    # whole answer. What tells a busy engine (its other calls move) from a hung one (gateway/watch.py).
+    last_moved: float = field(default=float("-inf"), repr=False)
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @property
@@ -76,6 +79,12 @@ class Endpoint:
                 self.queued_tokens -= tokens
 
         return release
+
+    def progressed(self, now: float) -> None:
+        self.last_moved = now
+
+    def moved_since(self, since: float) -> bool:
+        return self.last_moved >= since
 
     def start(self) -> None:
         self.in_flight += 1
@@ -101,6 +110,12 @@ class Endpoint:
         """Count a failed call (passive outlier detection); True when it opened the breaker."""
         self.last_error = error
         return self.breaker.on_failure()
+
+    def record_hang(self, error: str) -> None:
+        """A hop's watch found the engine hung (no progress, a one-token probe unanswered): its
+        breaker opens now, so the next requests go elsewhere, or are told at once."""
+        self.last_error = error
+        self.breaker.trip()
 
     def record_probe(self, ok: bool, error: str | None, *, unhealthy_after: int, healthy_after: int) -> bool:
         """Count an active probe's result; True when it changed `healthy`."""

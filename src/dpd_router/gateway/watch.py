@@ -1,0 +1,165 @@
+"""A hop past its expected time: busy, slow or hung, told apart while it waits.
+
+A fixed timeout must allow for the longest legitimate call, so on its own it lets a hung engine
+hold a request for minutes. A hop's watch looks at the hop when it has run as long as it should
+(its learned deadline, or before there is history a prior from its size) and asks the engine
+rather than guesses:
+
+- busy: the engine's other calls have moved within the last period (a token streamed, an answer
+  finished). It is working through what it was given, and this call waits its turn: the watch looks
+  again one period later. A burst is queueing, not a hang.
+- slow: nothing moved, and the hop is past a learned deadline, far longer than hops of its size take
+  here: abandoned for another engine as before (deadlines.py).
+- hung: nothing moved, no history to judge by, and the engine leaves a one-token completion
+  unanswered for `hang_probe_timeout` seconds. An engine that answers the probe is alive and merely
+  long at this call: the watch looks again after twice the period.
+
+A verdict ends the hop's current wait at once (its timeout scope expires); without one the phase's
+timeout still bounds it. One probe at a time per engine: every hop waiting on it shares the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import weakref
+from types import TracebackType
+from typing import Literal
+
+import httpx
+import orjson
+
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.transport import EngineCalls
+
+Verdict = Literal["slow", "hung"]
+
+
+class EngineProbe:
+    """Asks an engine that seems stuck for one token; built once, shared by every hop."""
+
+    def __init__(self, engines: EngineCalls) -> None:
+        self._engines = engines
+        self._running: weakref.WeakKeyDictionary[Endpoint, asyncio.Task[bool]] = weakref.WeakKeyDictionary()
+
+    def answers(self, endpoint: Endpoint, model: str, within: float) -> asyncio.Task[bool]:
+        """Whether `endpoint` completes a one-token request within `within` seconds (the probe in
+        flight, if one is: its answer is as good for every hop waiting on that engine)."""
+        task = self._running.get(endpoint)
+        if task is None:
+            task = asyncio.create_task(self._ask(endpoint, model, within), name=f"hang probe {endpoint.url}")
+            self._running[endpoint] = task
+            task.add_done_callback(lambda _: self._running.pop(endpoint, None))
+        return task
+
+    async def _ask(self, endpoint: Endpoint, model: str, within: float) -> bool:
+        body = orjson.dumps({"model": model, "prompt": "ping", "max_tokens": 1, "stream": False})
+        # The smallest request that needs the engine's scheduler and model to answer, named in its logs.
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"dpd-router-probe-{uuid.uuid4().hex}"}
+        limits = httpx.Timeout(within, connect=min(within, 5.0))
+        try:
+            await self._engines.whole(f"{endpoint.url}/v1/completions", body, headers, limits=limits)
+        except httpx.TimeoutException:
+            return False
+        except httpx.HTTPError:
+            # Unreachable or broken: the hop itself fails with that; the probe judges only silence.
+            return True
+        # Any answer in time: the engine's server is alive. A refusal (another model name, a prompt
+        # it rejects) says nothing against the engine, and a hop is never cut on doubt.
+        endpoint.progressed(asyncio.get_running_loop().time())
+        return True
+
+
+class HopWatch:
+    """Judges one hop on one engine while it runs past `expected` seconds (see the module's doc)."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        expected: float,
+        *,
+        learned: bool,
+        probe: EngineProbe | None,
+        model: str | None,
+        probe_timeout: float,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._endpoint = endpoint
+        self._period = expected
+        self._learned = learned
+        self._probe = probe if model is not None and probe_timeout > 0 else None
+        self._model = model or ""
+        self._probe_timeout = probe_timeout
+        self.started = self._loop.time()
+        self.verdict: Verdict | None = None
+        self.busy_checks = 0
+        self._scope: asyncio.Timeout | None = None
+        self._asking: asyncio.Task[bool] | None = None
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self.started + expected, self._look)
+
+    @property
+    def expected(self) -> float:
+        return self._period
+
+    def stop(self) -> None:
+        """The hop is over (answered, failed or cancelled): no more looks, no probe waited for."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._asking = None
+
+    def _look(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        if self._endpoint.moved_since(now - self._period):
+            self.busy_checks += 1
+            self._again(now + self._period)
+        elif self._learned:
+            self._decide("slow")
+        elif self._probe is not None:
+            asking = self._asking = self._probe.answers(self._endpoint, self._model, self._probe_timeout)
+            asking.add_done_callback(self._answered)
+
+    def _answered(self, asking: asyncio.Task[bool]) -> None:
+        if asking is not self._asking:
+            return  # the hop ended meanwhile
+        self._asking = None
+        if asking.cancelled() or asking.exception() is not None or asking.result():
+            self._period *= 2
+            self._again(self._loop.time() + self._period)
+        else:
+            self._decide("hung")
+
+    def _again(self, at: float) -> None:
+        self._timer = self._loop.call_at(at, self._look)
+
+    def _decide(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+        if self._scope is not None:
+            self._scope.reschedule(self._loop.time())
+
+
+class Bound:
+    """`asyncio.timeout_at(at)` around one wait of a hop, which its watch's verdict (if it has a
+    watch) moves to now while it is entered."""
+
+    def __init__(self, watch: HopWatch | None, at: float) -> None:
+        self._watch = watch
+        self._at = at
+        self._scope: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        watch = self._watch
+        at = self._at if watch is None or watch.verdict is None else asyncio.get_running_loop().time()
+        scope = self._scope = asyncio.timeout_at(at)
+        await scope.__aenter__()
+        if watch is not None:
+            watch._scope = scope
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._watch is not None:
+            self._watch._scope = None
+        assert self._scope is not None
+        await self._scope.__aexit__(kind, exc, tb)  # expired: raises TimeoutError
