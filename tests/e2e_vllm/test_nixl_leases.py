@@ -128,7 +128,15 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
     log = prefill.log_text()[log_start:]
     _say(f"prefill engine, expired: {EXPIRED.findall(log)}; unrecognized notifications: {UNRECOGNIZED.findall(log)}")
     expired = EXPIRED.findall(log)
-    assert control in expired and len(expired) == 1 + unreleased
-    assert await expired_total(nixl_pair) == expired_before + 1 + unreleased
+    # The fanned-out prompt is vLLM's own business, not the router's: when both children's reads reach an idle
+    # prefiller before it has registered the blocks it sent, both are "unrecognized" and the blocks wait out
+    # their lease. Whether that happened is reported; every other expiry must be the control or a counted orphan.
+    fanned_expired = fanned in expired
+    routed = [request for request in expired if request not in (control, fanned)]
+    assert control in expired and len(routed) == unreleased, routed
+    assert await expired_total(nixl_pair) == expired_before + 1 + unreleased + fanned_expired
     # Reported, not asserted (vLLM's own behaviour): the fanned-out prompt's later reads name freed blocks.
-    _say(f"decoder n=2 over one prefill: {fanned} unrecognized afterwards: {fanned in UNRECOGNIZED.findall(log)}")
+    _say(
+        f"decoder n=2 over one prefill: {fanned} unrecognized afterwards: {fanned in UNRECOGNIZED.findall(log)};"
+        f" its blocks waited out their lease: {fanned_expired}"
+    )
