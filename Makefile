@@ -14,7 +14,7 @@ XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # The unit tests share little set-up a test could not pay itself: spread test by test, over two.
 UNIT_XDIST = -n 2 --dist load
 
-.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms bench-all
+.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -94,6 +94,9 @@ bench-overhead: $(VENV)/.installed-bench
 bench-capacity: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.capacity
 
+bench-stages: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.stages
+
 bench-threshold: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.threshold
 
@@ -103,4 +106,4 @@ bench-memory: $(VENV)/.installed-bench
 bench-arms: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.arms
 
-bench-all: bench-dpd bench-overhead bench-capacity bench-threshold bench-memory bench-arms
+bench-all: bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms

@@ -1,15 +1,17 @@
 """An OpenAI-compatible engine that answers at once: raw ASGI on uvicorn, no batching, no model.
 
 What a router in front of it adds is all that is left to measure: its HTTP, parsing, tokenizing and
-relaying. A chat completion answers eight tokens, whole or as an SSE stream (with a usage chunk);
-`/v1/models` names the model with its context window, `/metrics` is empty, every other GET answers `{}`.
+relaying. A chat completion answers eight tokens, whole or as an SSE stream (with a usage chunk; a
+stream has `--stream-tokens` chunks); a prefill call (NIXL's `do_remote_decode`) answers one token with
+`kv_transfer_params`, so a router's two hops can run against it. `/v1/models` names the model with its
+context window, `/metrics` is empty, every other GET answers `{}`.
 
-    python -m benchmarks.instant_engine PORT [MODEL]
+    python -m benchmarks.instant_engine PORT [MODEL] [--stream-tokens N]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from typing import Any
 
 import orjson
@@ -19,8 +21,8 @@ OUTPUT_TOKENS = 8
 CONTEXT_WINDOW = 131_072
 
 
-def answers(model: str) -> tuple[bytes, bytes, bytes, bytes]:
-    """The whole answer, one stream chunk, the stream's end, and the models list."""
+def answers(model: str) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """The whole answer, one stream chunk, the stream's end, the models list, and a prefill's answer."""
     usage = {"prompt_tokens": 30, "completion_tokens": OUTPUT_TOKENS, "total_tokens": 30 + OUTPUT_TOKENS}
     head = {"id": "chatcmpl-instant", "created": 1, "model": model}
     whole = {
@@ -34,16 +36,22 @@ def answers(model: str) -> tuple[bytes, bytes, bytes, bytes]:
     chunk = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok "}}]}
     last = {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
     models = {"object": "list", "data": [{"id": model, "object": "model", "max_model_len": CONTEXT_WINDOW}]}
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "instant", "tp_size": 1}
+    params |= {"remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": 5600}
+    first = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}
+    prefill = {**whole, "choices": [first], "kv_transfer_params": params}
+    prefill["usage"] = {**usage, "completion_tokens": 1, "total_tokens": 31}
     return (
         orjson.dumps(whole),
         b"data: " + orjson.dumps(chunk) + b"\n\n",
         b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n",
         orjson.dumps(models),
+        orjson.dumps(prefill),
     )
 
 
-def build(model: str) -> Any:
-    whole, chunk, end, models = answers(model)
+def build(model: str, stream_tokens: int = OUTPUT_TOKENS) -> Any:
+    whole, chunk, end, models, prefill = answers(model)
     json_headers = [(b"content-type", b"application/json")]
     sse_headers = [(b"content-type", b"text/event-stream")]
     text_headers = [(b"content-type", b"text/plain; version=0.0.4")]
@@ -73,9 +81,13 @@ def build(model: str) -> Any:
             await send({"type": "http.response.body", "body": payload})
             return
         # A substring test, not a parse: parsing the body is the router's cost, not the engine's.
+        if b'"do_remote_decode":true' in body:
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": prefill})
+            return
         if b'"stream":true' in body or b'"stream": true' in body:
             await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
-            for _ in range(OUTPUT_TOKENS):
+            for _ in range(stream_tokens):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": end})
             return
@@ -86,6 +98,10 @@ def build(model: str) -> Any:
 
 
 if __name__ == "__main__":
-    port = int(sys.argv[1])
-    model = sys.argv[2] if len(sys.argv) > 2 else "sim-model"
-    uvicorn.run(build(model), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("port", type=int)
+    parser.add_argument("model", nargs="?", default="sim-model")
+    parser.add_argument("--stream-tokens", type=int, default=OUTPUT_TOKENS, help="content chunks in a stream")
+    args = parser.parse_args()
+    app = build(args.model, args.stream_tokens)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)

@@ -138,6 +138,34 @@ def test_capacity_drives_every_setup_with_wrk_and_counts_router_cpu(tmp_path: Pa
     assert "router CPU ms/req" in (tmp_path / "results.md").read_text()
 
 
+def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp_path: Path) -> None:
+    from benchmarks.stages import STAGES, find_py_spy
+
+    required_tool("wrk", package="wrk", purpose="the per-stage benchmark's smoke test")
+    if find_py_spy() is None:  # the test extra installs it
+        pytest.fail("the per-stage benchmark needs py-spy: pip install -e '.[test]'")
+    results = run_scenario("stages", tmp_path, timeout=180)
+
+    assert all(run["summary"]["requests"] > 0 and run["summary"]["errors"] == 0 for run in results["runs"])
+    assert {(run["setup"], run["load"]) for run in results["runs"]} == {
+        *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcd"),
+        ("floor", "a"),
+        ("floor", "b"),
+    }
+    for load in "abcd":
+        profile = results["profiles"][load]
+        assert profile["samples"] > 0
+        assert set(profile["stages"]) == set(STAGES) and sum(profile["stages"].values()) == profile["samples"]
+        assert sum(profile["shares"].values()) == pytest.approx(1.0)
+        assert sum(row[load]["share"] for row in results["table"]) == pytest.approx(1.0)
+        decisions = {
+            key for run in results["runs"] if run["load"] == load and "decisions" in run for key in run["decisions"]
+        }
+        assert decisions == ({"direct/below_threshold"} if load in "ab" else {"disaggregated/long_prompt"})
+    text = (tmp_path / "results.md").read_text()
+    assert "**Python floor**" in text and "Top 10 leaf functions" in text
+
+
 def test_arms_runs_both_arms_through_one_router_and_advise_names_them(tmp_path: Path) -> None:
     results = run_scenario("arms", tmp_path)
 
