@@ -25,6 +25,9 @@ MAX_JSON_DEPTH = 254
 # the standard library's parser does not share.
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+# A body whose parse made more containers than this is rendered in another process and freed in pieces:
+# freeing hundreds of thousands of objects at once holds the interpreter, every thread's, for tens of ms.
+MANY_CONTAINERS = 20_000
 
 
 @dataclass
@@ -37,6 +40,9 @@ class ClientRequest:
     stream: bool
     # Set when the router changed the body (for example filled in the model): raw is stale then.
     body_changed: bool = field(default=False)
+    # How many `[` and `{` its bytes hold, in strings too: a bound on the containers its parse made, which
+    # says what rendering and freeing them costs before either is done.
+    brackets: int = field(default=0)
 
     @property
     def batch_size(self) -> int:
@@ -75,14 +81,29 @@ def parse_request(
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    if kind == "chat":
-        _check_messages(body)
-        _check_chat_template(body, trusted=trust_chat_template)
-    else:
-        _check_prompt(body)
-    _check_common(body, kind)
-    _check_depth(body, raw, yielding=yielding)
-    return ClientRequest(kind=kind, body=body, raw=raw, stream=bool(body.get("stream", False)))
+    brackets = _brackets(raw, yielding=yielding)
+    try:
+        if kind == "chat":
+            _check_messages(body)
+            _check_chat_template(body, trusted=trust_chat_template)
+        else:
+            _check_prompt(body)
+        _check_common(body, kind)
+        _check_depth(body, brackets, yielding=yielding)
+    except InvalidRequest:
+        if yielding and brackets > MANY_CONTAINERS:
+            free_in_pieces(body)
+        raise
+    return ClientRequest(kind=kind, body=body, raw=raw, stream=bool(body.get("stream", False)), brackets=brackets)
+
+
+def _brackets(raw: bytes, *, yielding: bool) -> int:
+    """How many `[` and `{` the body holds; a `yielding` one counted a megabyte at a time (one count over
+    tens of MB holds the interpreter for milliseconds)."""
+    if not yielding:
+        return raw.count(b"[") + raw.count(b"{")
+    step = 1 << 20
+    return sum(raw.count(b"[", at, at + step) + raw.count(b"{", at, at + step) for at in range(0, len(raw), step))
 
 
 def load_yielding(raw: bytes) -> Any:
@@ -103,6 +124,25 @@ def load_yielding(raw: bytes) -> Any:
         parse_float=_finite_float,
         parse_int=_int_as_orjson_reads_it,
     )
+
+
+def free_in_pieces(value: Any) -> None:
+    """Drop a parsed body one object at a time, so that other threads (the event loop's) run meanwhile.
+
+    Freeing a list of many objects is one call into the interpreter that frees them all; here each
+    container hands what it holds to a stack and is emptied, and the loop frees one object an
+    iteration. Only for a body nothing else refers to any more: its containers are emptied.
+    """
+    stack: list[Any] = [value]
+    del value
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+            item.clear()
+        elif isinstance(item, list):
+            stack.extend(item)
+            item.clear()
 
 
 def _same(value: dict[str, Any]) -> dict[str, Any]:
@@ -245,13 +285,13 @@ def _check_common(body: dict[str, Any], kind: RequestKind) -> None:
         )
 
 
-def _check_depth(body: dict[str, Any], raw: bytes, *, yielding: bool) -> None:
+def _check_depth(body: dict[str, Any], brackets: int, *, yielding: bool) -> None:
     """Refuse a body nested deeper than the router can encode again (it re-encodes what it forwards).
 
     Only a body with more brackets than that depth can be that deep, so most are never re-encoded here;
     a `yielding` one is measured by a walk of its containers instead, which lets other threads run.
     """
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+    if brackets <= MAX_JSON_DEPTH:
         return
     if yielding:
         too_deep = _nested_deeper_than(body, MAX_JSON_DEPTH)
@@ -267,17 +307,24 @@ def _check_depth(body: dict[str, Any], raw: bytes, *, yielding: bool) -> None:
 
 def _nested_deeper_than(value: Any, limit: int) -> bool:
     """Whether containers nest inside `value` more than `limit` levels deep (orjson's count: the
-    outermost container is level 1). Level by level, holding the containers it already has: a walk that
-    made an object per container would set off the collector, which holds every thread meanwhile."""
-    level: list[Any] = [value]
-    for _ in range(limit):
-        below: list[Any] = []
-        for item in level:
-            below.extend(child for child in (item.values() if isinstance(item, dict) else item) if _is_container(child))
-        if not below:
-            return False
-        level = below
-    return True
+    outermost container is level 1). Depth first, holding one iterator a level: a walk level by level
+    holds a list of every container of a level, and a collector's pass over such a list while it is
+    young reads hundreds of thousands of objects, holding every thread meanwhile."""
+    levels: list[Any] = [_children(value)]
+    while levels:
+        for child in levels[-1]:
+            if _is_container(child):
+                if len(levels) >= limit:
+                    return True
+                levels.append(_children(child))
+                break
+        else:
+            levels.pop()
+    return False
+
+
+def _children(value: Any) -> Any:
+    return iter(value.values() if isinstance(value, dict) else value)
 
 
 def _is_container(value: Any) -> bool:

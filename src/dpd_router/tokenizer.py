@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router.client_request import TEXT_PART_TYPES, ClientRequest
+from dpd_router.chat_inputs import client_template, template_inputs
+from dpd_router.client_request import MANY_CONTAINERS, ClientRequest
 from dpd_router.errors import InvalidRequest, UpstreamError
-from dpd_router.template_sandbox import TemplateSandbox
+from dpd_router.template_sandbox import RenderedTooLarge, TemplateSandbox
 
 
 @dataclass(frozen=True)
@@ -60,21 +61,6 @@ class TokenCounter(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _text_of_content(content: Any) -> Any:
-    """Chat templates expect strings; flatten OpenAI content-part arrays to their text, one part per
-    line, as vLLM does before it applies the template (plain strings in the array are text parts)."""
-    if isinstance(content, list):
-        return "\n".join(
-            part if isinstance(part, str) else part.get("text") or ""
-            for part in content
-            if isinstance(part, str) or (isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES)
-        )
-    return content
-
-
-_RESERVED_TEMPLATE_ARGS = frozenset(
-    {"conversation", "tools", "tokenize", "return_dict", "return_tensors", "chat_template"}
-)
 # Requests of more bytes than this are tokenized in a lane of their own, so that a few huge prompts
 # cannot keep every other long prompt waiting for a thread.
 LARGE_REQUEST_BYTES = 1 << 20
@@ -102,6 +88,7 @@ class LocalTokenizer:
         inline_max_chars: int,
         threads: int,
         sandbox: TemplateSandbox | None = None,
+        body_renderer: TemplateSandbox | None = None,
         background_max_chars: int = 4_000_000,
         on_background_skip: Callable[[], None] | None = None,
     ) -> None:
@@ -115,6 +102,9 @@ class LocalTokenizer:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         self._large_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
         self._sandbox = sandbox
+        # Renders the server's template over a body of very many containers in another process: freeing
+        # transformers' copies of them here would hold the event loop (TemplateSandbox.render_body).
+        self._body_renderer = body_renderer
         self.bytes_per_token = longest_token_bytes(tokenizer)
         # Special tokens the post-processor adds to an encoding, when every other token stands for at
         # least one byte of the text (None: not such a tokenizer, so no prompt is read in part).
@@ -158,7 +148,7 @@ class LocalTokenizer:
         `max_tokens` raises PromptTooLong before any tokenizing; a cancelled request stops its
         tokenizing at the next step (a queued one never starts)."""
         started = time.perf_counter()
-        rendered = await self._render_client_template(request)
+        rendered = await self._render_apart(request, max_tokens)
         work = self._work_for(request, rendered, max_tokens)
         lane = self._lane(len(request.raw) if rendered is None else len(rendered))
         if lane is not None:
@@ -184,7 +174,7 @@ class LocalTokenizer:
             return None
         started = time.perf_counter()
         if request.kind == "chat":
-            rendered = await self._render_client_template(request)
+            rendered = await self._render_apart(request, max_tokens)
             text, special = (rendered if rendered is not None else await self._render_in_lane(request)), False
         else:
             prompt = request.body["prompt"]
@@ -287,29 +277,31 @@ class LocalTokenizer:
 
     def _render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat request, by the tokenizer's own (trusted) template."""
+        conversation, tools, kwargs = template_inputs(body)
         try:
-            text = self._tokenizer.apply_chat_template(
-                _conversation(body), tools=body.get("tools"), tokenize=False, **_template_kwargs(body)
-            )
+            text = self._tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # jinja errors, template raise_exception(), bad message shapes
             raise InvalidRequest(f"The chat template could not render these messages: {exc}") from None
         return str(text)
 
-    async def _render_client_template(self, request: ClientRequest) -> str | None:
-        """The prompt text of a chat request that brought its own template (rendered in the sandbox)."""
+    async def _render_apart(self, request: ClientRequest, max_tokens: int | None) -> str | None:
+        """The prompt text of a chat request rendered in a worker process: a template the client brought
+        (in the sandbox), or the server's over a body of very many containers; None: render it here.
+        A text whose size alone shows more than `max_tokens` raises PromptTooLong, as `_check_size`, and is
+        never sent back (tens of MB to copy and decode)."""
         if request.kind != "chat":
             return None
-        template = client_template(request.body)
-        if template is None:
-            return None
-        if self._sandbox is None:  # parsing refuses client templates unless they are trusted
-            raise InvalidRequest("Chat templates sent with requests are not accepted.", param="chat_template")
-        return await self._sandbox.render(
-            _conversation(request.body),
-            template=template,
-            tools=request.body.get("tools"),
-            kwargs=_template_kwargs(request.body),
-        )
+        max_bytes = None if max_tokens is None else (max_tokens + 1) * self.bytes_per_token - 1
+        try:
+            if client_template(request.body) is not None:
+                if self._sandbox is None:  # parsing refuses client templates unless they are trusted
+                    raise InvalidRequest("Chat templates sent with requests are not accepted.", param="chat_template")
+                return await self._sandbox.render_body(request.raw, from_client=True, max_bytes=max_bytes)
+            if self._body_renderer is not None and request.brackets > MANY_CONTAINERS:
+                return await self._body_renderer.render_body(request.raw, max_bytes=max_bytes)
+        except RenderedTooLarge as exc:
+            raise PromptTooLong(exc.size // self.bytes_per_token) from None
+        return None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -319,8 +311,9 @@ class LocalTokenizer:
 
     async def aclose(self) -> None:
         self.close()
-        if self._sandbox is not None:
-            await self._sandbox.close()
+        for worker in (self._sandbox, self._body_renderer):
+            if worker is not None:
+                await worker.close()
 
 
 def encode_batch_of(backend: Any) -> Callable[..., list[Any]]:
@@ -602,31 +595,6 @@ def byte_level_specials(backend: Any) -> int | None:
             return None
     processor = backend.post_processor
     return 0 if processor is None else int(processor.num_special_tokens_to_add(False))
-
-
-def client_template(body: dict[str, Any]) -> str | None:
-    """The chat template a chat request brought, as vLLM reads it: `chat_template`, else
-    `chat_template_kwargs.chat_template`."""
-    kwargs = body.get("chat_template_kwargs")
-    template = body.get("chat_template")
-    if template is None and isinstance(kwargs, dict):
-        template = kwargs.get("chat_template")
-    return template if isinstance(template, str) else None
-
-
-def _conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{**message, "content": _text_of_content(message.get("content"))} for message in body["messages"]]
-
-
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "add_generation_prompt": body.get("add_generation_prompt", True),
-        "continue_final_message": body.get("continue_final_message", False),
-    }
-    extra = body.get("chat_template_kwargs")
-    if isinstance(extra, dict):
-        kwargs.update({k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_ARGS})
-    return kwargs
 
 
 def longest_token_bytes(tokenizer: Any) -> int:

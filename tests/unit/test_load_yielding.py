@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpd_router.client_request import load_yielding, parse_request
+from dpd_router.client_request import free_in_pieces, load_yielding, parse_request
 from dpd_router.errors import InvalidRequest
 
 
@@ -84,3 +84,22 @@ def test_the_depth_limit_is_the_same_either_way(depth: int) -> None:
             outcomes.append(str(exc.message)[:30])
     assert outcomes[0] == outcomes[1]
     assert (outcomes[0] == "served") == (depth <= 254)
+
+
+def test_a_body_is_counted_alike_either_way_and_freed_in_pieces_to_nothing() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "[{" * (i % 7)}]} for i in range(40_000)]
+    raw = orjson.dumps({"messages": messages, "tools": [{"a": [[], {}]}]})
+    assert len(raw) > 2 << 20  # counted in several pieces when yielding
+    at_once, yielding = parse_request("chat", raw), parse_request("chat", raw, yielding=True)
+    assert at_once.brackets == yielding.brackets == raw.count(b"[") + raw.count(b"{")
+    body = yielding.body
+    parts, tools = body["messages"][7]["content"], body["tools"]
+    free_in_pieces(body)
+    assert body == {} and parts == [] and tools == []
+
+
+def test_a_refused_body_of_many_containers_is_still_refused_naming_its_field() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 30_000 + [{"role": 5}]
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request("chat", orjson.dumps({"messages": messages}), yielding=True)
+    assert refused.value.param == "messages[30000].role"

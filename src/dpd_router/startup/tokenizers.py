@@ -12,10 +12,16 @@ from dpd_router.config import Settings
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
-from dpd_router.template_sandbox import TemplateSandbox
+from dpd_router.template_sandbox import BODY_MEMORY_PER_BYTE, WORKER_MEMORY_BYTES, TemplateSandbox
 from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
 
 log = logging.getLogger("dpd_router.app")
+
+# A render of the server's template is bounded by the body's size, not by a client's program: this only
+# stops a worker that no longer answers.
+BODY_RENDER_TIMEOUT = 120.0
+# Seconds without a body of very many messages after which their worker stops.
+BODY_RENDERER_IDLE = 60.0
 
 
 async def load_tokenizers(
@@ -39,12 +45,22 @@ async def load_tokenizers(
     )
     if sandbox is not None:
         await sandbox.start()
+    # Started on the first body of very many messages and stopped when none came for a while: most
+    # routers never see one, and the worker holds a tokenizer and transformers.
+    body_renderer = TemplateSandbox(
+        settings.tokenizer,
+        timeout=BODY_RENDER_TIMEOUT,
+        max_output_chars=settings.max_body_bytes,
+        memory_bytes=max(WORKER_MEMORY_BYTES, BODY_MEMORY_PER_BYTE * settings.max_body_bytes),
+        idle_timeout=BODY_RENDERER_IDLE,
+    )
     local = await asyncio.to_thread(
         LocalTokenizer.load,
         settings.tokenizer,
         inline_max_chars=settings.tokenize_inline_max_chars,
         threads=settings.tokenizer_threads,
         sandbox=sandbox,
+        body_renderer=body_renderer,
         background_max_chars=settings.tokenize_background_max_chars,
         on_background_skip=metrics.background_encodes_skipped.inc,
     )
