@@ -2,7 +2,8 @@
 
 A. RSS of the dpd-router process while it relays 1,000 concurrent streams (a paced simulated
    decoder keeps them open: one token per stream every `--step` seconds), sampled every 0.25 s:
-   idle after start, peak under load, and after the streams end.
+   idle after start, peak under load, and after the streams end (once the router has had a round of
+   giving freed memory back).
 B. The prefix index after a million distinct prompts: a fresh process builds the router's own
    `PrefixIndex` (default capacity, 1,000,000 blocks) from a million distinct prompts and reports
    its RSS growth and the cost per recorded prompt.
@@ -23,6 +24,7 @@ from typing import Any
 
 from benchmarks import loadgen, report, stack
 from benchmarks.workload import PromptFactory
+from dpd_router.startup.allocator import TRIM_INTERVAL
 from dpd_sim.gpu import TimingModel
 from dpd_sim.tokenizer_kit import ensure_tokenizer
 
@@ -37,6 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=1_000_000, help="distinct prompts for the prefix index")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-seconds", type=float, default=180.0)
+    parser.add_argument(
+        "--settle", type=float, default=TRIM_INTERVAL + 2.0,
+        help="seconds after the streams before the size after them is read: a round of giving memory back",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -44,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.streams, args.tokens, args.step, args.prompts, args.max_seconds = 50, 6, 0.05, 20_000, 30.0
+        args.settle = 2.0
     return args
 
 
@@ -84,7 +91,7 @@ async def streams(args: argparse.Namespace) -> dict[str, Any]:
                 label=f"{args.streams} streams", progress=not args.quiet, on_record=ended,
             )  # fmt: skip
             cpu = (stack.cpu_seconds(router.pid) or 0.0) - cpu0
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(args.settle)
             stop.set()
             await sampler
             after = stack.rss_bytes(router.pid)

@@ -32,6 +32,7 @@ from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.shadow import LiveShadow
+from dpd_router.startup.allocator import MemoryReturn
 from dpd_router.startup.upkeep import Upkeep
 from dpd_router.tokenizer import TokenCounter
 from dpd_router.tracing import SpanExporter
@@ -269,4 +270,5 @@ def build_upkeep(
         lmcache=lmcache,
         interval=settings.health_interval,
         probe_timeout=settings.health_timeout,
+        memory=MemoryReturn.for_this_process(),
     )

@@ -1,4 +1,5 @@
-"""What runs beside the requests: health rounds (probes, model discovery, LMCache instances) and load scraping."""
+"""What runs beside the requests: health rounds (probes, model discovery, LMCache instances), load scraping and
+giving freed memory back to the system."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
+from dpd_router.startup.allocator import MemoryReturn
 from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.app")
 
 
 class Upkeep:
-    """Runs a health round every `interval` seconds and the load scraper (and, in a worker process, the
-    metrics publisher), from `start` to `close`."""
+    """Runs a health round every `interval` seconds, the load scraper, the heaps' trimming where the
+    allocator is glibc's (`memory`) and, in a worker process, the metrics publisher, from `start` to `close`."""
 
     def __init__(
         self,
@@ -34,6 +36,7 @@ class Upkeep:
         lmcache: LMCacheController | None,
         interval: float,
         probe_timeout: float,
+        memory: MemoryReturn | None = None,
     ) -> None:
         self.pool = pool
         self.health = health
@@ -44,6 +47,7 @@ class Upkeep:
         self._lmcache = lmcache
         self._interval = interval
         self._probe_timeout = probe_timeout
+        self._memory = memory
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -53,6 +57,8 @@ class Upkeep:
             asyncio.create_task(self._maintain(), name="router-maintenance"),
             asyncio.create_task(self.scraper.run(), name="load-scraper"),
         ]
+        if self._memory is not None:
+            self._tasks.append(asyncio.create_task(self._memory.run(), name="memory-return"))
         if self._metrics.multiprocess:  # a worker's scrape-time gauges, copied to the shared files
             self._tasks.append(asyncio.create_task(self._metrics.publish_every(), name="metrics-publisher"))
 
