@@ -277,8 +277,8 @@ class LocalTokenizer:
 
     def _render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat request, by the tokenizer's own (trusted) template."""
-        conversation, tools, kwargs = template_inputs(body)
         try:
+            conversation, tools, kwargs = template_inputs(body)
             text = self._tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # jinja errors, template raise_exception(), bad message shapes
             raise InvalidRequest(f"The chat template could not render these messages: {exc}") from None
