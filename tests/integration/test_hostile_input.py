@@ -338,10 +338,9 @@ async def loop_gaps(every: float = 0.002) -> AsyncIterator[list[float]]:
     ("messages", "bound"),
     [
         # 2 MB of them: parsed and checked on a thread, rendered by another process, freed a piece at a
-        # time; held the loop 0.9 s once, 16-50 ms before the render left the process. Half the bound.
+        # time. Half the bound.
         (60_000, 0.025),
-        # 21 MB of them (held it 10 s once, about 110 ms before the render left the process): what is left
-        # comes while the parsing thread makes 600,000 objects, up to about 60 ms on a small VM. Asserted:
+        # 21 MB of them: the loop is still held while the parsing thread makes 600,000 objects. Asserted:
         # what was gained, not yet half the bound.
         (600_000, 0.1),
     ],

@@ -5,9 +5,9 @@ glibc serves a large block (a body of megabytes, the strings parsed from it, a p
 own mmap and unmaps it when it is freed, until the first such block is freed: then it raises its mmap
 threshold to that block's size (up to 32 MiB), and every later block below it comes from a heap (the main
 one, or the arena of the thread that asked: the body parser's, a tokenizer lane's), which keeps what is
-freed: up to twice the threshold at each heap's top, and every hole below. A round of hostile bodies left a
-router 130-230 MB larger than it had settled at, all of it free. Pinned at its default (128 KiB), the
-threshold keeps large blocks in mmap. What small blocks leave free in the heaps (a burst of a thousand
+freed: up to twice the threshold at each heap's top, and every hole below, so a round of large bodies leaves
+the process larger by what they took, all of it free. Pinned at its default (128 KiB), the threshold keeps
+large blocks in mmap. What small blocks leave free in the heaps (a burst of a thousand
 streams) goes back by malloc_trim, from a thread, each time a step more of it is free than at the last trim
 (`MemoryReturn`).
 """
@@ -108,7 +108,8 @@ class MemoryReturn:
 
     A trim leaves the chunks it emptied free (only their pages go back), so what is free after it is the
     next mark: memory freed and trimmed is not trimmed again until a step more is freed. The trim itself
-    holds each heap for as long as it takes to hand back its free pages, a few milliseconds for a hundred MB.
+    holds each heap (an allocation in it waits) for as long as handing back its free pages takes, hence a
+    step between trims rather than one every round.
     """
 
     def __init__(
