@@ -190,7 +190,7 @@ class RouterMetrics:
         )
         self.kv_released = Counter(
             f"{PREFIX}_kv_released",
-            "Staged KV that no decode call picked up (its client left between the hops, or its decoder was "
+            "Staged KV that no decoder answered a call for (its client left before, or its decoder was "
             "replaced), released by the router instead of waiting out the engine's hold on it, by connector "
             "(nixl: a decoder refuses the parameters and frees the prefiller's blocks; lmcache: the pushed KV "
             "is drained).",

@@ -78,3 +78,33 @@ async def test_a_client_that_leaves_as_the_prefill_answers_has_its_blocks_releas
         assert await metric(url, "dpd_router_client_disconnects_total") == 1
         # The decoder only refused the release call: it decoded nothing.
         assert [entry["kind"] for entry in (await engine_stats(decoder))["recent"]] == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_before_the_decoder_answered_has_its_blocks_released(
+    tokenizer_dir: Path, stream: bool
+) -> None:
+    """The decode call reached a decoder that has not read the blocks yet (here: one that never will);
+    the client leaves. vLLM's decoder frees them only for a request its engine admitted: the router
+    cannot tell, so it releases them."""
+    async with (
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        prefiller, decoder = cluster.prefill_urls[0], cluster.decode_urls[0]
+        await client.post(f"{decoder}/sim/fault", json={"mode": "hang", "count": 1})
+        request = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(LONG, stream=stream)))
+        async with asyncio.timeout(10):
+            while (await engine_stats(decoder))["in_flight"] != 1:  # noqa: ASYNC110 - another engine's state
+                await asyncio.sleep(0.02)
+        assert (await engine_stats(prefiller))["leases_active"] == 1
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+        await wait_until_no_lease(prefiller)
+        assert (await engine_stats(prefiller))["leases_released"] == 1
+        assert await metric(url, "dpd_router_kv_released_total", {"connector": "nixl"}) == 1
+        assert await metric(url, "dpd_router_orphaned_prefills_total", {"outcome": "released"}) == 0
+        assert await metric(url, "dpd_router_client_disconnects_total") == 1

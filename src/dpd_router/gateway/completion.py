@@ -14,11 +14,15 @@ from dpd_router.transfer.base import Connector, StagedKV
 
 
 class HeldKV:
-    """KV a prefill staged, held until a decode call picks it up; else released (once).
+    """KV a prefill staged, held until a decoder answers a decode call for it; else released (once).
 
-    Pushed into one decoder (LMCache): taken once that decoder answered a decode call for it.
-    Held on the prefiller (NIXL): the decoder's from the moment a decode call for it is sent to
-    one, since vLLM's decoder frees the prefiller's blocks itself when it refuses or aborts it.
+    Pushed into one decoder (LMCache): that decoder's once it answered a call for it, or a call it
+    broke off may have loaded it. Held on the prefiller (NIXL): a decoder's only once it answered
+    (its status line). vLLM's decoder frees the prefiller's blocks itself when it refuses or aborts
+    a request its engine admitted, but a call cut before that (its handler cancelled before it ran,
+    a stream closed before its first read) leaves them to wait out their lease; the router cannot
+    tell, so it releases them. A release for blocks the decoder did read costs the prefiller one
+    log line about an unrecognized request, never a wrong answer (the call it would free is over).
     """
 
     def __init__(self, staged: StagedKV, connector: Connector, metrics: RouterMetrics) -> None:
@@ -29,19 +33,14 @@ class HeldKV:
         self._metrics = metrics
         self._settled = False
 
-    def sent_to(self, decoder: Endpoint) -> None:
-        """A decode call for this KV is being sent to `decoder`."""
-        if not self._connector.pushes_to_decoder:
+    def answered_by(self, decoder: Endpoint) -> None:
+        """`decoder` answered a decode call for this KV (a status line: a stream, a whole answer or an error)."""
+        if decoder is self.decoder or not self._connector.pushes_to_decoder:
             self._settled = True
 
-    def not_delivered(self) -> None:
-        """The decode call never reached its decoder (it could not be reached)."""
-        if not self._connector.pushes_to_decoder:
-            self._settled = False
-
-    def taken_by(self, decoder: Endpoint) -> None:
-        """`decoder` answered a decode call for this KV (a token, a whole answer or an error)."""
-        if decoder is self.decoder or not self._connector.pushes_to_decoder:
+    def maybe_used_by(self, decoder: Endpoint) -> None:
+        """A decode call for this KV broke off after reaching `decoder`: pushed KV may be loaded there."""
+        if decoder is self.decoder and self._connector.pushes_to_decoder:
             self._settled = True
 
     def release(self) -> None:
@@ -99,20 +98,16 @@ class Completion:
         self.release_kv()
         self._kv = kv
 
-    def kv_sent_to(self, decoder: Endpoint) -> None:
+    def kv_answered_by(self, decoder: Endpoint) -> None:
         if self._kv is not None:
-            self._kv.sent_to(decoder)
+            self._kv.answered_by(decoder)
 
-    def kv_not_delivered(self) -> None:
+    def kv_maybe_used_by(self, decoder: Endpoint) -> None:
         if self._kv is not None:
-            self._kv.not_delivered()
-
-    def kv_taken_by(self, decoder: Endpoint) -> None:
-        if self._kv is not None:
-            self._kv.taken_by(decoder)
+            self._kv.maybe_used_by(decoder)
 
     def release_kv(self) -> None:
-        """Release the staged KV unless a decode call took it."""
+        """Release the staged KV unless a decoder answered a call for it."""
         kv, self._kv = self._kv, None
         if kv is not None:
             kv.release()

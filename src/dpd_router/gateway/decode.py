@@ -76,8 +76,8 @@ class DecodeHop:
             return self.answer_from_prefill(exchange, call, staged)
         deadline = self._deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
         try:
-            exchange.done.kv_sent_to(decoder)
             upstream = await self.open(exchange, decoder, call, deadline)
+            exchange.done.kv_answered_by(decoder)
             if upstream.status_code != 200:
                 return await self._engine_refusal(exchange, upstream, decoder)
             if not request.stream:
@@ -85,7 +85,6 @@ class DecodeHop:
             stream = await self.primed_stream(exchange, upstream, decoder, staged, call, deadline)
         finally:
             deadline.stop()
-        exchange.done.kv_taken_by(decoder)
         return StreamedAnswer(stream, stream.close, exchange.headers, media_type=stream.media_type)
 
     async def open(self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, deadline: Deadline) -> EngineAnswer:
@@ -194,7 +193,6 @@ class DecodeHop:
         finally:
             await close_quietly(upstream)
         decoder.progressed(asyncio.get_running_loop().time())
-        exchange.done.kv_taken_by(decoder)
         # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
         failure = failed_before_output(content)
         if failure is not None:
@@ -326,9 +324,7 @@ class DecoderReplacement:
         self._tried.append(decoder)
         log.warning("request %s: decoder %s failed before answering: %s", exchange.request_id, decoder.url, failure)
         if failure.kv_consumed:
-            exchange.done.kv_taken_by(decoder)
-        else:
-            exchange.done.kv_not_delivered()  # held for the next decoder, or released
+            exchange.done.kv_maybe_used_by(decoder)  # else held for the next decoder, or released
 
     async def next(self, decoder: Endpoint, failure: DecodeFailed) -> Endpoint:
         """The decoder to try after `decoder` failed; UpstreamError when none is left."""

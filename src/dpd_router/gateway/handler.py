@@ -383,7 +383,8 @@ class Gateway:
                         continue
                     replacement.failed(plan.decoder, exc)
                     if staged is not None and (exc.kv_consumed or staged.pending is not None):
-                        # Used (and so released) by the failed decoder, or bound to its call: stage again.
+                        # Maybe used by the failed decoder (held KV it may not have read is released once the
+                        # next is staged), or bound to its call: stage again.
                         abandon(staged)
                         staged = None
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))

@@ -94,6 +94,7 @@ class HeadFirst:
             deadline = self._decode.continuation_deadline(exchange, decoder)
             try:
                 upstream = await self._decode.open(exchange, decoder, call, deadline)
+                done.kv_answered_by(decoder)
                 if upstream.status_code != 200:
                     await _refused_after_head(upstream, decoder)
                 stream = await self._decode.primed_stream(exchange, upstream, decoder, staged, call, deadline)
@@ -103,7 +104,6 @@ class HeadFirst:
                 if plan.decoder is not decoder:
                     done.release_kv()  # the continuation is computed whole elsewhere: nobody takes it here
             else:
-                done.kv_taken_by(decoder)
                 return stream
             finally:
                 deadline.stop()
