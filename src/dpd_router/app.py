@@ -143,6 +143,9 @@ def build_server(settings: Settings, *, loop: str = "uvloop", **config: Any) -> 
             loop=loop,
             http=guarded_protocol(ListenerLimits.from_settings(settings), refused),
             ws="none",  # no WebSocket endpoint: an Upgrade is answered as plain HTTP (server.py)
+            # The client is the connection's peer unless `trusted_proxies` names it (ClientAddresses): uvicorn's
+            # own reading of X-Forwarded-For (from 127.0.0.1 by default) would let a local caller name any address.
+            proxy_headers=False,
             log_level="warning",
             access_log=False,
             timeout_keep_alive=settings.client_keepalive_timeout,

@@ -506,6 +506,23 @@ async def test_failed_authentications_are_throttled_per_source_and_counted(keyed
     assert await metric(keyed_router, "dpd_router_auth_throttled_total") == 60 - refilled
 
 
+async def test_a_forwarded_for_header_names_nobody_unless_its_sender_is_a_trusted_proxy(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    """Without `trusted_proxies`, failures count against the connection's peer whatever X-Forwarded-For says:
+    a caller that names a new address with each wrong key is throttled all the same."""
+    settings = cluster_settings(
+        cluster, tokenizer_dir, threshold=THRESHOLD, api_key_hashes=[hash_key(KEY)], auth_failures_per_minute=5
+    )
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+
+        async def call(key: str, claimed: str) -> int:
+            headers = {"Authorization": f"Bearer {key}", "X-Forwarded-For": claimed}
+            return (await client.post("/v1/chat/completions", json=chat(), headers=headers)).status_code
+
+        assert [await call(f"bad-{i}", f"203.0.113.{i}") for i in range(6)] == [401] * 5 + [429]
+
+
 async def test_a_wrong_key_is_throttled_from_every_address_behind_a_trusted_proxy(
     cluster: SimCluster, tokenizer_dir: Path
 ) -> None:
