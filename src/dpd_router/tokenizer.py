@@ -48,6 +48,8 @@ class Prompt:
     at_most: int | None = None
     # The whole prompt; None in it when the background encoder was too far behind to encode it.
     rest: asyncio.Future[Prompt | None] | None = None
+    # The whole encoding behind `rest` where it was left until something asks for it (see WholeLater).
+    later: WholeLater | None = None
 
     @property
     def exact(self) -> bool:
@@ -471,10 +473,15 @@ class PromptReader:
         excess = max(prompt.at_most - limit + 1, 0)
         return len(prompt.token_ids) + math.ceil(excess / (bytes_per_token - 1))
 
-    def rest(self) -> Prompt:
+    def rest(self, *, later: bool = False) -> Prompt:
         """The prompt as read so far, with its whole encoding to come (in the background); a prompt
         small enough to encode on the event loop is encoded whole at once, which costs the router less
-        CPU than handing it to the background thread and waking the loop when that is done."""
+        CPU than handing it to the background thread and waking the loop when that is done. `later`:
+        the whole encoding waits for the caller (`Prompt.later`), who may get the ids elsewhere."""
+        if later:
+            waiting = WholeLater(self._tokenizer, self._text, special=self._special, started=self._started)
+            self.prompt = replace(self.prompt, rest=waiting.future, later=waiting)
+            return self.prompt
         ids = self._tokenizer.encode_at_once(self._text, special=self._special)
         if ids is not None:
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
@@ -493,6 +500,50 @@ class PromptReader:
         return Prompt(token_ids=ids, num_tokens=estimate, seconds=time.perf_counter() - self._started, at_most=at_most)
 
 
+class WholeLater:
+    """The whole encoding of a prompt planned on its first tokens, left until it is known whether a
+    prefill answer brings the prompt's ids (`supply`: nothing to encode) or not (`start`: encoded as
+    `PromptReader.rest` would have). Either resolves `future` (the prompt's `rest`), once."""
+
+    def __init__(self, tokenizer: LocalTokenizer, text: str, *, special: bool, started: float) -> None:
+        self.future: asyncio.Future[Prompt | None] = asyncio.get_running_loop().create_future()
+        self._tokenizer = tokenizer
+        self._text: str | None = text
+        self._special = special
+        self._started = started
+
+    def supply(self, ids: list[int]) -> None:
+        """The whole prompt's ids, counted by an engine."""
+        self._text = None
+        if not self.future.done():
+            self.future.set_result(
+                Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
+            )
+
+    def start(self) -> None:
+        """Encode the whole prompt (at once if it is small, else in the background), unless that is done
+        or under way."""
+        text, self._text = self._text, None
+        if text is None or self.future.done():
+            return
+        ids = self._tokenizer.encode_at_once(text, special=self._special)
+        if ids is not None:
+            self.supply(ids)
+            return
+        self._tokenizer.encode_rest(text, special=self._special, started=self._started).add_done_callback(self._copy)
+
+    def _copy(self, encoded: asyncio.Future[Prompt | None]) -> None:
+        if self.future.done():
+            return
+        if encoded.cancelled():
+            self.future.cancel()
+        elif (failure := encoded.exception()) is not None:
+            self.future.set_exception(failure)
+            self.future.exception()  # retrieved: nobody may be waiting for it
+        else:
+            self.future.set_result(encoded.result())
+
+
 # A planned prompt whose estimated length (its bytes at the head's bytes per token) is at most this share
 # of the context window is not read further for the window's check: the engines make it exactly.
 WINDOW_LEFT_TO_ENGINES = 0.75
@@ -500,10 +551,17 @@ WINDOW_LEFT_TO_ENGINES = 0.75
 DENSITY_HEAD_TOKENS = 512
 
 
-async def read_prompt(reader: PromptReader, settle: Callable[[Prompt], int | None], limit: int | None) -> Prompt:
+async def read_prompt(
+    reader: PromptReader,
+    settle: Callable[[Prompt], int | None],
+    limit: int | None,
+    *,
+    later: Callable[[Prompt], bool] = lambda prompt: False,
+) -> Prompt:
     """The prompt read as far as `settle` (how many first tokens would settle the plan: 0 when it is
     settled, None when only the whole prompt will do) and the context window of `limit` tokens need:
-    a prompt known in part, its whole encoding coming in `rest`, or the whole prompt."""
+    a prompt known in part, its whole encoding coming in `rest` (left to the caller where `later` says
+    so of the prompt as read), or the whole prompt."""
     prompt = reader.prompt
     while prompt.at_most is not None:
         wanted = settle(prompt)
@@ -519,12 +577,12 @@ async def read_prompt(reader: PromptReader, settle: Callable[[Prompt], int | Non
                 # Planned, and by the head's own density far inside the window: the engines check the
                 # window exactly (as vLLM does, with a 400 the router relays), so the router need not
                 # read on; only a prompt whose estimate nears the window is read as far as its bound needs.
-                return reader.rest()
+                return reader.rest(later=later(prompt))
             # The context window's check is not settled either: read as far as the bound needs (once
             # a head read for the plan has shown how many bytes a token of this text stands for).
             wanted = max(wanted, reader.tokens_to_bound(limit))
         if wanted == 0:
-            return reader.rest()
+            return reader.rest(later=later(prompt))
         prompt = await reader.more(wanted)
     return prompt
 

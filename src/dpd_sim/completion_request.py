@@ -66,6 +66,8 @@ class GenerationRequest:
     continuous_usage: bool = False
     # Choices per prompt (vLLM's parallel sampling: n child requests of one prompt).
     n: int = 1
+    # vLLM's return_token_ids: a non-streamed answer carries the prompt's ids and each choice's.
+    return_token_ids: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -134,6 +136,7 @@ class RequestParser:
             poisoned=body.get("sim_poison") is True,
             continuous_usage=continuous_usage,
             n=n,
+            return_token_ids=_optional_bool(body, "return_token_ids", default=False),
         )
 
     def tokenize(self, raw: bytes) -> list[int]:

@@ -109,8 +109,11 @@ class ResponseFormat:
         usage: Usage,
         kv_transfer_params: dict[str, Any] | None,
         stop_reasons: Sequence[int | None] | None = None,
+        token_ids: tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None,
     ) -> bytes:
-        """The non-streaming answer, one choice per prompt (a finish_reason for all, or one each)."""
+        """The non-streaming answer, one choice per prompt (a finish_reason for all, or one each);
+        `token_ids` (each choice's prompt and output ids) where the request asked for them, as vLLM puts
+        them: the prompt's at the top of a chat answer, in each choice of a text completion."""
         reasons = [finish_reason] * len(texts) if isinstance(finish_reason, str) else list(finish_reason)
         stops = list(stop_reasons) if stop_reasons is not None else [None] * len(texts)
         choices: list[dict[str, Any]]
@@ -148,18 +151,25 @@ class ResponseFormat:
                 for index, text in enumerate(texts)
             ]
             obj = "text_completion"
-        return orjson.dumps(
-            {
-                "id": self.response_id,
-                "object": obj,
-                "created": self.created,
-                "model": self.model,
-                "choices": choices,
-                "usage": usage.as_dict(),
-                "prompt_logprobs": None,
-                "kv_transfer_params": kv_transfer_params,
-            }
-        )
+        answer: dict[str, Any] = {
+            "id": self.response_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage.as_dict(),
+            "prompt_logprobs": None,
+            "kv_transfer_params": kv_transfer_params,
+        }
+        if token_ids is not None:
+            prompts, outputs = token_ids
+            for choice, prompt, output in zip(choices, prompts, outputs, strict=True):
+                choice["token_ids"] = list(output)
+                if self.api != "chat":
+                    choice["prompt_token_ids"] = list(prompt)
+            if self.api == "chat":
+                answer["prompt_token_ids"] = list(prompts[0])
+        return orjson.dumps(answer)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

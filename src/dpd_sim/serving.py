@@ -192,5 +192,6 @@ async def _answer(generation: Generation, response: ResponseFormat, send: Send) 
             generation.usage,
             generation.kv_transfer_params,
             [generation.stopped_by(choice) for choice in choices],
+            (generation.prompts, outputs) if generation.request.return_token_ids else None,
         )
         await send_json(send, 200, body)

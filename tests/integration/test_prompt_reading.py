@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from dpd_router.tokenizer import BackgroundEncoder, LocalTokenizer
+from dpd_router.transfer import nixl
 from dpd_sim.cluster import SimCluster
 from dpd_sim.tokenizer_kit import _WORDS
 
@@ -39,9 +40,21 @@ def long_text(words: int, seed: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
+def answers_without_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefiller's answers read as an engine's that cannot return the prompt's ids."""
+    monkeypatch.setattr(nixl, "prefill_prompt_ids", lambda payload, prompt_tokens: None)
+
+
+@pytest.mark.parametrize("ids_in_answer", [True, False])
 async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
-    cluster: SimCluster, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    cluster: SimCluster,
+    tokenizer_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    ids_in_answer: bool,
 ) -> None:
+    """Whole by the prefill answer's ids, or, where the answer has none, by the router's own encoding
+    of the prompt off the request's path."""
     caplog.set_level(logging.INFO, logger="dpd_router.request")
     read_in_part: list[str] = []
     encode_rest = LocalTokenizer.encode_rest
@@ -51,6 +64,8 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         return encode_rest(self, text, special=special, started=started)  # type: ignore[return-value]
 
     monkeypatch.setattr(LocalTokenizer, "encode_rest", spy)
+    if not ids_in_answer:
+        answers_without_ids(monkeypatch)
     async with reading_router(cluster, tokenizer_dir) as base_url:
         client = openai_client(base_url)
         answer = await client.chat.completions.create(
@@ -58,7 +73,8 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         )
         assert answer.usage is not None
         engine_count = answer.usage.prompt_tokens
-        assert read_in_part, "the prompt was routed before it was encoded whole"
+        # Routed before it was encoded whole, by the router only where the prefiller did not send its ids.
+        assert len(read_in_part) == (0 if ids_in_answer else 1)
         for _ in range(100):  # the trace is reported once the whole encoding is done, just after the answer
             if await metric(base_url, "dpd_router_prompt_tokens_count", {"path": "disaggregated"}) == 1:
                 break
@@ -82,6 +98,7 @@ async def test_a_prompt_the_background_encoder_has_no_room_for_is_counted_by_the
         return encode(self, texts)
 
     monkeypatch.setattr(BackgroundEncoder, "_encode", held)
+    answers_without_ids(monkeypatch)
     async with reading_router(cluster, tokenizer_dir, tokenize_background_max_chars=1) as base_url:
         client = openai_client(base_url)
         try:

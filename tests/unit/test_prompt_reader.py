@@ -256,6 +256,30 @@ async def test_a_long_prompt_is_read_only_to_the_threshold(local: LocalTokenizer
     assert planner.plan(read).reason == "long_prompt"
 
 
+async def test_a_prompt_bound_for_the_prefill_hop_waits_for_its_ids_or_is_encoded_when_asked(
+    local: LocalTokenizer,
+) -> None:
+    """Left `later`, a prompt's whole encoding starts only when no prefill answer brings its ids."""
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 1)}))
+    whole = await local.tokenize(request)
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"], prefill_urls=["http://127.0.0.1:8100"], routing_threshold=64
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    for supplied in (True, False):
+        reader = await local.reader(request)
+        assert reader is not None
+        read = await read_prompt(reader, planner.tokens_to_settle, None, later=lambda prompt: True)
+        assert read.later is not None and read.rest is not None and read.at_most is not None
+        await asyncio.sleep(0.05)
+        assert not read.rest.done()  # nothing encodes it meanwhile
+        if supplied:
+            read.later.supply(list(whole.token_ids))
+        read.later.start()  # a no-op once supplied; else the encoding the reader would have started
+        read.later.start()  # and only once
+        assert list((await read.rest).token_ids) == list(whole.token_ids)
+
+
 async def test_a_window_far_above_the_estimate_is_left_to_the_engines_and_a_near_one_is_read_to_its_bound(
     local: LocalTokenizer,
 ) -> None:

@@ -59,7 +59,7 @@ def test_prefill_body_asks_for_one_unstreamed_token_and_no_transfer_params() -> 
 
 def test_prefill_body_adds_max_completion_tokens_only_when_the_client_sent_it() -> None:
     request = parse_request("completion", orjson.dumps({"prompt": "x", "max_tokens": 50}))
-    assert prefill_body(request) == {"prompt": "x", "max_tokens": 1, "stream": False}
+    assert prefill_body(request) == {"prompt": "x", "max_tokens": 1, "stream": False, "return_token_ids": True}
 
 
 def test_decode_body_is_the_clients_request_unchanged() -> None:
@@ -94,7 +94,7 @@ async def test_prefill_posts_the_one_token_call_to_the_prefiller_with_the_reques
     (call,) = seen
     assert str(call.url) == "http://127.0.0.1:9/v1/completions"
     assert call.headers["X-Request-Id"] == "req-7"
-    assert orjson.loads(call.content) == {"prompt": "p", "max_tokens": 1, "stream": False}
+    assert orjson.loads(call.content) == {"prompt": "p", "max_tokens": 1, "stream": False, "return_token_ids": True}
 
 
 @pytest.mark.parametrize(
@@ -130,3 +130,12 @@ def test_kv_connector_setting_selects_the_shared_storage_connector() -> None:
     settings = load_settings(decode_urls=["http://127.0.0.1:1"], kv_connector="shared_storage")
     built = build_connector(settings, EngineCalls(httpx.AsyncHTTPTransport(), {}))
     assert isinstance(built, SharedStorageConnector) and built.name == "shared_storage"
+
+
+def test_the_prompt_ids_of_a_prefill_answer_are_kept_when_they_are_what_its_usage_counted() -> None:
+    chat = {**answer(prompt_tokens=3, cached=0), "prompt_token_ids": [5, 6, 7]}
+    assert staged_from_answer(chat).prompt_ids == [5, 6, 7]
+    text = {**answer(prompt_tokens=2, cached=0), "choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2]}]}
+    assert staged_from_answer(text).prompt_ids == [1, 2]
+    for wrong in ([5, 6], [5, 6, "7"], [5, 6, 7.0], None, "567"):
+        assert staged_from_answer({**answer(prompt_tokens=3, cached=0), "prompt_token_ids": wrong}).prompt_ids is None

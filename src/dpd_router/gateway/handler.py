@@ -160,6 +160,10 @@ class Gateway:
                 self._offer_shadow(self._shadow.current, request, request_id, prompt, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
+            if prompt.later is not None:
+                done.defer(prompt.later.start)  # unless a prefill answer brought the ids, counted by our own
+                if plan.prefiller is None:
+                    prompt.later.start()
             if prompt.rest is not None:
                 self._index_whole_later(prompt.rest, plan, planner)
             phase = "serve"
@@ -219,7 +223,13 @@ class Gateway:
             raise prompt_too_long(limit, limit + 1, at_least=True) from None
         if reader is None:
             return await self._tokenize(request, principal.tenant)
-        return await read_prompt(reader, planner.tokens_to_settle, limit)
+        # A prompt that may take the prefill hop is not encoded whole yet: the prefill answer brings its ids.
+        return await read_prompt(
+            reader,
+            planner.tokens_to_settle,
+            limit,
+            later=lambda prompt: prompt.at_most is not None and prompt.at_most >= planner.threshold,
+        )
 
     @staticmethod
     def _offer_shadow(
@@ -447,6 +457,12 @@ class Gateway:
 
     def _note_staged(self, exchange: Exchange, staged: StagedKV | None) -> None:
         trace, done = exchange.trace, exchange.done
+        later = exchange.prompt.later
+        if later is not None:
+            if staged is not None and staged.prompt_ids is not None:
+                later.supply(staged.prompt_ids)  # counted and indexed by the prefiller's own encoding
+            else:
+                later.start()  # no ids came back (a connector whose answer has none, or the plan fell back)
         trace.staged_tokens = None if staged is None else staged.prompt_tokens
         if staged is None:
             return

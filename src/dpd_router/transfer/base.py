@@ -38,6 +38,8 @@ class StagedKV:
     pending: asyncio.Task[StagedKV] | None = field(default=None, compare=False, repr=False)
     # The hand-off this KV belongs to (set by the gateway; the decode call may need its ids).
     handoff: Handoff | None = field(default=None, compare=False, repr=False)
+    # The prompt's token ids as the prefiller counted them (vLLM's `return_token_ids`), when its answer had them.
+    prompt_ids: list[int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,19 @@ def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
     return (prompt_tokens if isinstance(prompt_tokens, int) else None), int(details.get("cached_tokens") or 0)
 
 
+def prefill_prompt_ids(payload: dict[str, Any], prompt_tokens: int | None) -> list[int] | None:
+    """The prompt's ids in a prefill answer asked for them (a chat answer has them at its top, a text
+    completion's in its choice), when they are ids and as many as its usage counted; else None."""
+    ids = payload.get("prompt_token_ids")
+    if ids is None:
+        choices = payload.get("choices")
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+    if not isinstance(ids, list) or not ids or len(ids) != prompt_tokens:
+        return None
+    return ids if all(type(token) is int for token in ids) else None
+
+
 _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
 
 
@@ -216,6 +231,9 @@ def one_token_body(request: ClientRequest) -> dict[str, Any]:
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     body["stream"] = False
+    # The answer brings the prompt's ids: the router counts and indexes the prompt by the prefiller's own
+    # encoding instead of encoding it whole itself (the decode call is the client's body, without this).
+    body["return_token_ids"] = True
     return body
 
 

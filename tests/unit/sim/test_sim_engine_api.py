@@ -348,3 +348,24 @@ async def test_more_choices_than_the_simulator_holds_are_refused_not_allocated(e
         served = await e.client.post("/v1/chat/completions", json={**body, "n": 3})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
     assert served.status_code == 200 and len(served.json()["choices"]) == 3
+
+
+async def test_return_token_ids_puts_the_ids_where_vllm_does(engine: EngineFactory) -> None:
+    async with engine(max_model_len=4096) as e:
+        counted = (await e.client.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": True})).json()
+        chat = (
+            await e.client.post(
+                "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "return_token_ids": True}
+            )
+        ).json()
+        plain = (await e.client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3})).json()
+        text = (
+            await e.client.post(
+                "/v1/completions", json={"prompt": "hello world", "max_tokens": 2, "return_token_ids": True}
+            )
+        ).json()
+        prompt = (await e.client.post("/tokenize", json={"prompt": "hello world"})).json()
+    assert chat["prompt_token_ids"] == counted["tokens"] and len(chat["choices"][0]["token_ids"]) == 3
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert text["choices"][0]["prompt_token_ids"] == prompt["tokens"] and "prompt_token_ids" not in text
+    assert len(text["choices"][0]["token_ids"]) == 2
