@@ -123,3 +123,36 @@ async def test_a_prompt_the_background_encoder_has_no_room_for_is_counted_by_the
                 break
             await asyncio.sleep(0.05)
         assert await metric(base_url, "dpd_router_cache_index_blocks", {"index": "prefix"}) > indexed
+
+
+async def test_a_long_prompt_sent_again_is_read_only_as_far_as_its_plan_needs(
+    cluster: SimCluster, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's context sent again, under a static threshold: its prefix is on the prefiller and the
+    decoder that served it, past every token the plan reads, and on no other endpoint of either role, so
+    nothing else could take it: the router reads its head, never the whole prompt, and the prefill
+    answer's ids index it. (A cache-aware threshold weighs how far the prefix runs: it reads on.)"""
+    encoded_whole: list[int] = []
+    encode_whole, encode_rest = LocalTokenizer.encode_whole, LocalTokenizer.encode_rest
+
+    async def whole_spy(self: LocalTokenizer, text: str, *, special: bool) -> list[int]:
+        encoded_whole.append(len(text))
+        return await encode_whole(self, text, special=special)
+
+    def rest_spy(self: LocalTokenizer, text: str, *, special: bool, started: float) -> asyncio.Future[object]:
+        encoded_whole.append(len(text))
+        return encode_rest(self, text, special=special, started=started)  # type: ignore[return-value]
+
+    monkeypatch.setattr(LocalTokenizer, "encode_whole", whole_spy)
+    monkeypatch.setattr(LocalTokenizer, "encode_rest", rest_spy)
+    messages = [{"role": "user", "content": long_text(6000, 7)}]
+    async with reading_router(cluster, tokenizer_dir, threshold_mode="static") as base_url:
+        client = openai_client(base_url)
+        for _ in range(3):
+            answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            assert answer.usage is not None
+        assert await metric(base_url, "dpd_router_route_decisions_total", {"path": "disaggregated"}) == 3
+        assert await metric(base_url, "dpd_router_prompt_tokens_sum", {"path": "disaggregated"}) == (
+            3 * answer.usage.prompt_tokens
+        )
+    assert encoded_whole == []

@@ -422,12 +422,13 @@ def test_a_settled_plan_is_the_plan_of_every_prompt_the_known_tokens_allow(known
 
 
 def test_a_cached_prefix_running_past_the_known_tokens_leaves_the_plan_unsettled() -> None:
-    """Two decoders hold prefixes longer than what is known: only the whole prompt tells which holds more."""
+    """Two decoders hold prefixes longer than what is known: only the whole prompt tells which holds more.
+    Once one of them ends inside the known tokens, the other holds more however far its prefix runs."""
     rng = random.Random(5)
     ids = [rng.randrange(4000) for _ in range(4000)]
     whole = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
     case = Case(False, False, 1, 1, 1e6, "static", "roundrobin", 1, 2, None, cached=((0.5, 1), (0.75, 2)))
-    for known, settled in ((1000, False), (2500, False), (3100, True)):
+    for known, settled in ((1000, False), (1900, False), (2500, True), (3100, True)):
         part = Prompt(token_ids=ids[:known], num_tokens=known, seconds=0.0, at_most=5000)
         planner = planner_for(case, whole)
         assert (planner.tokens_to_settle(part) == 0) == settled

@@ -65,14 +65,16 @@ class CacheLocator:
                 return source, found
         return None, {}
 
-    def longest_match(self, request: RoutingRequest, candidates: Sequence[Endpoint]) -> int:
-        """The longest prefix of the prompt any source places on any candidate, in tokens."""
-        longest = 0
+    def reaching(self, request: RoutingRequest, candidates: Sequence[Endpoint], tokens: int) -> tuple[int, int]:
+        """The longest prefix any source places on a candidate, and how many candidates some source places
+        at least `tokens` of the prompt on."""
+        longest, reaching = 0, set[Endpoint]()
         for source in self._sources:
             found = source.matched_tokens(request, candidates)
             if found:
                 longest = max(longest, *found.values())
-        return longest
+                reaching.update(endpoint for endpoint, matched in found.items() if matched >= tokens)
+        return longest, len(reaching)
 
     def cached_tokens(self, request: RoutingRequest, endpoint: Endpoint) -> int:
         return self.matched_tokens(request, (endpoint,)).get(endpoint, 0)

@@ -204,9 +204,14 @@ class Planner:
         return 0 if known >= needed else needed
 
     def _cached_reach(self, prompt: Prompt) -> int | None:
-        """The longest prefix of the prompt any endpoint holds by any cache source, when every such
-        prefix ends inside the prompt's known full blocks (so the whole prompt's are the same); None
-        when one may run on past them."""
+        """The longest prefix of the prompt any endpoint holds by any cache source, when reading on could
+        not change a plan that weighs it; None when it could.
+
+        A cache-aware threshold weighs its length: every such prefix must end inside the prompt's known
+        full blocks (so the whole prompt's are the same). The strategies only rank the endpoints of a
+        role by it: one endpoint whose prefix runs on past the known blocks is the longest however far it
+        runs (the others' end inside them), so only two or more of a role running on leave it open.
+        """
         if self.cache is None:
             return 0
         block_size = self.cache.block_size
@@ -216,8 +221,16 @@ class Planner:
         known = len(prompt.token_ids) // block_size * block_size
         if known == 0:
             return None
-        longest = self.cache.longest_match(RoutingRequest(prompt), self.pool.endpoints())
-        return longest if longest < known else None
+        request = RoutingRequest(prompt)
+        longest = 0
+        for endpoints in (self.pool.prefillers, self.pool.decoders):
+            role_longest, reaching = self.cache.reaching(request, endpoints, known)
+            if reaching > 1:
+                return None
+            longest = max(longest, role_longest)
+        if self._threshold.cache_aware and longest >= known:
+            return None
+        return longest
 
     def record_whole(self, prompt: Prompt, plan: Plan) -> None:
         """Record where a prompt planned on its first tokens went, now that its whole encoding is known."""
