@@ -3,8 +3,10 @@
 What a router in front of it adds is all that is left to measure: its HTTP, parsing, tokenizing and
 relaying. A chat completion answers eight tokens, whole or as an SSE stream (with a usage chunk; a
 stream has `--stream-tokens` chunks); a prefill call (NIXL's `do_remote_decode`) answers one token with
-`kv_transfer_params`, so a router's two hops can run against it. `/v1/models` names the model with its
-context window, `/metrics` is empty, every other GET answers `{}`.
+`kv_transfer_params`, so a router's two hops can run against it; asked for `return_token_ids`, with the
+prompt's ids as vLLM sends them (as many as a body of its size holds at four bytes a token: a count, not
+an encoding, so the answer is the size a real one is). `/v1/models` names the model with its context
+window, `/metrics` is empty, every other GET answers `{}`.
 
     python -m benchmarks.instant_engine PORT [MODEL] [--stream-tokens N]
 """
@@ -50,8 +52,17 @@ def answers(model: str) -> tuple[bytes, bytes, bytes, bytes, bytes]:
     )
 
 
+def prefill_with_ids(prefill: bytes, tokens: int) -> bytes:
+    """The prefill answer with `tokens` prompt ids at its top, its usage counting as many."""
+    answer = orjson.loads(prefill)
+    answer["usage"] = {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}
+    answer["prompt_token_ids"] = [(17 * index) % 30_000 for index in range(tokens)]
+    return orjson.dumps(answer)
+
+
 def build(model: str, stream_tokens: int = OUTPUT_TOKENS) -> Any:
     whole, chunk, end, models, prefill = answers(model)
+    with_ids: dict[int, bytes] = {}  # a bench sends a few sizes of prompt: each answer is built once
     json_headers = [(b"content-type", b"application/json")]
     sse_headers = [(b"content-type", b"text/event-stream")]
     text_headers = [(b"content-type", b"text/plain; version=0.0.4")]
@@ -82,8 +93,14 @@ def build(model: str, stream_tokens: int = OUTPUT_TOKENS) -> Any:
             return
         # A substring test, not a parse: parsing the body is the router's cost, not the engine's.
         if b'"do_remote_decode":true' in body:
+            answer = prefill
+            if b'"return_token_ids":true' in body:
+                tokens = max(len(body) // 4, 1)
+                answer = with_ids.get(tokens) or prefill_with_ids(prefill, tokens)
+                if len(with_ids) < 64:
+                    with_ids[tokens] = answer
             await send({"type": "http.response.start", "status": 200, "headers": json_headers})
-            await send({"type": "http.response.body", "body": prefill})
+            await send({"type": "http.response.body", "body": answer})
             return
         if b'"stream":true' in body or b'"stream": true' in body:
             await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
