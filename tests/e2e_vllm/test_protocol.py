@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
+from dpd_router.client_request import parse_request
+from dpd_router.tokenizer import LocalTokenizer
+from dpd_router.transfer.base import prefill_prompt_ids
 from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (
     ANSWER_TOKENS,
@@ -38,9 +42,17 @@ async def test_prefill_answer_carries_top_level_kv_transfer_params_the_decoder_a
     staged = await post(
         nixl_pair.prefill.url,
         path,
-        {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_PARAMS},
+        {**body, "max_tokens": 1, "stream": False, "return_token_ids": True, "kv_transfer_params": PREFILL_KV_PARAMS},
     )
     assert staged["choices"][0]["finish_reason"] == "length"
+    # The prompt's ids, where the router reads them, and what the router's own tokenizer makes of the prompt.
+    ids = prefill_prompt_ids(staged, staged["usage"]["prompt_tokens"])
+    local = LocalTokenizer.load(nixl_pair.tokenizer_dir, inline_max_chars=1 << 20, threads=1)
+    try:
+        request = parse_request("chat" if kind == "chat" else "completion", orjson.dumps(body))
+        assert ids is not None and ids == list((await local.tokenize(request)).token_ids)
+    finally:
+        await local.aclose()
     params = staged["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_host"] == "127.0.0.1"
