@@ -26,7 +26,7 @@ log = logging.getLogger("dpd_router.app")
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's own default, pinned: blocks of this size or more are mmapped
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-TRIM_STEP = 16 * 1024 * 1024
+TRIM_STEP = 4 * 1024 * 1024
 TRIM_INTERVAL = 10.0
 
 
