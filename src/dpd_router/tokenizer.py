@@ -533,7 +533,9 @@ class WholeLater:
         self._tokenizer.encode_rest(text, special=self._special, started=self._started).add_done_callback(self._copy)
 
     def _copy(self, encoded: asyncio.Future[Prompt | None]) -> None:
-        if self.future.done():
+        if self.future.done():  # supplied meanwhile
+            if not encoded.cancelled():
+                encoded.exception()  # retrieved: nobody needs this encoding any more
             return
         if encoded.cancelled():
             self.future.cancel()

@@ -11,8 +11,11 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from dpd_router.errors import NoHealthyDecoder
+from dpd_router.routing.planner import Planner
 from dpd_router.tokenizer import BackgroundEncoder, LocalTokenizer
 from dpd_router.transfer import nixl
 from dpd_sim.cluster import SimCluster
@@ -45,16 +48,16 @@ def answers_without_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nixl, "prefill_prompt_ids", lambda payload, prompt_tokens: None)
 
 
-@pytest.mark.parametrize("ids_in_answer", [True, False])
+@pytest.mark.parametrize("ids_in_answer", ["theirs", "none", "foreign"])
 async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
     cluster: SimCluster,
     tokenizer_dir: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
-    ids_in_answer: bool,
+    ids_in_answer: str,
 ) -> None:
-    """Whole by the prefill answer's ids, or, where the answer has none, by the router's own encoding
-    of the prompt off the request's path."""
+    """Whole by the prefill answer's ids, or, where the answer has none (or ids that do not start as the
+    router's own encoding does), by the router's own encoding of the prompt off the request's path."""
     caplog.set_level(logging.INFO, logger="dpd_router.request")
     read_in_part: list[str] = []
     encode_rest = LocalTokenizer.encode_rest
@@ -64,8 +67,10 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         return encode_rest(self, text, special=special, started=started)  # type: ignore[return-value]
 
     monkeypatch.setattr(LocalTokenizer, "encode_rest", spy)
-    if not ids_in_answer:
+    if ids_in_answer == "none":
         answers_without_ids(monkeypatch)
+    elif ids_in_answer == "foreign":  # another tokenizer's: as many ids, not the same
+        monkeypatch.setattr(nixl, "prefill_prompt_ids", lambda payload, prompt_tokens: [7] * prompt_tokens)
     async with reading_router(cluster, tokenizer_dir) as base_url:
         client = openai_client(base_url)
         answer = await client.chat.completions.create(
@@ -74,7 +79,7 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         assert answer.usage is not None
         engine_count = answer.usage.prompt_tokens
         # Routed before it was encoded whole, by the router only where the prefiller did not send its ids.
-        assert len(read_in_part) == (0 if ids_in_answer else 1)
+        assert len(read_in_part) == (0 if ids_in_answer == "theirs" else 1)
         for _ in range(100):  # the trace is reported once the whole encoding is done, just after the answer
             if await metric(base_url, "dpd_router_prompt_tokens_count", {"path": "disaggregated"}) == 1:
                 break
@@ -156,3 +161,28 @@ async def test_a_long_prompt_sent_again_is_read_only_as_far_as_its_plan_needs(
             3 * answer.usage.prompt_tokens
         )
     assert encoded_whole == []
+
+
+async def test_a_long_prompt_whose_plan_is_refused_is_still_reported_with_its_whole_count(
+    cluster: SimCluster, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No decoder to plan on: the 503 is logged and counted once the prompt is encoded whole, not held
+    for a prefill answer that never comes."""
+    caplog.set_level(logging.INFO, logger="dpd_router.request")
+
+    def no_decoder(self: Planner, request: object) -> object:
+        raise NoHealthyDecoder("No decoder is available to serve this request; try again shortly.")
+
+    monkeypatch.setattr(Planner, "choose_decoder", no_decoder)
+    async with reading_router(cluster, tokenizer_dir) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": long_text(4000, 3)}], "max_tokens": 4},
+        )
+        assert answer.status_code == 503
+        for _ in range(100):
+            if [r for r in caplog.records if r.name == "dpd_router.request"]:
+                break
+            await asyncio.sleep(0.05)
+    logged = [r.fields for r in caplog.records if r.name == "dpd_router.request"]  # type: ignore[attr-defined]
+    assert len(logged) == 1 and logged[0]["status"] == 503 and logged[0]["prompt_tokens"] > 512

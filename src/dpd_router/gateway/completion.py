@@ -12,6 +12,10 @@ from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transfer.base import Connector, StagedKV
 
+# Seconds from a cut decode call to the release of the KV it may have been reading: far longer than a
+# transfer takes, far shorter than the prefiller's lease (30 s).
+KV_READ_GRACE = 2.0
+
 
 class HeldKV:
     """KV a prefill staged, held until a decoder answers a decode call for it; else released (once).
@@ -21,8 +25,9 @@ class HeldKV:
     (its status line). vLLM's decoder frees the prefiller's blocks itself when it refuses or aborts
     a request its engine admitted, but a call cut before that (its handler cancelled before it ran,
     a stream closed before its first read) leaves them to wait out their lease; the router cannot
-    tell, so it releases them. A release for blocks the decoder did read costs the prefiller one
-    log line about an unrecognized request, never a wrong answer (the call it would free is over).
+    tell, so it releases them, `KV_READ_GRACE` after a decode call for them was cut: a decoder still
+    reading them then has long finished, and the prefiller frees no block a read is copying. A release
+    for blocks the decoder did read costs the prefiller one log line about an unrecognized request.
     """
 
     def __init__(self, staged: StagedKV, connector: Connector, metrics: RouterMetrics) -> None:
@@ -32,6 +37,11 @@ class HeldKV:
         self._connector = connector
         self._metrics = metrics
         self._settled = False
+        self._sent = False
+
+    def sent_to(self, decoder: Endpoint) -> None:
+        """A decode call for this KV is being sent to `decoder` (it may start reading the blocks)."""
+        self._sent = True
 
     def answered_by(self, decoder: Endpoint) -> None:
         """`decoder` answered a decode call for this KV (a status line: a stream, a whole answer or an error)."""
@@ -47,7 +57,8 @@ class HeldKV:
         if not self._settled:
             self._settled = True
             self._metrics.kv_released.labels(self._connector.name).inc()
-            self._connector.release_unused(self.staged)
+            read = self._sent and not self._connector.pushes_to_decoder
+            self._connector.release_unused(self.staged, after=KV_READ_GRACE if read else 0.0)
 
 
 class Completion:
@@ -97,6 +108,10 @@ class Completion:
         """Hold KV staged for this request until a decode call takes it (KV held before is released)."""
         self.release_kv()
         self._kv = kv
+
+    def kv_sent_to(self, decoder: Endpoint) -> None:
+        if self._kv is not None:
+            self._kv.sent_to(decoder)
 
     def kv_answered_by(self, decoder: Endpoint) -> None:
         if self._kv is not None:

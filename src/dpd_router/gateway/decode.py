@@ -76,6 +76,7 @@ class DecodeHop:
             return self.answer_from_prefill(exchange, call, staged)
         deadline = self._deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
         try:
+            exchange.done.kv_sent_to(decoder)
             upstream = await self.open(exchange, decoder, call, deadline)
             exchange.done.kv_answered_by(decoder)
             if upstream.status_code != 200:

@@ -154,16 +154,17 @@ class Gateway:
         try:
             planner = self._planner_of(request, principal, headers or {}, trace)
             prompt = await self._prepare(request, principal, trace, planner)
+            if prompt.later is not None:
+                # However the request ends (a plan refused, a prefill answer without ids), the whole count comes.
+                done.defer(prompt.later.start)
             if prompt.rest is not None:
                 self._count_whole_later(prompt, prompt.rest, done, trace)
             if self._shadow is not None and self._shadow.current is not None:  # chosen: copied, never waited for
                 self._offer_shadow(self._shadow.current, request, request_id, prompt, headers or {})
             phase = "plan"
             plan = await self._plan(request, prompt, planner, headers or {}, trace)
-            if prompt.later is not None:
-                done.defer(prompt.later.start)  # unless a prefill answer brought the ids, counted by our own
-                if plan.prefiller is None:
-                    prompt.later.start()
+            if prompt.later is not None and plan.prefiller is None:
+                prompt.later.start()
             if prompt.rest is not None:
                 self._index_whole_later(prompt.rest, plan, planner)
             phase = "serve"
@@ -457,12 +458,17 @@ class Gateway:
 
     def _note_staged(self, exchange: Exchange, staged: StagedKV | None) -> None:
         trace, done = exchange.trace, exchange.done
-        later = exchange.prompt.later
-        if later is not None:
-            if staged is not None and staged.prompt_ids is not None:
-                later.supply(staged.prompt_ids)  # counted and indexed by the prefiller's own encoding
+        prompt = exchange.prompt
+        if prompt.later is not None:
+            ids = None if staged is None else staged.prompt_ids
+            known = prompt.token_ids
+            if ids is not None and ids[: len(known)] == list(known):
+                prompt.later.supply(ids)  # counted and indexed by the prefiller's own encoding
             else:
-                later.start()  # no ids came back (a connector whose answer has none, or the plan fell back)
+                # No ids came back (a connector whose answer has none, the plan fell back), or ids that do not
+                # start as the router's own encoding of the prompt does (another tokenizer or template): the
+                # prefix index must hold what later heads will match.
+                prompt.later.start()
         trace.staged_tokens = None if staged is None else staged.prompt_tokens
         if staged is None:
             return

@@ -148,9 +148,10 @@ class Connector(Protocol):
         """What the decoder receives to pick up `staged`."""
         ...
 
-    def release_unused(self, staged: StagedKV) -> None:
-        """No decode call will pick up `staged`: free what it holds, in the background (LMCache
-        drains the KV pushed to `staged.handoff.decoder`; NIXL has a decoder free the prefiller's blocks)."""
+    def release_unused(self, staged: StagedKV, *, after: float = 0.0) -> None:
+        """No decode call will pick up `staged`: free what it holds, in the background, `after` seconds from
+        now (LMCache drains the KV pushed to `staged.handoff.decoder`; NIXL has a decoder free the
+        prefiller's blocks)."""
         ...
 
 
@@ -270,7 +271,7 @@ class SequentialConnector:
     def unsupported(self, request: ClientRequest) -> str | None:
         return None
 
-    def release_unused(self, staged: StagedKV) -> None:
+    def release_unused(self, staged: StagedKV, *, after: float = 0.0) -> None:
         pass  # nothing is held for a decoder (shared storage: the files stay for any engine)
 
     def handoff(

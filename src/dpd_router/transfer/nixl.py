@@ -103,15 +103,17 @@ class NixlConnector(SequentialConnector):
             return "n > 1"
         return None
 
-    def release_unused(self, staged: StagedKV) -> None:
+    def release_unused(self, staged: StagedKV, *, after: float = 0.0) -> None:
         """Hand `staged` to its decoder in a call refused before admission, in the background."""
         if staged.handoff is None or not staged.params:
             return
-        task = asyncio.create_task(self._release(staged), name=f"nixl-release {staged.handoff.request_id}")
+        task = asyncio.create_task(self._release(staged, after), name=f"nixl-release {staged.handoff.request_id}")
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, staged: StagedKV) -> None:
+    async def _release(self, staged: StagedKV, after: float) -> None:
+        if after > 0:
+            await asyncio.sleep(after)
         handoff = staged.handoff
         assert handoff is not None
         decoder = handoff.decoder

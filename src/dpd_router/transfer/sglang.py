@@ -145,5 +145,5 @@ class SGLangConnector:
     def decode_call(self, handoff: Handoff, staged: StagedKV) -> DecodeCall:
         return DecodeCall(self._path_for[handoff.request.kind], engine_body(handoff.request, handoff.transfer))
 
-    def release_unused(self, staged: StagedKV) -> None:
+    def release_unused(self, staged: StagedKV, *, after: float = 0.0) -> None:
         pass  # the gateway cancels a prefill call still running; its room closes with it

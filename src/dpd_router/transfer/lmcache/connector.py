@@ -151,7 +151,7 @@ class LMCacheConnector:
         body = decode_body(request, handoff.prompt, first.token_id)
         return DecodeCall(COMPLETIONS_PATH, orjson.dumps(body), answer)
 
-    def release_unused(self, staged: StagedKV) -> None:
+    def release_unused(self, staged: StagedKV, *, after: float = 0.0) -> None:
         """Drain the KV `staged` left in its decoder's buffer, in the background."""
         handoff = staged.handoff
         if handoff is None or staged.answer is None:
