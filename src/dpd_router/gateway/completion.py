@@ -21,13 +21,14 @@ class HeldKV:
     """KV a prefill staged, held until a decoder answers a decode call for it; else released (once).
 
     Pushed into one decoder (LMCache): that decoder's once it answered a call for it, or a call it
-    broke off may have loaded it. Held on the prefiller (NIXL): a decoder's only once it answered
-    (its status line). vLLM's decoder frees the prefiller's blocks itself when it refuses or aborts
-    a request its engine admitted, but a call cut before that (its handler cancelled before it ran,
-    a stream closed before its first read) leaves them to wait out their lease; the router cannot
-    tell, so it releases them, `KV_READ_GRACE` after a decode call for them was cut: a decoder still
-    reading them then has long finished, and the prefiller frees no block a read is copying. A release
-    for blocks the decoder did read costs the prefiller one log line about an unrecognized request.
+    broke off may have loaded it. Held on the prefiller (NIXL): a decoder's only once it answered (a
+    refusal's or a whole answer's status line, a stream's first token). vLLM's decoder frees the
+    prefiller's blocks itself when it refuses or aborts a request its engine admitted, but a call cut
+    before that (its handler cancelled before it ran, a stream closed before its first read) leaves
+    them to wait out their lease; the router cannot tell, so it releases them, `KV_READ_GRACE` after a
+    decode call for them was cut: a decoder still reading them then has long finished, and the
+    prefiller frees no block a read is copying. A release for blocks the decoder did read costs the
+    prefiller one log line about an unrecognized request.
     """
 
     def __init__(self, staged: StagedKV, connector: Connector, metrics: RouterMetrics) -> None:
@@ -44,7 +45,7 @@ class HeldKV:
         self._sent = True
 
     def answered_by(self, decoder: Endpoint) -> None:
-        """`decoder` answered a decode call for this KV (a status line: a stream, a whole answer or an error)."""
+        """`decoder` answered a decode call for this KV (a refusal, a whole answer, a stream's first token)."""
         if decoder is self.decoder or not self._connector.pushes_to_decoder:
             self._settled = True
 

@@ -78,7 +78,8 @@ class DecodeHop:
         try:
             exchange.done.kv_sent_to(decoder)
             upstream = await self.open(exchange, decoder, call, deadline)
-            exchange.done.kv_answered_by(decoder)
+            if upstream.status_code != 200 or not request.stream:
+                exchange.done.kv_answered_by(decoder)  # a refusal, or the whole answer's status line
             if upstream.status_code != 200:
                 return await self._engine_refusal(exchange, upstream, decoder)
             if not request.stream:
@@ -86,6 +87,8 @@ class DecodeHop:
             stream = await self.primed_stream(exchange, upstream, decoder, staged, call, deadline)
         finally:
             deadline.stop()
+        # A stream's first token: vLLM sends a stream's status line before its engine has the request.
+        exchange.done.kv_answered_by(decoder)
         return StreamedAnswer(stream, stream.close, exchange.headers, media_type=stream.media_type)
 
     async def open(self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, deadline: Deadline) -> EngineAnswer:

@@ -95,10 +95,11 @@ class HeadFirst:
             try:
                 done.kv_sent_to(decoder)
                 upstream = await self._decode.open(exchange, decoder, call, deadline)
-                done.kv_answered_by(decoder)
                 if upstream.status_code != 200:
+                    done.kv_answered_by(decoder)
                     await _refused_after_head(upstream, decoder)
                 stream = await self._decode.primed_stream(exchange, upstream, decoder, staged, call, deadline)
+                done.kv_answered_by(decoder)  # its first token (see DecodeHop._answer)
             except DecodeFailed as exc:
                 replacement.failed(decoder, exc)
                 plan = replace(plan, decoder=await replacement.next(decoder, exc))
