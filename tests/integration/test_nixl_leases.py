@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,21 @@ async def wait_until_no_lease(prefiller: str, *, within: float = 5.0) -> None:
     async with asyncio.timeout(within):
         while (await engine_stats(prefiller))["leases_active"]:  # noqa: ASYNC110 - another process's state
             await asyncio.sleep(0.05)
+
+
+async def leave_and_find_released(request: asyncio.Task[Any], prefiller: str, router: str, *, orphaned: int) -> None:
+    """The client leaves while the prefiller holds its request's blocks: within seconds the router has had them
+    released, counted once (as an orphaned prefill `orphaned` times), and the client's leaving counted."""
+    assert (await engine_stats(prefiller))["leases_active"] == 1
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+    await wait_until_no_lease(prefiller)
+    assert (await engine_stats(prefiller))["leases_released"] == 1
+    assert await metric(router, "dpd_router_kv_released_total", {"connector": "nixl"}) == 1
+    assert await metric(router, "dpd_router_orphaned_prefills_total", {"outcome": "released"}) == orphaned
+    assert await metric(router, "dpd_router_client_disconnects_total") == 1
 
 
 async def test_n_above_one_is_served_by_a_decoder_alone_and_leaves_no_lease(tokenizer_dir: Path) -> None:
@@ -65,17 +81,8 @@ async def test_a_client_that_leaves_as_the_prefill_answers_has_its_blocks_releas
         request = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(LONG, stream=stream)))
         await asyncio.wait_for(link.answering.wait(), 10)
         # The prefiller has finished the call and holds its blocks; the router has not read the answer yet.
-        assert (await engine_stats(prefiller))["leases_active"] == 1
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-
-        await wait_until_no_lease(prefiller)
-        assert (await engine_stats(prefiller))["leases_released"] == 1
-        assert await metric(url, "dpd_router_kv_released_total", {"connector": "nixl"}) == 1
-        assert await metric(url, "dpd_router_orphaned_prefills_total", {"outcome": "released"}) == 1
+        await leave_and_find_released(request, prefiller, url, orphaned=1)
         assert await metric(url, "dpd_router_orphaned_prefills_total", {"outcome": "cut"}) == 0
-        assert await metric(url, "dpd_router_client_disconnects_total") == 1
         # The decoder only refused the release call: it decoded nothing.
         assert [entry["kind"] for entry in (await engine_stats(decoder))["recent"]] == []
 
@@ -98,13 +105,4 @@ async def test_a_client_that_leaves_before_the_decoder_answered_has_its_blocks_r
         async with asyncio.timeout(10):
             while (await engine_stats(decoder))["in_flight"] != 1:  # noqa: ASYNC110 - another engine's state
                 await asyncio.sleep(0.02)
-        assert (await engine_stats(prefiller))["leases_active"] == 1
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-
-        await wait_until_no_lease(prefiller)
-        assert (await engine_stats(prefiller))["leases_released"] == 1
-        assert await metric(url, "dpd_router_kv_released_total", {"connector": "nixl"}) == 1
-        assert await metric(url, "dpd_router_orphaned_prefills_total", {"outcome": "released"}) == 0
-        assert await metric(url, "dpd_router_client_disconnects_total") == 1
+        await leave_and_find_released(request, prefiller, url, orphaned=0)
