@@ -14,6 +14,10 @@ rather than guesses:
   unanswered for `hang_probe_timeout` seconds. An engine that answers the probe is alive and merely
   long at this call: the watch looks again after twice the period.
 
+A look that comes late (the router's own loop held up: a long collection, a starved CPU) judges nothing:
+the engine's tokens of that time may still wait in the socket, unread, so the watch looks again one
+period later instead of taking the router's pause for the engine's.
+
 A verdict ends the hop's current wait at once (its timeout scope expires); without one the phase's
 timeout still bounds it. One probe at a time per engine: every hop waiting on it shares the answer.
 """
@@ -33,6 +37,10 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transport import EngineCalls
 
 Verdict = Literal["slow", "hung"]
+
+# How late a look may run (a share of its period, and at least this many seconds) and still judge.
+LATE_SHARE = 0.25
+LATE_SECONDS = 0.05
 
 
 class EngineProbe:
@@ -93,9 +101,11 @@ class HopWatch:
         self.started = self._loop.time()
         self.verdict: Verdict | None = None
         self.busy_checks = 0
+        self.late_looks = 0
         self._scope: asyncio.Timeout | None = None
         self._asking: asyncio.Task[bool] | None = None
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self.started + expected, self._look)
+        self._due = self.started + expected
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._due, self._look)
 
     @property
     def expected(self) -> float:
@@ -111,7 +121,10 @@ class HopWatch:
     def _look(self) -> None:
         self._timer = None
         now = self._loop.time()
-        if self._endpoint.moved_since(now - self._period):
+        if now - self._due > max(LATE_SECONDS, LATE_SHARE * self._period):
+            self.late_looks += 1
+            self._again(now + self._period)
+        elif self._endpoint.moved_since(now - self._period):
             self.busy_checks += 1
             self._again(now + self._period)
         elif self._learned:
@@ -131,6 +144,7 @@ class HopWatch:
             self._decide("hung")
 
     def _again(self, at: float) -> None:
+        self._due = at
         self._timer = self._loop.call_at(at, self._look)
 
     def _decide(self, verdict: Verdict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -74,6 +75,22 @@ async def test_a_busy_engine_is_waited_for_past_its_learned_deadline() -> None:
     assert hop_watch.verdict is None
     assert hop_watch.busy_checks >= 3
     assert engine.probes == [], "a busy engine is not asked"
+
+
+async def test_a_look_the_routers_own_pause_held_up_judges_nothing() -> None:
+    """The router's loop held past the look (a long collection, a starved CPU): what the engine sent
+    meanwhile is still unread when the late look runs, so it judges nothing, and the next look finds the
+    engine busy."""
+    endpoint, engine = Endpoint("http://busy", "decode"), Engine(hung=False)
+    hop_watch = watch(endpoint, engine, 0.05, learned=True)
+    hopping = asyncio.create_task(hop(hop_watch, 0.3))
+    time.sleep(0.2)  # noqa: ASYNC251 -- the router's loop held up, on purpose
+    await asyncio.sleep(0)  # the late look runs before anything reads the engine's tokens
+    async with moving(endpoint):
+        await hopping
+    assert hop_watch.verdict is None
+    assert hop_watch.late_looks == 1
+    assert hop_watch.busy_checks >= 1
 
 
 async def test_an_idle_engine_past_its_learned_deadline_is_left() -> None:
