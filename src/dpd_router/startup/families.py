@@ -10,12 +10,12 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import ClientAddresses, Gatekeeper, KeyRing
-from dpd_router.api.redis_limits import RedisBuckets
 from dpd_router.config import Settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.metrics import RouterMetrics
@@ -38,6 +38,9 @@ from dpd_router.tokenizer import TokenCounter
 from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
 from dpd_router.transport import AiohttpTransport, EngineCalls
+
+if TYPE_CHECKING:
+    from dpd_router.api.redis_limits import RedisBuckets
 
 log = logging.getLogger("dpd_router.app")
 
@@ -189,7 +192,12 @@ def build_routing(
 
 def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -> Access:
     # Connects lazily, on the first check: a store down at startup only means local limits for now.
-    store = RedisBuckets(settings.limits_store, metrics) if settings.limits_store else None
+    store = None
+    if settings.limits_store:
+        # The Redis client (and the telemetry it imports) is a large part of a start-up without it.
+        from dpd_router.api.redis_limits import RedisBuckets
+
+        store = RedisBuckets(settings.limits_store, metrics)
     keys = KeyRing.load(
         keys_file=settings.api_keys_file,
         key_hashes=settings.api_key_hashes,
