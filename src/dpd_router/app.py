@@ -20,6 +20,7 @@ from dpd_router.api.errors import error_response
 from dpd_router.api.guards import ErrorBoundary
 from dpd_router.api.openai import OpenAIApi
 from dpd_router.api.ops import OpsApi
+from dpd_router.api.tokenize import TokenizeApi
 from dpd_router.config import Settings
 from dpd_router.server import REASONS as REFUSAL_REASONS
 from dpd_router.server import ListenerLimits, RefusedConnections, guarded_protocol
@@ -110,6 +111,14 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
         metrics=metrics,
     )
     app.include_router(openai.routes())
+    tokenize = TokenizeApi(
+        gatekeeper=access.gatekeeper,
+        pools=components.engines.by_tenant,
+        client=components.client,
+        live=live,
+        metrics=metrics,
+    )
+    app.include_router(tokenize.routes())
     app.include_router(OpsApi(pool=every_engine, model=model, metrics=metrics).routes())
     admin = AdminApi(
         gatekeeper=access.gatekeeper,

@@ -139,17 +139,32 @@ class RequestParser:
             return_token_ids=_optional_bool(body, "return_token_ids", default=False),
         )
 
-    def tokenize(self, raw: bytes) -> list[int]:
-        """The `/tokenize` endpoint's view: a `prompt` string, or chat `messages`."""
+    def tokenize(self, raw: bytes) -> tuple[list[int], list[str] | None]:
+        """The `/tokenize` endpoint's view: a `prompt` string, or chat `messages`; the ids, and their
+        token strings when `return_token_strs` asks for them."""
         body = load_object(raw)
         self._check_model(body)
         if "messages" in body:
-            return self._chat_prompt(body)[0]
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequest("either prompt (a string) or messages is required")
-        add_special = _optional_bool(body, "add_special_tokens", default=True)
-        return self._encode(prompt, add_special)
+            ids = self._chat_prompt(body)[0]
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise InvalidRequest("either prompt (a string) or messages is required")
+            ids = self._encode(prompt, _optional_bool(body, "add_special_tokens", default=True))
+        if body.get("return_token_strs") is not True:
+            return ids, None
+        return ids, [str(token) for token in self.tokenizer.convert_ids_to_tokens(ids)]
+
+    def detokenize(self, raw: bytes) -> str:
+        """The `/detokenize` endpoint's view: the text of `tokens`, decoded as vLLM does (special tokens kept)."""
+        body = load_object(raw)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_is_token_id(token) for token in tokens):
+            raise InvalidRequest("tokens must be an array of non-negative integers")
+        if tokens:
+            self._checked_ids(tokens)
+        return str(self.tokenizer.decode(tokens))
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")

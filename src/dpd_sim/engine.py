@@ -69,12 +69,20 @@ def create_app(config: SimConfig) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         core.stats.tokenize_requests += 1
         try:
-            tokens = core.parser.tokenize(await request.body())
+            tokens, strs = core.parser.tokenize(await request.body())
         except InvalidRequest as exc:
             return _error(exc)
         return _json(
-            {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens, "token_strs": None}
+            {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens, "token_strs": strs}
         )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            text = core.parser.detokenize(await request.body())
+        except InvalidRequest as exc:
+            return _error(exc)
+        return _json({"prompt": text})
 
     @app.get("/load")
     async def load() -> Response:

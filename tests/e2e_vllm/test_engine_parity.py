@@ -121,3 +121,28 @@ async def test_healthcheck_answers_as_health_and_responses_are_refused_clearly(r
         refused = await client.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hello"})
     assert healthcheck.status_code == health.status_code == 200
     assert refused.status_code == 501 and refused.json()["error"]["type"] == "NotImplementedError"
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/tokenize", {"prompt": "The quarterly report shows steady growth.", "return_token_strs": True}),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "Summarise the quarter."}], "add_generation_prompt": True},
+        ),
+        ("/tokenize", {"model": "no-such-model", "prompt": "Hello"}),
+        ("/detokenize", {"tokens": [TOKEN, TOKEN + 1, TOKEN + 2]}),
+    ],
+    ids=["prompt", "chat", "unknown-model", "detokenize"],
+)
+async def test_tokenize_and_detokenize_answer_as_the_engine_does(
+    router: str, nixl_pair: VllmPair, path: str, body: dict[str, Any]
+) -> None:
+    """Benchmark tools count prompts with /tokenize: through the router they get the decoder's own answer."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client:
+        routed = await client.post(f"{router}{path}", json=body)
+        reference = await client.post(f"{nixl_pair.decode.url}{path}", json=body)
+    _say(f"{path} {sorted(body)}: router {routed.status_code}, engine {reference.status_code}")
+    assert routed.status_code == reference.status_code
+    assert routed.json() == reference.json()

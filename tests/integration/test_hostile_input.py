@@ -148,6 +148,10 @@ raw_bodies = (
         st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
         json_values.map(encode),
     )
+    # vLLM's /tokenize and /detokenize, relayed to an engine: its refusals are the client's, never a 5xx.
+    | chat_bodies.map(lambda body: ("/tokenize", encode(body)))
+    | completion_bodies.map(lambda body: ("/tokenize", encode(body)))
+    | st.tuples(st.sampled_from(["/tokenize", "/detokenize"]), st.binary(max_size=60) | json_values.map(encode))
 )
 
 

@@ -77,6 +77,23 @@ async def test_without_a_local_tokenizer_a_tenants_prompts_are_tokenized_on_its_
         assert shared_after - after[0] == 1, "a key without reserved engines is tokenized on the shared pool"
 
 
+async def test_a_tenants_tokenize_and_detokenize_reach_only_its_own_engines(
+    decoders: SimCluster, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """With a local tokenizer too: /tokenize is the engine's to answer, and acme's text goes to acme's."""
+    async with (
+        running_router(**tenant_settings(decoders, tmp_path, tokenizer=str(tokenizer_dir))) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        before = await tokenize_calls(decoders)
+        answer = await client.post("/tokenize", json={"prompt": "acme's secret"}, headers=key("acme-key"))
+        assert answer.status_code == 200
+        decoded = await client.post("/detokenize", json={"tokens": answer.json()["tokens"]}, headers=key("acme-key"))
+        assert decoded.status_code == 200 and "acme's secret" in decoded.json()["prompt"]
+        shared, acme, beta = (now - then for now, then in zip(await tokenize_calls(decoders), before, strict=True))
+        assert (shared, acme, beta) == (0, 1, 0)
+
+
 async def test_a_tenants_burst_fills_its_own_admission_budget_not_anothers(
     decoders: SimCluster, tokenizer_dir: Path, tmp_path: Path
 ) -> None:

@@ -120,7 +120,7 @@ class OpenAIApi:
                 request.headers.get("authorization"), self._gatekeeper.source_of(request)
             )
             await principal.limits.take_request()
-            raw = await _read_body(request, settings.max_body_bytes)
+            raw = await read_body(request, settings.max_body_bytes)
             trusted = settings.trust_request_chat_template
             if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request
                 client_request = await asyncio.to_thread(
@@ -168,16 +168,7 @@ class OpenAIApi:
             return self._error(exc, request_id)
 
     def _error(self, exc: RouterError, request_id: str) -> Response:
-        headers = {"X-Request-Id": request_id}
-        if isinstance(exc, RateLimited | AdmissionRejected):
-            headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-        elif exc.status_code == 503:
-            headers["Retry-After"] = "1"
-        if isinstance(exc, Unauthorized) or exc.status_code == 403:
-            headers["WWW-Authenticate"] = "Bearer"
-        if isinstance(exc, RateLimited):
-            count_refusal(self._metrics, exc)
-        return response_for(exc, headers=headers)
+        return error_response(exc, request_id, self._metrics)
 
 
 def _free_apart(request: ClientRequest) -> None:
@@ -193,7 +184,23 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def error_response(exc: RouterError, request_id: str, metrics: RouterMetrics) -> Response:
+    """The OpenAI-style error for `exc`, with the headers a client acts on (when to retry, how to
+    authenticate); a rate-limit refusal is counted."""
+    headers = {"X-Request-Id": request_id}
+    if isinstance(exc, RateLimited | AdmissionRejected):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    elif exc.status_code == 503:
+        headers["Retry-After"] = "1"
+    if isinstance(exc, Unauthorized) or exc.status_code == 403:
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, RateLimited):
+        count_refusal(metrics, exc)
+    return response_for(exc, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused past `limit` bytes before more is read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
