@@ -8,8 +8,9 @@ PYTEST_ARGS ?=
 # 0.3 s of CPU a start.
 unexport PYTHONDONTWRITEBYTECODE
 # Test processes (pytest-xdist), each given whole files so a module's fixtures start once; 0 runs in this process.
-# Three on two cores: the tests wait on sockets and timers often enough to leave a core idle with two.
-PYTEST_WORKERS ?= 3
+# Four on two cores: the tests wait on sockets and timers often enough to leave a core idle a quarter
+# of the time with three.
+PYTEST_WORKERS ?= 4
 XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # The unit tests share little set-up a test could not pay itself: spread test by test, over two.
 UNIT_XDIST = -n 2 --dist load

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpd_router.tokenize")
 
-PATHS = ("/tokenize", "/detokenize")
-
 
 class TokenizeApi:
     """`/tokenize` and `/detokenize`, relayed to the engines of the caller's pool."""
