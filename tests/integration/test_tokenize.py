@@ -3,6 +3,7 @@ limits and tenants, from an engine that can be reached."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,10 @@ async def test_keys_and_request_limits_hold_as_for_chat(router: str, cluster: Si
     assert after - before == 1, "only the accepted call reached an engine"
 
 
-async def test_an_engine_that_cannot_be_reached_is_passed_over(cluster: SimCluster, tokenizer_dir: Path) -> None:
+async def test_an_engine_that_cannot_be_reached_is_passed_over(
+    cluster: SimCluster, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="dpd_router.tokenize")
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: connections refused
@@ -123,3 +127,5 @@ async def test_an_engine_that_cannot_be_reached_is_passed_over(cluster: SimClust
         ) as base_url:
             answers = [await post(base_url, "/tokenize", {"prompt": f"{i} {TEXT}"}) for i in range(4)]
     assert [answer.status_code for answer in answers] == [200] * 4
+    tried_dead = [record for record in caplog.records if dead in record.getMessage()]
+    assert len(tried_dead) == 2, "the calls took the decoders in turn, the dead one first every other call"
