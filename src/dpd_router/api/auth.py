@@ -208,6 +208,10 @@ class Gatekeeper:
             return ANONYMOUS
         return self._checked(lambda: self.keys.authenticate(authorization), authorization, source)
 
+    def caller(self, request: Request) -> Principal:
+        """The caller of the OpenAI API, from the request's headers alone (its key) and its address."""
+        return self.authenticate(request.headers.get("authorization"), self.source_of(request))
+
     def authenticate_admin(self, authorization: str | None, source: str) -> Principal:
         """The caller of an admin endpoint: an admin key, always required."""
         return self._checked(lambda: self.keys.authenticate_admin(authorization), authorization, source)

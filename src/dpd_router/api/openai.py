@@ -103,9 +103,9 @@ class OpenAIApi:
 
     def _caller(self, request: Request) -> tuple[str, Response | None]:
         """The request's id, and the refusal to send when the caller's key is not accepted."""
-        request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+        request_id = request_id_of(request)
         try:
-            self._gatekeeper.authenticate(request.headers.get("authorization"), self._gatekeeper.source_of(request))
+            self._gatekeeper.caller(request)
         except RouterError as exc:
             return request_id, self._error(exc, request_id)
         return request_id, None
@@ -113,12 +113,10 @@ class OpenAIApi:
     async def _serve(self, request: Request, kind: RequestKind) -> Response:
         arrived = time.perf_counter()
         settings = self._live.settings
-        request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+        request_id = request_id_of(request)
         try:
             # Who is asking, from the headers alone: a body nobody may send is never read.
-            principal = self._gatekeeper.authenticate(
-                request.headers.get("authorization"), self._gatekeeper.source_of(request)
-            )
+            principal = self._gatekeeper.caller(request)
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
             trusted = settings.trust_request_chat_template
@@ -182,6 +180,11 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def request_id_of(request: Request) -> str:
+    """The client's `X-Request-Id` (cleaned), else a new one: sent to the engines and back to the client."""
+    return clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
 
 
 def error_response(exc: RouterError, request_id: str, metrics: RouterMetrics) -> Response:

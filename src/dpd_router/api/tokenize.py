@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -19,8 +18,7 @@ import httpx
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from dpd_router.api.openai import error_response, read_body
-from dpd_router.client_request import clean_request_id
+from dpd_router.api.openai import error_response, read_body, request_id_of
 from dpd_router.errors import NoHealthyDecoder, RouterError, UpstreamError
 
 if TYPE_CHECKING:
@@ -66,11 +64,9 @@ class TokenizeApi:
         return await self._relay(request, "/detokenize")
 
     async def _relay(self, request: Request, path: str) -> Response:
-        request_id = clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+        request_id = request_id_of(request)
         try:
-            principal = self._gatekeeper.authenticate(
-                request.headers.get("authorization"), self._gatekeeper.source_of(request)
-            )
+            principal = self._gatekeeper.caller(request)
             await principal.limits.take_request()
             raw = await read_body(request, self._live.settings.max_body_bytes)
             pool = self._pools.get(principal.tenant) or self._pools[None]
