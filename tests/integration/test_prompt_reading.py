@@ -17,7 +17,7 @@ import pytest
 from dpd_router.errors import NoHealthyDecoder
 from dpd_router.routing.planner import Planner
 from dpd_router.tokenizer import BackgroundEncoder, LocalTokenizer
-from dpd_router.transfer import nixl
+from dpd_router.transfer import base as transfer_base
 from dpd_sim.cluster import SimCluster
 from dpd_sim.tokenizer_kit import _WORDS
 
@@ -45,7 +45,7 @@ def long_text(words: int, seed: int) -> str:
 
 def answers_without_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefiller's answers read as an engine's that cannot return the prompt's ids."""
-    monkeypatch.setattr(nixl, "prefill_prompt_ids", lambda payload, prompt_tokens: None)
+    monkeypatch.setattr(transfer_base, "prefill_prompt_ids", lambda payload, prompt_tokens: None)
 
 
 @pytest.mark.parametrize("ids_in_answer", ["theirs", "none", "foreign"])
@@ -70,7 +70,7 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
     if ids_in_answer == "none":
         answers_without_ids(monkeypatch)
     elif ids_in_answer == "foreign":  # another tokenizer's: as many ids, not the same
-        monkeypatch.setattr(nixl, "prefill_prompt_ids", lambda payload, prompt_tokens: [7] * prompt_tokens)
+        monkeypatch.setattr(transfer_base, "prefill_prompt_ids", lambda payload, prompt_tokens: [7] * prompt_tokens)
     async with reading_router(cluster, tokenizer_dir) as base_url:
         client = openai_client(base_url)
         answer = await client.chat.completions.create(

@@ -227,6 +227,18 @@ def prefill_prompt_ids(payload: dict[str, Any], prompt_tokens: int | None) -> li
     return ids
 
 
+def staged_from_prefill(payload: dict[str, Any], params: dict[str, Any]) -> StagedKV:
+    """The KV a one-token prefill answer staged: `params` for the decoder, the answer's usage, and the
+    prompt's ids where it carries them."""
+    prompt_tokens, cached_tokens = prefill_usage(payload)
+    return StagedKV(
+        params=params,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        prompt_ids=prefill_prompt_ids(payload, prompt_tokens),
+    )
+
+
 _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
 
 

@@ -22,13 +22,7 @@ import orjson
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.tasks import cancel_and_wait
-from dpd_router.transfer.base import (
-    SequentialConnector,
-    StagedKV,
-    one_token_body,
-    prefill_prompt_ids,
-    prefill_usage,
-)
+from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, staged_from_prefill
 from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.transfer.nixl")
@@ -71,13 +65,7 @@ def staged_from_answer(payload: Any) -> StagedKV:
     params = payload.get("kv_transfer_params")
     if not isinstance(params, dict) or not params:
         raise PrefillFailed("no_kv_params", "the prefill answer carries no kv_transfer_params")
-    prompt_tokens, cached_tokens = prefill_usage(payload)
-    return StagedKV(
-        params=params,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        prompt_ids=prefill_prompt_ids(payload, prompt_tokens),
-    )
+    return staged_from_prefill(payload, params)
 
 
 class NixlConnector(SequentialConnector):

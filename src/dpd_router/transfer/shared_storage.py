@@ -12,13 +12,7 @@ from typing import Any
 
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
-from dpd_router.transfer.base import (
-    SequentialConnector,
-    StagedKV,
-    one_token_body,
-    prefill_prompt_ids,
-    prefill_usage,
-)
+from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, staged_from_prefill
 
 
 def prefill_body(request: ClientRequest) -> dict[str, Any]:
@@ -30,13 +24,7 @@ def staged_from_answer(payload: Any) -> StagedKV:
     """Read the prefiller's answer: the KV is on disk; keep its token counts for usage."""
     if not isinstance(payload, dict):
         raise PrefillFailed("bad_answer", "the prefill answer is not a JSON object")
-    prompt_tokens, cached_tokens = prefill_usage(payload)
-    return StagedKV(
-        params={},
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        prompt_ids=prefill_prompt_ids(payload, prompt_tokens),
-    )
+    return staged_from_prefill(payload, {})
 
 
 class SharedStorageConnector(SequentialConnector):
