@@ -40,8 +40,8 @@ class HeldKV:
         self._settled = False
         self._sent = False
 
-    def sent_to(self, decoder: Endpoint) -> None:
-        """A decode call for this KV is being sent to `decoder` (it may start reading the blocks)."""
+    def sent(self) -> None:
+        """A decode call for this KV is being sent (its decoder may start reading the blocks)."""
         self._sent = True
 
     def answered_by(self, decoder: Endpoint) -> None:
@@ -110,9 +110,9 @@ class Completion:
         self.release_kv()
         self._kv = kv
 
-    def kv_sent_to(self, decoder: Endpoint) -> None:
+    def kv_sent(self) -> None:
         if self._kv is not None:
-            self._kv.sent_to(decoder)
+            self._kv.sent()
 
     def kv_answered_by(self, decoder: Endpoint) -> None:
         if self._kv is not None:

@@ -76,7 +76,7 @@ class DecodeHop:
             return self.answer_from_prefill(exchange, call, staged)
         deadline = self._deadline(exchange, decoder, with_kv=staged is not None, replaceable=replaceable)
         try:
-            exchange.done.kv_sent_to(decoder)
+            exchange.done.kv_sent()
             upstream = await self.open(exchange, decoder, call, deadline)
             if upstream.status_code != 200 or not request.stream:
                 exchange.done.kv_answered_by(decoder)  # a refusal, or the whole answer's status line

@@ -93,7 +93,7 @@ class HeadFirst:
             # The client already has the head: the continuation keeps the phase's timeout.
             deadline = self._decode.continuation_deadline(exchange, decoder)
             try:
-                done.kv_sent_to(decoder)
+                done.kv_sent()
                 upstream = await self._decode.open(exchange, decoder, call, deadline)
                 if upstream.status_code != 200:
                     done.kv_answered_by(decoder)
