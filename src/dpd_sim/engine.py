@@ -23,6 +23,7 @@ from dpd_sim.core import EngineCore
 from dpd_sim.faults import FAULT_MODES, FaultMode
 from dpd_sim.gpu import TimingModel
 from dpd_sim.kv_events import EVENT_FORMATS, EventFormat
+from dpd_sim.messages import MessagesEndpoint
 from dpd_sim.nixl import NOTIFY_PATH, TRANSFER_PATH
 from dpd_sim.openai_format import error_body
 from dpd_sim.serving import CompletionsEndpoint
@@ -144,6 +145,7 @@ def create_app(config: SimConfig) -> FastAPI:
 
     for path, api in (("/v1/completions", "text"), ("/v1/chat/completions", "chat")):
         app.router.routes.append(Route(path, CompletionsEndpoint(core, cast(Api, api)), methods=["POST"]))
+    app.router.routes.append(Route("/v1/messages", MessagesEndpoint(core), methods=["POST"]))
     return app
 
 
