@@ -77,7 +77,11 @@ class CompletionsLane:
 
     def open(self, api: OpenAIApi) -> None:
         """Serve the completion endpoints with `api` (once the components are built)."""
-        self._routes = {"/v1/chat/completions": api.chat_completions, "/v1/completions": api.completions}
+        self._routes = {
+            "/v1/chat/completions": api.chat_completions,
+            "/v1/completions": api.completions,
+            "/v1/messages": api.messages,
+        }
 
     def close(self) -> None:
         self._routes = {}

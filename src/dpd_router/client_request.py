@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 import orjson
 
+from dpd_router import messages_api
 from dpd_router.errors import InvalidRequest
 
-RequestKind = Literal["chat", "completion"]
+# chat and text completions (OpenAI), and the Anthropic Messages API.
+RequestKind = Literal["chat", "completion", "messages"]
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # orjson, which encodes every body the router forwards, refuses anything nested deeper.
@@ -32,7 +34,7 @@ MANY_CONTAINERS = 20_000
 
 @dataclass
 class ClientRequest:
-    """One OpenAI request: its kind, its parsed body and the raw bytes it arrived as."""
+    """One client request: its kind, its parsed body and the raw bytes it arrived as."""
 
     kind: RequestKind
     body: dict[str, Any]
@@ -43,11 +45,24 @@ class ClientRequest:
     # How many `[` and `{` its bytes hold, in strings too: a bound on the containers its parse made, which
     # says what rendering and freeing them costs before either is done.
     brackets: int = field(default=0)
+    # A Messages body converted to the chat body the engine's template renders it as (messages_api).
+    converted: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def template_body(self) -> dict[str, Any] | None:
+        """The chat body the engine's chat template renders of this request; None for a text completion."""
+        if self.kind == "chat":
+            return self.body
+        return self.converted
+
+    def template_raw(self) -> bytes:
+        """The bytes of `template_body` (a chat request's as it came), for a render in another process."""
+        return self.raw if self.kind == "chat" else orjson.dumps(self.converted)
 
     @property
     def batch_size(self) -> int:
         """How many prompts the request carries (text completions accept a list of prompts)."""
-        if self.kind == "chat":
+        if self.kind != "completion":
             return 1
         prompt = self.body["prompt"]
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -64,14 +79,19 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_request(
-    kind: RequestKind, raw: bytes, *, trust_chat_template: bool = False, yielding: bool = False
+    kind: RequestKind,
+    raw: bytes,
+    *,
+    trust_chat_template: bool = False,
+    yielding: bool = False,
+    counting: bool = False,
 ) -> ClientRequest:
-    """Parse and check a chat or text completion body; raise InvalidRequest naming the bad field.
+    """Parse and check a chat, text completion or Messages body; raise InvalidRequest naming the bad field.
 
     A chat template the client sends is refused unless `trust_chat_template` (as vLLM refuses it
     unless started with --trust-request-chat-template). `yielding`, for a large body parsed on another
     thread: parse it so that the event loop's thread gets the interpreter while it is parsed
-    (load_yielding).
+    (load_yielding). `counting`: a Messages body to count the tokens of, which needs no `max_tokens`.
     """
     if not raw.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.")
@@ -82,19 +102,26 @@ def parse_request(
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     brackets = _brackets(raw, yielding=yielding)
+    converted = None
     try:
         if kind == "chat":
             _check_messages(body)
+            _check_chat_template(body, trusted=trust_chat_template)
+        elif kind == "messages":
+            messages_api.check_body(body, counting=counting)
             _check_chat_template(body, trusted=trust_chat_template)
         else:
             _check_prompt(body)
         _check_common(body, kind)
         _check_depth(body, brackets, yielding=yielding)
+        if kind == "messages":
+            converted = messages_api.template_body(body)
     except InvalidRequest:
         if yielding and brackets > MANY_CONTAINERS:
             free_in_pieces(body)
         raise
-    return ClientRequest(kind=kind, body=body, raw=raw, stream=bool(body.get("stream", False)), brackets=brackets)
+    stream = bool(body.get("stream", False))
+    return ClientRequest(kind=kind, body=body, raw=raw, stream=stream, brackets=brackets, converted=converted)
 
 
 def _brackets(raw: bytes, *, yielding: bool) -> int:

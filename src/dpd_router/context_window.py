@@ -75,7 +75,7 @@ def _integer(value: Any) -> int | None:
 
 def _tokenized_from_text(request: ClientRequest) -> bool:
     """Whether the engine tokenizes the (first) prompt itself, cutting it one token past the limit."""
-    if request.kind == "chat":
+    if request.kind != "completion":
         return True
     prompt = request.body.get("prompt")
     return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))

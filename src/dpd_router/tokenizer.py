@@ -175,7 +175,7 @@ class LocalTokenizer:
         if self._added_specials is None:
             return None
         started = time.perf_counter()
-        if request.kind == "chat":
+        if request.template_body is not None:
             rendered = await self._render_apart(request, max_tokens)
             text, special = (rendered if rendered is not None else await self._render_in_lane(request)), False
         else:
@@ -244,8 +244,9 @@ class LocalTokenizer:
 
             return run
 
-        if request.kind == "chat":
-            return encode(lambda: [rendered if rendered is not None else self._render(body)], False)
+        chat = request.template_body
+        if chat is not None:
+            return encode(lambda: [rendered if rendered is not None else self._render(chat)], False)
         prompt = body["prompt"]
         if isinstance(prompt, str):
             return encode(lambda: [prompt], True)
@@ -272,10 +273,12 @@ class LocalTokenizer:
     async def _render_in_lane(self, request: ClientRequest) -> str:
         """The tokenizer's template over the request's messages: on the event loop for a small body, else in
         the lane its size calls for (a body of many short messages renders for seconds)."""
+        chat = request.template_body
+        assert chat is not None
         lane = self._lane(len(request.raw))
         if lane is None:
-            return self._render(request.body)
-        return await asyncio.get_running_loop().run_in_executor(lane, self._render, request.body)
+            return self._render(chat)
+        return await asyncio.get_running_loop().run_in_executor(lane, self._render, chat)
 
     def _render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat request, by the tokenizer's own (trusted) template."""
@@ -291,16 +294,17 @@ class LocalTokenizer:
         (in the sandbox), or the server's over a body of very many containers; None: render it here.
         A text whose size alone shows more than `max_tokens` raises PromptTooLong, as `_check_size`, and is
         never sent back (tens of MB to copy and decode)."""
-        if request.kind != "chat":
+        chat = request.template_body
+        if chat is None:
             return None
         max_bytes = None if max_tokens is None else (max_tokens + 1) * self.bytes_per_token - 1
         try:
-            if client_template(request.body) is not None:
+            if client_template(chat) is not None:
                 if self._sandbox is None:  # parsing refuses client templates unless they are trusted
                     raise InvalidRequest("Chat templates sent with requests are not accepted.", param="chat_template")
-                return await self._sandbox.render_body(request.raw, from_client=True, max_bytes=max_bytes)
+                return await self._sandbox.render_body(request.template_raw(), from_client=True, max_bytes=max_bytes)
             if self._body_renderer is not None and request.brackets > MANY_CONTAINERS:
-                return await self._body_renderer.render_body(request.raw, max_bytes=max_bytes)
+                return await self._body_renderer.render_body(request.template_raw(), max_bytes=max_bytes)
         except RenderedTooLarge as exc:
             raise PromptTooLong(exc.size // self.bytes_per_token) from None
         return None
@@ -684,8 +688,11 @@ class EngineTokenizer:
     async def tokenize(self, request: ClientRequest, *, max_tokens: int | None = None) -> Prompt:
         started = time.perf_counter()
         body = request.body
-        if request.kind == "chat":
-            payload: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
+        chat = request.template_body
+        if chat is not None:
+            payload: dict[str, Any] = {"messages": chat["messages"], "add_generation_prompt": True}
+            if chat.get("tools") is not None:
+                payload["tools"] = chat["tools"]
             model = self._model()
             if model:
                 payload["model"] = model

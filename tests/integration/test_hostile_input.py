@@ -108,6 +108,48 @@ completion_bodies = st.fixed_dictionaries({"prompt": prompts}, optional=optional
     lambda body: {"max_tokens": 3, **body}
 )
 
+# The Messages API's bodies: its roles and content blocks, each valid, edge or of the wrong type.
+message_blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "document"]) | json_values},
+    optional={
+        "text": st.text(max_size=30) | json_values,
+        "thinking": st.text(max_size=10) | json_values,
+        "input": json_values,
+        "content": st.text(max_size=20) | st.lists(content_parts, max_size=2) | json_values,
+        "source": json_values,
+        "id": json_values,
+        "tool_use_id": json_values,
+        "name": json_values,
+    },
+)
+anthropic_messages = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system", "tool"]) | json_values,
+        "content": st.text(max_size=60) | st.lists(message_blocks, max_size=3) | json_values,
+    }
+)
+messages_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(anthropic_messages, max_size=4) | json_values},
+    optional={
+        "model": optional_fields["model"],
+        "max_tokens": counts,
+        "stream": optional_fields["stream"],
+        "system": st.text(max_size=20) | st.lists(message_blocks, max_size=2) | json_values,
+        "tools": st.lists(
+            st.fixed_dictionaries({"name": st.text(max_size=8) | json_values, "input_schema": json_values}), max_size=2
+        )
+        | json_values,
+        "tool_choice": json_values,
+        "temperature": optional_fields["temperature"],
+        "stop_sequences": json_values,
+        "thinking": json_values,
+        "metadata": json_values,
+        "kv_transfer_params": json_values,
+        "chat_template_kwargs": optional_fields["chat_template_kwargs"],
+    },
+)
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
 
 def nested(depth: int, kind: str) -> Any:
     value: Any = "x"
@@ -152,6 +194,11 @@ raw_bodies = (
     | chat_bodies.map(lambda body: ("/tokenize", encode(body)))
     | completion_bodies.map(lambda body: ("/tokenize", encode(body)))
     | st.tuples(st.sampled_from(["/tokenize", "/detokenize"]), st.binary(max_size=60) | json_values.map(encode))
+    # The Messages API and its token count: refusals in that API's shape.
+    | st.tuples(
+        st.sampled_from(MESSAGES_PATHS), messages_bodies.map(lambda body: {"max_tokens": 3, **body}).map(encode)
+    )
+    | st.tuples(st.sampled_from(MESSAGES_PATHS), st.binary(max_size=60) | json_values.map(encode))
 )
 
 
@@ -187,7 +234,7 @@ async def test_thousands_of_generated_bodies_get_no_5xx_and_keep_the_connection(
                 continue
             previous = (path, payload[:300], answer.body[:300])
             by_status[answer.status] += 1
-            problem = answer_problem(answer)
+            problem = answer_problem(answer, messages_api=path in MESSAGES_PATHS)
             if problem is not None:
                 failures.setdefault(f"{answer.status} {problem}", (path, payload[:300], answer.body[:300]))
     finally:
@@ -199,10 +246,13 @@ async def test_thousands_of_generated_bodies_get_no_5xx_and_keep_the_connection(
     assert by_status[200] > 100 and by_status[400] > 100
 
 
-def answer_problem(answer: Answer) -> str | None:
-    """What is wrong with an answer to a hostile body: a 5xx, or an error that is not OpenAI-shaped."""
+def answer_problem(answer: Answer, *, messages_api: bool = False) -> str | None:
+    """What is wrong with an answer to a hostile body: a 5xx, or an error not in its API's shape (OpenAI's;
+    the Messages API's on its endpoints)."""
     if answer.status < 400 or answer.status == 499:
         return None
+    if messages_api:
+        return messages_problem(answer)
     try:
         error = orjson.loads(answer.body)["error"]
         message = error["message"]
@@ -210,6 +260,20 @@ def answer_problem(answer: Answer) -> str | None:
         return "an error body that is not OpenAI-shaped"
     if not (isinstance(message, str) and message) or not {"type", "param", "code"} <= set(error):
         return "an error body that is not OpenAI-shaped"
+    if answer.status >= 500:
+        return re.sub(r"\d+", "N", message)[:120]
+    return None
+
+
+def messages_problem(answer: Answer) -> str | None:
+    try:
+        payload = orjson.loads(answer.body)
+        error, kind = payload["error"], payload["type"]
+        message = error["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "an error body not in the Messages API's shape"
+    if kind != "error" or not isinstance(error.get("type"), str) or not (isinstance(message, str) and message):
+        return "an error body not in the Messages API's shape"
     if answer.status >= 500:
         return re.sub(r"\d+", "N", message)[:120]
     return None

@@ -209,8 +209,12 @@ class Gatekeeper:
         return self._checked(lambda: self.keys.authenticate(authorization), authorization, source)
 
     def caller(self, request: Request) -> Principal:
-        """The caller of the OpenAI API, from the request's headers alone (its key) and its address."""
-        return self.authenticate(request.headers.get("authorization"), self.source_of(request))
+        """The caller of the API, from the request's headers alone (its key) and its address. The anthropic
+        clients send their key as `x-api-key`: read as a bearer key where no Authorization header came."""
+        authorization = request.headers.get("authorization")
+        if authorization is None and (api_key := request.headers.get("x-api-key")) is not None:
+            authorization = f"Bearer {api_key}"
+        return self.authenticate(authorization, self.source_of(request))
 
     def authenticate_admin(self, authorization: str | None, source: str) -> Principal:
         """The caller of an admin endpoint: an admin key, always required."""

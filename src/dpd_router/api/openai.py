@@ -1,7 +1,9 @@
-"""The OpenAI-compatible surface: chat and text completions, and the model list.
+"""The client-facing surface: OpenAI's chat and text completions and model list, and Anthropic's
+Messages API (`/v1/messages`, its `count_tokens`).
 
 Each completion request passes, in order: body size limit, API key, per-key request rate,
-admission (in-flight cap and queue), body validation; then the gateway serves it.
+admission (in-flight cap and queue), body validation; then the gateway serves it. A Messages
+request's refusals are written as that API writes its errors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from dpd_router import messages_api
 from dpd_router.api.errors import response_for
 from dpd_router.api.limits import count_refusal
 from dpd_router.api.responses import discard, http_response
@@ -70,6 +73,8 @@ class OpenAIApi:
         routes = APIRouter()
         routes.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         routes.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        routes.add_api_route("/v1/messages", self.messages, methods=["POST"])
+        routes.add_api_route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])
         routes.add_api_route("/v1/models", self.models, methods=["GET"])
         routes.add_api_route("/v1/responses", self.responses, methods=["GET", "POST", "DELETE"])
         routes.add_api_route("/v1/responses/{rest:path}", self.responses, methods=["GET", "POST", "DELETE"])
@@ -80,6 +85,26 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, "completion")
+
+    async def messages(self, request: Request) -> Response:
+        return await self._serve(request, "messages")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt tokens of a Messages body as the engine will count them, by the router's own
+        tokenizer (or an engine's /tokenize, where the router has none): no engine generates anything."""
+        request_id = request_id_of(request)
+        try:
+            principal = self._gatekeeper.caller(request)
+            await principal.limits.take_request()
+            raw = await read_body(request, self._live.settings.max_body_bytes)
+            client_request = await self._parse(raw, "messages", counting=True)
+            tokenizer = self._gateway.tokenizer_for(principal.tenant)
+            prompt = await tokenizer.tokenize(client_request)
+        except RouterError as exc:
+            return self._error(exc, request_id, "messages")
+        counted = prompt.num_tokens
+        answer = {"input_tokens": counted, "context_management": {"original_input_tokens": counted}}
+        return Response(orjson.dumps(answer), media_type="application/json", headers={"X-Request-Id": request_id})
 
     async def models(self, request: Request) -> Response:
         _, refusal = self._caller(request)
@@ -119,22 +144,15 @@ class OpenAIApi:
             principal = self._gatekeeper.caller(request)
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
-            trusted = settings.trust_request_chat_template
-            if len(raw) > LARGE_REQUEST_BYTES:  # parsing megabytes of JSON would hold up every other request
-                client_request = await asyncio.to_thread(
-                    parse_request, kind, raw, trust_chat_template=trusted, yielding=True
-                )
-            else:
-                client_request = parse_request(kind, raw, trust_chat_template=trusted)
-            _resolve_model(client_request, self._model.name)
+            client_request = await self._parse(raw, kind)
         except RouterError as exc:
-            return self._error(exc, request_id)
+            return self._error(exc, request_id, kind)
         admission_started = time.perf_counter()
         admission = self._admission.for_tenant(principal.tenant)
         try:
             await admission.enter()
         except AdmissionRejected as exc:
-            return self._error(exc, request_id)
+            return self._error(exc, request_id, kind)
         serving = asyncio.ensure_future(
             self._gateway.handle(
                 client_request,
@@ -163,10 +181,23 @@ class OpenAIApi:
         except RouterError as exc:
             if client_request.brackets > MANY_CONTAINERS:
                 _free_apart(client_request)
-            return self._error(exc, request_id)
+            return self._error(exc, request_id, kind)
 
-    def _error(self, exc: RouterError, request_id: str) -> Response:
-        return error_response(exc, request_id, self._metrics)
+    async def _parse(self, raw: bytes, kind: RequestKind, *, counting: bool = False) -> ClientRequest:
+        """The body parsed and checked, the served model filled in; megabytes of JSON on another thread
+        (parsed there, they would hold up every other request)."""
+        trusted = self._live.settings.trust_request_chat_template
+        if len(raw) > LARGE_REQUEST_BYTES:
+            client_request = await asyncio.to_thread(
+                parse_request, kind, raw, trust_chat_template=trusted, yielding=True, counting=counting
+            )
+        else:
+            client_request = parse_request(kind, raw, trust_chat_template=trusted, counting=counting)
+        _resolve_model(client_request, self._model.name)
+        return client_request
+
+    def _error(self, exc: RouterError, request_id: str, kind: RequestKind = "chat") -> Response:
+        return error_response(exc, request_id, self._metrics, kind=kind)
 
 
 def _free_apart(request: ClientRequest) -> None:
@@ -187,9 +218,11 @@ def request_id_of(request: Request) -> str:
     return clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
 
 
-def error_response(exc: RouterError, request_id: str, metrics: RouterMetrics) -> Response:
-    """The OpenAI-style error for `exc`, with the headers a client acts on (when to retry, how to
-    authenticate); a rate-limit refusal is counted."""
+def error_response(
+    exc: RouterError, request_id: str, metrics: RouterMetrics, *, kind: RequestKind = "chat"
+) -> Response:
+    """The error for `exc` in its API's shape (OpenAI's; the Messages API's for `kind` messages), with
+    the headers a client acts on (when to retry, how to authenticate); a rate-limit refusal is counted."""
     headers = {"X-Request-Id": request_id}
     if isinstance(exc, RateLimited | AdmissionRejected):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
@@ -199,6 +232,9 @@ def error_response(exc: RouterError, request_id: str, metrics: RouterMetrics) ->
         headers["WWW-Authenticate"] = "Bearer"
     if isinstance(exc, RateLimited):
         count_refusal(metrics, exc)
+    if kind == "messages":
+        content = messages_api.error_body(exc.status_code, exc.message)
+        return Response(content, status_code=exc.status_code, media_type="application/json", headers=headers)
     return response_for(exc, headers=headers)
 
 

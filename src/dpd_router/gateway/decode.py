@@ -23,7 +23,7 @@ from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefil
 from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learned_deadline
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
-from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
+from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body, wire_of
 from dpd_router.gateway.watch import EngineProbe, HopWatch
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
@@ -145,7 +145,8 @@ class DecodeHop:
         exchange.trace.decoder = None
         if not exchange.request.stream:
             rewrite = None if call.answer is None else call.answer.body
-            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite)
+            wire = wire_of(exchange.request)
+            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire)
             exchange.done()
             return WholeAnswer(content, exchange.headers)
         stream = self.answered_stream(exchange, call, staged)
@@ -178,6 +179,7 @@ class DecodeHop:
             strip_usage=exchange.strip_usage,
             rewrite=None if call.answer is None else call.answer.chunk,
             on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
+            wire=wire_of(exchange.request),
         )
 
     async def _whole_answer(
@@ -198,7 +200,8 @@ class DecodeHop:
             await close_quietly(upstream)
         decoder.progressed(asyncio.get_running_loop().time())
         # Judged on the decoder's own answer: a rewrite (LMCache's) counts the prefiller's token as output.
-        failure = failed_before_output(content)
+        wire = wire_of(exchange.request)
+        failure = failed_before_output(content, wire)
         if failure is not None:
             raise DecodeFailed(
                 f"the decoder failed the request in-band: {failure}",
@@ -208,7 +211,7 @@ class DecodeHop:
                 in_band=True,
             )
         rewrite = None if call.answer is None else call.answer.body
-        content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite)
+        content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire)
         exchange.decode_judge.succeeded(decoder)
         self._learn(exchange, deadline, staged)
         exchange.done()

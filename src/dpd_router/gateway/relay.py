@@ -4,7 +4,9 @@ The stream is passed on event by event as it arrives. Events are parsed only as 
 metrics need: until the first token (TTFT), and the usage event at the end, whose
 `cached_tokens` is reconciled to the prefiller's view on the disaggregated path. A connector whose
 decoder answers in another shape (LMCache's continuation) passes a `rewrite`: then every event is
-parsed and rewritten before anything else looks at it.
+parsed and rewritten before anything else looks at it. The answer's API (OpenAI's chunks, or the
+Messages API's named events) is its `Wire`: what an event with a token looks like, where the stream
+ends, how its usage counts, how an in-band error is written.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import anyio
 import httpx
 import orjson
 
+from dpd_router import messages_api
+from dpd_router.client_request import ClientRequest
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transport import EngineAnswer
@@ -84,6 +88,106 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
     return True
 
 
+class OpenAIWire:
+    """Chat and text completion answers: `data: {chunk}` events, `data: [DONE]` at the end."""
+
+    @staticmethod
+    def data(event: bytes) -> int | None:
+        """Where the JSON of a data event starts (None: not a data event)."""
+        return len(_DATA) if event.startswith(_DATA) else None
+
+    @staticmethod
+    def ends(event: bytes) -> bool:
+        return event.startswith(_DONE)
+
+    @staticmethod
+    def only_tokens(event: bytes) -> bool:
+        """An event past the first token that the metrics need not parse: one without usage or error."""
+        return b'"usage"' not in event and b'"error"' not in event
+
+    has_token = staticmethod(_has_token)
+
+    @staticmethod
+    def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
+        return reconcile_usage(payload, trace, cached_tokens)
+
+    @staticmethod
+    def output_tokens(payload: dict[str, Any]) -> int | None:
+        usage = payload.get("usage")
+        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        return completion if isinstance(completion, int) else None
+
+    @staticmethod
+    def error_event(message: str) -> bytes:
+        return error_event(message)
+
+
+_MESSAGE_DATA = b"\ndata: "
+
+
+class MessagesWire:
+    """Messages API answers: `event: <type>` then `data: {...}`; `message_stop` ends the stream; the usage
+    comes in `message_start` and `message_delta`."""
+
+    @staticmethod
+    def data(event: bytes) -> int | None:
+        if event.startswith(_DATA):
+            return len(_DATA)
+        at = event.find(_MESSAGE_DATA)
+        return None if at < 0 else at + len(_MESSAGE_DATA)
+
+    @staticmethod
+    def ends(event: bytes) -> bool:
+        return event.startswith(b"event: message_stop")
+
+    @staticmethod
+    def only_tokens(event: bytes) -> bool:
+        return event.startswith(b"event: content_block_delta")
+
+    @staticmethod
+    def has_token(payload: dict[str, Any]) -> bool:
+        return payload.get("type") in ("content_block_delta", "message_delta")
+
+    @staticmethod
+    def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
+        usage = payload.get("usage")
+        message = payload.get("message")
+        if not isinstance(usage, dict) and isinstance(message, dict):
+            usage = message.get("usage")  # message_start's
+        if not isinstance(usage, dict):
+            return False
+        prompt, read, output = messages_api.usage_counts(usage)
+        if output is not None:
+            trace.completion_tokens = output
+        if prompt is not None:
+            trace.engine_prompt_tokens = prompt
+        trace.decoder_cached_tokens = read
+        if cached_tokens is None:
+            trace.cached_tokens = read
+            return False
+        trace.cached_tokens = cached_tokens
+        return messages_api.reconcile_cached(usage, cached_tokens)
+
+    @staticmethod
+    def output_tokens(payload: dict[str, Any]) -> int | None:
+        usage = payload.get("usage")
+        output = usage.get("output_tokens") if isinstance(usage, dict) else None
+        return output if isinstance(output, int) else None
+
+    @staticmethod
+    def error_event(message: str) -> bytes:
+        return messages_api.error_event(message)
+
+
+Wire = OpenAIWire | MessagesWire
+OPENAI_WIRE, MESSAGES_WIRE = OpenAIWire(), MessagesWire()
+
+
+def wire_of(request: ClientRequest) -> Wire:
+    """The API the engine answers `request` in."""
+    return MESSAGES_WIRE if request.kind == "messages" else OPENAI_WIRE
+
+
 class DecodeFailedEarly(Exception):
     """The decoder failed before anything reached the client, so another decoder may still serve it."""
 
@@ -113,8 +217,10 @@ class EventStream:
         rewrite: Rewrite | None = None,
         on_disconnect: Callable[[], None] | None = None,
         engine: Endpoint | None = None,
+        wire: Wire = OPENAI_WIRE,
     ) -> None:
         self._upstream = upstream
+        self._wire = wire
         # The decoder whose stream this is: every chunk it sends shows it moving (gateway/watch.py).
         self._engine = engine
         self._on_disconnect = on_disconnect
@@ -281,22 +387,23 @@ class EventStream:
             await self.close()
 
     def _relay_events(self, events: list[bytes]) -> bytes:
-        trace = self._trace
+        trace, wire = self._trace, self._wire
         now = time.perf_counter()
         for index, event in enumerate(events):
-            if not event.startswith(_DATA):
+            start = wire.data(event)
+            if start is None:
                 continue
-            if event.startswith(_DONE):
+            if wire.ends(event):
                 self._saw_done = True
                 continue
             if self._rewrite is not None:
                 event = events[index] = self._rewritten(event)
             first = not self._saw_token
-            if not first and b'"usage"' not in event and b'"error"' not in event:
+            if not first and wire.only_tokens(event):
                 trace.mark_token_chunk(now)
                 continue
             try:
-                payload = orjson.loads(event[len(_DATA) :])
+                payload = orjson.loads(event[start:])
             except orjson.JSONDecodeError:
                 continue
             if not isinstance(payload, dict):
@@ -307,11 +414,11 @@ class EventStream:
                     self._early_failure = failure
                 else:
                     trace.fail("upstream_error", failure)
-            if _has_token(payload):
+            if wire.has_token(payload):
                 self._saw_token = True
                 trace.mark_token_chunk(now)
-            if reconcile_usage(payload, trace, self.cached_tokens):
-                events[index] = _DATA + orjson.dumps(payload)
+            if wire.reconcile(payload, trace, self.cached_tokens):
+                events[index] = event[:start] + orjson.dumps(payload)
             if self._strip_usage and "usage" in payload:
                 if payload.get("choices"):
                     payload.pop("usage")
@@ -331,7 +438,7 @@ class EventStream:
         return _DATA + orjson.dumps(self._rewrite(payload))
 
     def _error_event(self, message: str) -> bytes:
-        return error_event(message)
+        return self._wire.error_event(message)
 
 
 def error_event(message: str) -> bytes:
@@ -340,7 +447,7 @@ def error_event(message: str) -> bytes:
     return _DATA + orjson.dumps(error) + _EVENT_END + _DONE + _EVENT_END
 
 
-def failed_before_output(content: bytes) -> str | None:
+def failed_before_output(content: bytes, wire: Wire = OPENAI_WIRE) -> str | None:
     """The in-band failure of a whole (non-streamed) answer that has no output token, as the decoder
     wrote it: another decoder may serve the request. None for anything else."""
     if b'"error"' not in content:
@@ -354,12 +461,16 @@ def failed_before_output(content: bytes) -> str | None:
     failure = _errored(payload)
     if failure is None:
         return None
-    usage = payload.get("usage")
-    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return failure if completion in (None, 0) else None
+    return failure if wire.output_tokens(payload) in (None, 0) else None
 
 
-def relay_body(content: bytes, trace: RequestTrace, cached_tokens: int | None, rewrite: Rewrite | None = None) -> bytes:
+def relay_body(
+    content: bytes,
+    trace: RequestTrace,
+    cached_tokens: int | None,
+    rewrite: Rewrite | None = None,
+    wire: Wire = OPENAI_WIRE,
+) -> bytes:
     """Inspect a whole (non-streamed) answer; reconcile its usage; return the bytes to send."""
     try:
         payload = orjson.loads(content)
@@ -374,6 +485,6 @@ def relay_body(content: bytes, trace: RequestTrace, cached_tokens: int | None, r
     if failure is not None:
         trace.fail("upstream_error", failure)
     trace.mark_token_chunk(time.perf_counter())
-    if reconcile_usage(payload, trace, cached_tokens):
+    if wire.reconcile(payload, trace, cached_tokens):
         return orjson.dumps(payload)
     return content

@@ -11,13 +11,14 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
+from dpd_router import messages_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.tokenizer import Prompt
 from dpd_router.transport import EngineCalls
 
-ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "messages": "/v1/messages"}
 
 
 @dataclass(frozen=True)
@@ -199,10 +200,14 @@ async def send_prefill(
 
 
 def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
-    """(prompt tokens, the prefiller's cached prompt tokens) from a prefill answer's usage."""
+    """(prompt tokens, the prefiller's cached prompt tokens) from a prefill answer's usage (OpenAI's, or
+    the Messages API's)."""
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         usage = {}
+    if "input_tokens" in usage:
+        prompt, cached, _ = messages_api.usage_counts(usage)
+        return prompt, cached or 0
     details = usage.get("prompt_tokens_details")
     if not isinstance(details, dict):
         details = {}
@@ -246,9 +251,11 @@ def one_token_body(request: ClientRequest) -> dict[str, Any]:
     """The client's body cut to a prefill: one token, not streamed, no minimum length."""
     body = {key: value for key, value in request.body.items() if key not in _DROPPED_FOR_PREFILL}
     body["max_tokens"] = 1
+    body["stream"] = False
+    if request.kind == "messages":
+        return body  # vLLM's Messages answer has no prompt ids to ask for
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    body["stream"] = False
     # The answer brings the prompt's ids: the router counts and indexes the prompt by the prefiller's own
     # encoding instead of encoding it whole itself (the decode call is the client's body, without this).
     body["return_token_ids"] = True

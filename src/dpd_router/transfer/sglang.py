@@ -119,7 +119,8 @@ class SGLangConnector:
         pass
 
     def unsupported(self, request: ClientRequest) -> str | None:
-        return None
+        # SGLang's servers read the bootstrap fields on their OpenAI endpoints only.
+        return "the Messages API" if request.kind == "messages" else None
 
     def bootstrap_port(self, prefiller: Endpoint) -> int:
         return self._bootstrap_ports.get(prefiller.url, self._bootstrap_port)
