@@ -15,7 +15,7 @@ import pytest
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 
-from .conftest import MODEL, metric, requests_seen, running_router
+from .conftest import MODEL, engine_stats, metric, requests_seen, running_router
 
 THRESHOLD = 64
 LONG_TEXT = "The quarterly report shows steady growth across every region and product line. " * 12
@@ -182,3 +182,41 @@ async def test_refusals_come_in_the_messages_api_shape(router: str) -> None:
         assert answer.json()["type"] == "error"
         assert answer.json()["error"]["type"] == "invalid_request_error"
         assert param in answer.json()["error"]["message"]
+
+
+async def test_failing_engines_are_retried_and_fallen_back_from_as_for_chat(tokenizer_dir: Path) -> None:
+    """A prefiller answering 500 leaves the long message to the decoder alone; a decoder answering 500
+    before its first event is replaced, streamed or not: the client sees answers, never the failures."""
+    async with (
+        SimCluster(in_process=True, prefill=1, decode=2, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(
+            prefill_urls=cluster.prefill_urls,
+            decode_urls=cluster.decode_urls,
+            tokenizer=str(tokenizer_dir),
+            routing_threshold=THRESHOLD,
+            threshold_mode="static",
+        ) as base_url,
+        httpx.AsyncClient() as engines,
+    ):
+        messages: list[Any] = [{"role": "user", "content": LONG_TEXT}]
+        await engines.post(f"{cluster.prefill_urls[0]}/sim/fault", json={"mode": "error_500", "count": 2})
+        request_id = rid()
+        answer = await client(base_url).messages.create(
+            model=MODEL, max_tokens=5, messages=messages, extra_headers={"X-Request-Id": request_id}
+        )
+        assert answer.usage.output_tokens == 5
+        assert await kinds_seen(cluster.decode_urls, request_id) == ["local"], "served by a decoder alone"
+        assert await metric(base_url, "dpd_router_prefill_fallbacks_total") == 1
+
+        failing = cluster.decode_urls[0]
+        await engines.post(f"{failing}/sim/fault", json={"mode": "error_500"})
+        for i in range(4):
+            short = [{"role": "user", "content": f"{SHORT_TEXT} {i}"}]
+            if i % 2:
+                async with client(base_url).messages.stream(model=MODEL, max_tokens=4, messages=short) as events:
+                    final = await events.get_final_message()
+            else:
+                final = await client(base_url).messages.create(model=MODEL, max_tokens=4, messages=short)
+            assert final.usage.output_tokens == 4 and final.content
+        assert (await engine_stats(failing))["requests_total"] >= 1, "some went to the failing decoder"
+        assert await metric(base_url, "dpd_router_retries_total", {"hop": "decode"}) >= 1
