@@ -107,6 +107,12 @@ class RouterMetrics:
         self.requests = Counter(
             f"{PREFIX}_requests", "Requests finished, by arm, path and outcome.", ["arm", "path", "outcome"], registry=r
         )
+        self.api_requests = Counter(
+            f"{PREFIX}_api_requests",
+            "Requests finished, by the API they came in by (chat, completion, messages) and outcome.",
+            ["api", "outcome"],
+            registry=r,
+        )
         self.route_decisions = Counter(
             f"{PREFIX}_route_decisions",
             "Routing decisions by arm, the path taken and the reason for it.",

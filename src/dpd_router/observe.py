@@ -178,6 +178,7 @@ class Observer:
         # (wall-clock end, the log line's fields) of the last requests.
         self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
         self._series: dict[tuple[str, str], _Series] = {}
+        self._by_api: dict[tuple[str, str], Counter] = {}
 
     def finish(self, trace: RequestTrace, *, ended: float | None = None) -> None:
         """Record the request; `ended` (a perf_counter reading) when it ended before it is reported."""
@@ -212,6 +213,7 @@ class Observer:
         """The request's latency and size metrics, under its arm and path (a shadow copy's too)."""
         series = self._series_of(trace.arm, trace.path)
         series.requests(trace.outcome).inc()
+        self._api_requests(trace.kind, trace.outcome).inc()
         e2e = now - trace.started
         series.e2e.observe(e2e)
         bucket = None if trace.prompt_tokens is None else prompt_length_bucket(trace.prompt_tokens)
@@ -236,6 +238,12 @@ class Observer:
             series.prompt_tokens.observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:
             series.output_tokens.observe(trace.completion_tokens)
+
+    def _api_requests(self, api: str, outcome: str) -> Counter:
+        child = self._by_api.get((api, outcome))
+        if child is None:
+            child = self._by_api[(api, outcome)] = self.metrics.api_requests.labels(api, outcome)
+        return child
 
     def _series_of(self, arm: str, path: str) -> _Series:
         series = self._series.get((arm, path))

@@ -15,7 +15,7 @@ import pytest
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 
-from .conftest import MODEL, engine_stats, metric, requests_seen, running_router
+from .conftest import MODEL, engine_stats, metric, requests_seen, running_router, settled
 
 THRESHOLD = 64
 LONG_TEXT = "The quarterly report shows steady growth across every region and product line. " * 12
@@ -111,6 +111,8 @@ async def test_a_short_message_goes_straight_to_a_decoder(router: str, cluster: 
     assert answer.content and answer.usage.output_tokens == 6
     assert await kinds_seen(cluster.prefill_urls, request_id) == []
     assert await kinds_seen(cluster.decode_urls, request_id) == ["local"]
+    await settled(router)
+    assert await metric(router, "dpd_router_api_requests_total", {"api": "messages", "outcome": "ok"}) >= 1
 
 
 CONVERSATION: list[Any] = [
