@@ -23,9 +23,10 @@ from dpd_sim.core import EngineCore
 from dpd_sim.faults import FAULT_MODES, FaultMode
 from dpd_sim.gpu import TimingModel
 from dpd_sim.kv_events import EVENT_FORMATS, EventFormat
-from dpd_sim.messages import MessagesEndpoint
+from dpd_sim.messages import messages_endpoint
 from dpd_sim.nixl import NOTIFY_PATH, TRANSFER_PATH
 from dpd_sim.openai_format import error_body
+from dpd_sim.responses import responses_endpoint
 from dpd_sim.serving import CompletionsEndpoint
 from dpd_sim.tokenizer_kit import ensure_tokenizer
 
@@ -145,7 +146,8 @@ def create_app(config: SimConfig) -> FastAPI:
 
     for path, api in (("/v1/completions", "text"), ("/v1/chat/completions", "chat")):
         app.router.routes.append(Route(path, CompletionsEndpoint(core, cast(Api, api)), methods=["POST"]))
-    app.router.routes.append(Route("/v1/messages", MessagesEndpoint(core), methods=["POST"]))
+    app.router.routes.append(Route("/v1/messages", messages_endpoint(core), methods=["POST"]))
+    app.router.routes.append(Route("/v1/responses", responses_endpoint(core), methods=["POST"]))
     return app
 
 

@@ -12,41 +12,35 @@ from typing import Any
 
 import orjson
 
-from dpd_sim.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
-from dpd_sim.completion_request import InvalidRequest, load_object
+from dpd_sim.adapted import AdaptedEndpoint
+from dpd_sim.completion_request import InvalidRequest
 from dpd_sim.core import EngineCore
-from dpd_sim.serving import CompletionsEndpoint
 
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
 
 
-class MessagesEndpoint:
-    """An ASGI app: a Messages request served by the chat endpoint, its answer in the Messages API."""
+class MessagesApi:
+    """The Messages API over chat, as vLLM maps it."""
 
-    def __init__(self, core: EngineCore) -> None:
-        self.chat = CompletionsEndpoint(core, "chat")
+    @staticmethod
+    def chat_request(body: dict[str, Any]) -> dict[str, Any]:
+        return chat_request(body)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = await read_body(receive)
-        if raw is None:
-            return
-        try:
-            body = load_object(raw)
-            chat = chat_request(body)
-        except InvalidRequest as exc:
-            await send_json(send, exc.status_code, _error(exc.error_type, exc.message))
-            return
-        given = False
+    @staticmethod
+    def error(error_type: str, message: str, status: int) -> bytes:
+        return _error(error_type, message)
 
-        async def replayed() -> Message:
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": orjson.dumps(chat), "more_body": False}
-            return await receive()
+    @staticmethod
+    def whole(answer: dict[str, Any], body: dict[str, Any]) -> bytes:
+        return _message(answer)
 
-        answer = MessageAnswer(send, stream=bool(chat.get("stream")))
-        await self.chat(scope, replayed, answer.send)
+    @staticmethod
+    def stream(body: dict[str, Any]) -> StreamedMessage:
+        return StreamedMessage()
+
+
+def messages_endpoint(core: EngineCore) -> AdaptedEndpoint:
+    return AdaptedEndpoint(core, MessagesApi())
 
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -153,81 +147,34 @@ def _stop_reason(finish_reason: str | None, stop_reason: Any) -> tuple[str | Non
     return _STOP_REASONS.get(finish_reason or ""), None
 
 
-class MessageAnswer:
-    """The chat endpoint's answer, rewritten: a stream event by event, a whole answer as a message, a
-    refusal (of either) as the API's error."""
-
-    def __init__(self, send: Send, *, stream: bool) -> None:
-        self._send = send
-        self._events: StreamedMessage | None = StreamedMessage(send) if stream else None
-        self._status = 200
-        self._parts: list[bytes] = []
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self._status = message["status"]
-            if self._status != 200:
-                self._events = None
-            if self._events is None:
-                return
-        if self._events is not None:
-            await self._events.send(message)
-            return
-        self._parts.append(message.get("body", b""))
-        if message.get("more_body"):
-            return
-        payload = orjson.loads(b"".join(self._parts))
-        body = self._message(payload) if self._status == 200 else self._refusal(payload)
-        headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
-        await self._send({"type": "http.response.start", "status": self._status, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
-
-    @staticmethod
-    def _message(payload: dict[str, Any]) -> bytes:
-        choice = payload["choices"][0]
-        stop_reason, stop_sequence = _stop_reason(choice.get("finish_reason"), choice.get("stop_reason"))
-        text = (choice.get("message") or {}).get("content") or ""
-        answer = {
-            "id": payload["id"],
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "text", "text": text}] if text else [],
-            "model": payload["model"],
-            "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence,
-            "usage": _usage(payload.get("usage")),
-        }
-        if payload.get("kv_transfer_params") is not None:
-            answer["kv_transfer_params"] = payload["kv_transfer_params"]
-        return orjson.dumps(answer)
-
-    @staticmethod
-    def _refusal(payload: dict[str, Any]) -> bytes:
-        error = payload.get("error") or {}
-        return _error(str(error.get("type", "api_error")), str(error.get("message", "")))
+def _message(payload: dict[str, Any]) -> bytes:
+    choice = payload["choices"][0]
+    stop_reason, stop_sequence = _stop_reason(choice.get("finish_reason"), choice.get("stop_reason"))
+    text = (choice.get("message") or {}).get("content") or ""
+    answer = {
+        "id": payload["id"],
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": text}] if text else [],
+        "model": payload["model"],
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(payload.get("usage")),
+    }
+    if payload.get("kv_transfer_params") is not None:
+        answer["kv_transfer_params"] = payload["kv_transfer_params"]
+    return orjson.dumps(answer)
 
 
 class StreamedMessage:
     """The chat endpoint's stream, rewritten event by event as the Messages API's named events."""
 
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self._pending = b""
+    def __init__(self) -> None:
         self._started = False
         self._block_open = False
         self._finish: tuple[str | None, Any] = (None, None)
 
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            await self._send(message)
-            return
-        self._pending += message.get("body", b"")
-        *events, self._pending = self._pending.split(b"\n\n")
-        out = b"".join(self._rewritten(event) for event in events if event.startswith(b"data: "))
-        await self._send({"type": "http.response.body", "body": out, "more_body": message.get("more_body", False)})
-
-    def _rewritten(self, event: bytes) -> bytes:
-        data = event[len(b"data: ") :]
+    def event(self, data: bytes) -> bytes:
         if data == b"[DONE]":
             return self._close_block() + _event("message_stop", {"type": "message_stop"})
         chunk = orjson.loads(data)
