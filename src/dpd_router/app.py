@@ -81,6 +81,7 @@ class CompletionsLane:
             "/v1/chat/completions": api.chat_completions,
             "/v1/completions": api.completions,
             "/v1/messages": api.messages,
+            "/v1/responses": api.responses,
         }
 
     def close(self) -> None:

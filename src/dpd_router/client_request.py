@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 import orjson
 
-from dpd_router import messages_api
+from dpd_router import messages_api, responses_api
 from dpd_router.errors import InvalidRequest
 
-# chat and text completions (OpenAI), and the Anthropic Messages API.
-RequestKind = Literal["chat", "completion", "messages"]
+# chat and text completions and the Responses API (OpenAI's), and the Anthropic Messages API.
+RequestKind = Literal["chat", "completion", "messages", "responses"]
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # orjson, which encodes every body the router forwards, refuses anything nested deeper.
@@ -45,7 +45,7 @@ class ClientRequest:
     # How many `[` and `{` its bytes hold, in strings too: a bound on the containers its parse made, which
     # says what rendering and freeing them costs before either is done.
     brackets: int = field(default=0)
-    # A Messages body converted to the chat body the engine's template renders it as (messages_api).
+    # A Messages or Responses body converted to the chat body the engine's template renders it as.
     converted: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -110,18 +110,27 @@ def parse_request(
         elif kind == "messages":
             messages_api.check_body(body, counting=counting)
             _check_chat_template(body, trusted=trust_chat_template)
+        elif kind == "responses":
+            responses_api.check_body(body)
+            _check_chat_template(body, trusted=trust_chat_template)
         else:
             _check_prompt(body)
         _check_common(body, kind)
         _check_depth(body, brackets, yielding=yielding)
         if kind == "messages":
             converted = messages_api.template_body(body)
+        elif kind == "responses":
+            converted = responses_api.template_body(body)
     except InvalidRequest:
         if yielding and brackets > MANY_CONTAINERS:
             free_in_pieces(body)
         raise
     stream = bool(body.get("stream", False))
-    return ClientRequest(kind=kind, body=body, raw=raw, stream=stream, brackets=brackets, converted=converted)
+    request = ClientRequest(kind=kind, body=body, raw=raw, stream=stream, brackets=brackets, converted=converted)
+    if kind == "responses" and body.get("store") is not False:
+        body["store"] = False  # no engine keeps what the next request could not find (responses_api)
+        request.body_changed = True
+    return request
 
 
 def _brackets(raw: bytes, *, yielding: bool) -> int:
@@ -293,7 +302,9 @@ def _check_common(body: dict[str, Any], kind: RequestKind) -> None:
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
     # vLLM's completions API has no max_completion_tokens (it ignores the field): only chat's counts.
-    limits = ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",)
+    limits = {"chat": ("max_tokens", "max_completion_tokens"), "responses": ("max_output_tokens",)}.get(
+        kind, ("max_tokens",)
+    )
     for name in limits:
         value = body.get(name)
         if value is None:

@@ -63,7 +63,7 @@ def output_budget(request: ClientRequest) -> tuple[str, int | None]:
     """The field the engine reads the output budget from, and its value (None: unset, or not a number
     the engine would read; request validation answers for that)."""
     body = request.body
-    name = "max_tokens"
+    name = "max_output_tokens" if request.kind == "responses" else "max_tokens"
     if request.kind == "chat" and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
     return name, _integer(body.get(name))

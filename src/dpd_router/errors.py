@@ -35,11 +35,14 @@ class ModelNotFound(RouterError):
     error_type = "NotFoundError"
 
 
-class NotSupported(RouterError):
-    """An OpenAI API the engines serve but the router does not (vLLM's own status and type for that)."""
+class ResponseNotFound(RouterError):
+    """A stored response was asked for that nobody stored (vLLM's status, type and wording)."""
 
-    status_code = 501
-    error_type = "NotImplementedError"
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id[:200]}' not found.", param="response_id")
 
 
 class UpstreamError(RouterError):

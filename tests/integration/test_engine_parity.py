@@ -134,11 +134,3 @@ async def test_healthcheck_answers_as_health(router: httpx.AsyncClient) -> None:
     health, healthcheck = await router.get("/health"), await router.get("/healthcheck")
     assert healthcheck.status_code == health.status_code == 200
     assert healthcheck.json() == health.json()
-
-
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_123")])
-async def test_the_responses_api_is_refused_clearly(router: httpx.AsyncClient, method: str, path: str) -> None:
-    refused = await router.request(method, path, json={"model": MODEL, "input": "hi"} if method == "POST" else None)
-    assert refused.status_code == 501 and refused.headers["x-should-retry"] == "false"
-    error = refused.json()["error"]
-    assert error["type"] == "NotImplementedError" and "does not serve the Responses API" in error["message"]

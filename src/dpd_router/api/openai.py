@@ -1,5 +1,5 @@
-"""The client-facing surface: OpenAI's chat and text completions and model list, and Anthropic's
-Messages API (`/v1/messages`, its `count_tokens`).
+"""The client-facing surface: OpenAI's chat and text completions, Responses API and model list, and
+Anthropic's Messages API (`/v1/messages`, its `count_tokens`).
 
 Each completion request passes, in order: body size limit, API key, per-key request rate,
 admission (in-flight cap and queue), body validation; then the gateway serves it. A Messages
@@ -32,9 +32,9 @@ from dpd_router.client_request import (
 from dpd_router.errors import (
     AdmissionRejected,
     ModelNotFound,
-    NotSupported,
     PayloadTooLarge,
     RateLimited,
+    ResponseNotFound,
     RouterError,
     Unauthorized,
 )
@@ -76,8 +76,8 @@ class OpenAIApi:
         routes.add_api_route("/v1/messages", self.messages, methods=["POST"])
         routes.add_api_route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])
         routes.add_api_route("/v1/models", self.models, methods=["GET"])
-        routes.add_api_route("/v1/responses", self.responses, methods=["GET", "POST", "DELETE"])
-        routes.add_api_route("/v1/responses/{rest:path}", self.responses, methods=["GET", "POST", "DELETE"])
+        routes.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        routes.add_api_route("/v1/responses/{rest:path}", self.stored_response, methods=["GET", "POST", "DELETE"])
         return routes
 
     async def chat_completions(self, request: Request) -> Response:
@@ -113,18 +113,16 @@ class OpenAIApi:
         return Response(orjson.dumps(self._model.models_listing()), media_type="application/json")
 
     async def responses(self, request: Request) -> Response:
-        """The Responses API is refused, clearly: vLLM keeps a stored response (`previous_response_id`,
-        background runs, GET/cancel by id) in the memory of the one engine that made it, and a router that
-        spreads requests over decoders would send the follow-ups to engines that never saw it."""
+        return await self._serve(request, "responses")
+
+    async def stored_response(self, request: Request) -> Response:
+        """A stored response asked for (retrieved, deleted, cancelled, its input items): none is stored
+        (responses_api), so the answer is a default vLLM's, 404 not found."""
         request_id, refusal = self._caller(request)
         if refusal is not None:
             return refusal
-        unsupported = NotSupported(
-            "dpd-router does not serve the Responses API (/v1/responses): a stored response lives in the one "
-            "engine that made it, and the router spreads requests over several. Use /v1/chat/completions."
-        )
-        # Not worth retrying (the openai clients honour this header): the answer will not change.
-        return response_for(unsupported, headers={"X-Request-Id": request_id, "x-should-retry": "false"})
+        response_id = request.path_params.get("rest", "").split("/", 1)[0]
+        return self._error(ResponseNotFound(response_id), request_id)
 
     def _caller(self, request: Request) -> tuple[str, Response | None]:
         """The request's id, and the refusal to send when the caller's key is not accepted."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import anyio
 import httpx
 
+from dpd_router.context_window import output_budget
 from dpd_router.deadlines import prior
 from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
@@ -284,9 +285,7 @@ class DecodeHop:
     def _most_output(self, exchange: Exchange) -> int | None:
         """The most output tokens the answer may have (None: not known, so no learned deadline)."""
         body, prompt = exchange.request.body, exchange.prompt
-        limit = body.get("max_completion_tokens")
-        if not isinstance(limit, int):
-            limit = body.get("max_tokens")
+        _, limit = output_budget(exchange.request)
         if not isinstance(limit, int):
             # Unset, vLLM lets the answer run to the end of the context window.
             if self._model.max_model_len is None:

@@ -44,7 +44,7 @@ def ask_for_usage(request: ClientRequest) -> bool:
 
     Returns True when the client did not ask for it: the relay then drops it before the client sees it.
     """
-    if not request.stream or request.kind == "messages":  # a Messages stream's last events carry the usage
+    if not request.stream or request.kind in ("messages", "responses"):  # their streams' last events carry it
         return False
     options = request.body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):

@@ -20,7 +20,7 @@ import anyio
 import httpx
 import orjson
 
-from dpd_router import messages_api
+from dpd_router import messages_api, responses_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
@@ -106,6 +106,7 @@ class OpenAIWire:
         return b'"usage"' not in event and b'"error"' not in event
 
     has_token = staticmethod(_has_token)
+    errored = staticmethod(_errored)
 
     @staticmethod
     def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
@@ -148,6 +149,8 @@ class MessagesWire:
     def has_token(payload: dict[str, Any]) -> bool:
         return payload.get("type") in ("content_block_delta", "message_delta")
 
+    errored = staticmethod(_errored)
+
     @staticmethod
     def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
         usage = payload.get("usage")
@@ -156,17 +159,8 @@ class MessagesWire:
             usage = message.get("usage")  # message_start's
         if not isinstance(usage, dict):
             return False
-        prompt, read, output = messages_api.usage_counts(usage)
-        if output is not None:
-            trace.completion_tokens = output
-        if prompt is not None:
-            trace.engine_prompt_tokens = prompt
-        trace.decoder_cached_tokens = read
-        if cached_tokens is None:
-            trace.cached_tokens = read
-            return False
-        trace.cached_tokens = cached_tokens
-        return messages_api.reconcile_cached(usage, cached_tokens)
+        _record_counts(trace, messages_api.usage_counts(usage), cached_tokens)
+        return cached_tokens is not None and messages_api.reconcile_cached(usage, cached_tokens)
 
     @staticmethod
     def output_tokens(payload: dict[str, Any]) -> int | None:
@@ -179,13 +173,75 @@ class MessagesWire:
         return messages_api.error_event(message)
 
 
-Wire = OpenAIWire | MessagesWire
-OPENAI_WIRE, MESSAGES_WIRE = OpenAIWire(), MessagesWire()
+class ResponsesWire(MessagesWire):
+    """Responses API answers: named events as the Messages API's (`response.output_text.delta` and the other
+    deltas carry the output); `response.completed` (or `.incomplete`, `.failed`) ends the stream with the
+    whole response, its usage counting the whole prompt as `input_tokens`."""
+
+    _ENDS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+
+    @staticmethod
+    def ends(event: bytes) -> bool:
+        return event.startswith(ResponsesWire._ENDS)
+
+    @staticmethod
+    def only_tokens(event: bytes) -> bool:
+        return event.startswith(b"event: response.") and event.split(b"\n", 1)[0].endswith(b".delta")
+
+    @staticmethod
+    def has_token(payload: dict[str, Any]) -> bool:
+        kind = payload.get("type")
+        return isinstance(kind, str) and kind.startswith("response.") and kind.endswith(".delta")
+
+    @staticmethod
+    def errored(payload: dict[str, Any]) -> str | None:
+        """An `error` event, a failed response, or a whole answer whose `error` is set (it is null when none)."""
+        if payload.get("type") == "error":
+            return str(payload.get("message") or "the engine reported an error")
+        inner = payload.get("response")
+        response: dict[str, Any] = inner if isinstance(inner, dict) else payload
+        error = response.get("error")
+        if error is None and response.get("status") != "failed":
+            return None
+        return str(error.get("message") if isinstance(error, dict) else error or "the response failed")
+
+    @staticmethod
+    def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
+        response = payload.get("response")
+        usage = (response if isinstance(response, dict) else payload).get("usage")
+        if not isinstance(usage, dict):
+            return False
+        _record_counts(trace, responses_api.usage_counts(usage), cached_tokens)
+        return cached_tokens is not None and responses_api.reconcile_cached(usage, cached_tokens)
+
+    @staticmethod
+    def error_event(message: str) -> bytes:
+        payload = {"type": "error", "code": "upstream_error", "message": message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(payload) + _EVENT_END
+
+
+def _record_counts(
+    trace: RequestTrace, counts: tuple[int | None, int | None, int | None], cached_tokens: int | None
+) -> None:
+    """Put an answer's (prompt, cached, output) token counts on the trace; the cache hit the client is told
+    is the prefiller's where there was one (`cached_tokens`), the decoder's own kept beside it."""
+    prompt, cached, output = counts
+    if output is not None:
+        trace.completion_tokens = output
+    if prompt is not None:
+        trace.engine_prompt_tokens = prompt
+    trace.decoder_cached_tokens = cached
+    trace.cached_tokens = cached if cached_tokens is None else cached_tokens
+
+
+Wire = OpenAIWire | MessagesWire | ResponsesWire
+OPENAI_WIRE, MESSAGES_WIRE, RESPONSES_WIRE = OpenAIWire(), MessagesWire(), ResponsesWire()
+_WIRES: dict[str, Wire] = {"messages": MESSAGES_WIRE, "responses": RESPONSES_WIRE}
 
 
 def wire_of(request: ClientRequest) -> Wire:
     """The API the engine answers `request` in."""
-    return MESSAGES_WIRE if request.kind == "messages" else OPENAI_WIRE
+    return _WIRES.get(request.kind, OPENAI_WIRE)
 
 
 class DecodeFailedEarly(Exception):
@@ -395,7 +451,8 @@ class EventStream:
                 continue
             if wire.ends(event):
                 self._saw_done = True
-                continue
+                if event.startswith(_DONE):
+                    continue  # a Responses stream's last event is the whole response, its usage included
             if self._rewrite is not None:
                 event = events[index] = self._rewritten(event)
             first = not self._saw_token
@@ -408,7 +465,7 @@ class EventStream:
                 continue
             if not isinstance(payload, dict):
                 continue
-            failure = _errored(payload)
+            failure = wire.errored(payload)
             if failure is not None:
                 if first and not self._relaying:
                     self._early_failure = failure
@@ -458,7 +515,7 @@ def failed_before_output(content: bytes, wire: Wire = OPENAI_WIRE) -> str | None
         return None
     if not isinstance(payload, dict):
         return None
-    failure = _errored(payload)
+    failure = wire.errored(payload)
     if failure is None:
         return None
     return failure if wire.output_tokens(payload) in (None, 0) else None
@@ -481,7 +538,7 @@ def relay_body(
     if rewrite is not None:
         payload = rewrite(payload)
         content = orjson.dumps(payload)
-    failure = _errored(payload)
+    failure = wire.errored(payload)
     if failure is not None:
         trace.fail("upstream_error", failure)
     trace.mark_token_chunk(time.perf_counter())

@@ -93,8 +93,8 @@ class Shadow:
         """Queue a copy of the request if it is chosen; never waits (a full queue drops the copy)."""
         if self._session is None or headers.get(SHADOW_HEADER):
             return  # not running, or a copy itself (this router is the staging one)
-        if request.kind == "messages" or not self._choice.eligible(prompt_tokens):
-            return  # a copy is read as an OpenAI stream: a Messages one is not copied
+        if request.kind in ("messages", "responses") or not self._choice.eligible(prompt_tokens):
+            return  # a copy is read as a chat or completions stream: these APIs' are not copied
         key = session_key(headers, request.body, header=self._session_header) or request_id
         if not self._choice.chosen(key):
             return

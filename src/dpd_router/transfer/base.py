@@ -11,14 +11,19 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router import messages_api
+from dpd_router import messages_api, responses_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.tokenizer import Prompt
 from dpd_router.transport import EngineCalls
 
-ENGINE_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "messages": "/v1/messages"}
+ENGINE_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,10 @@ def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         usage = {}
-    if "input_tokens" in usage:
+    if "input_tokens_details" in usage:  # the Responses API's: input_tokens count the whole prompt
+        prompt, cached, _ = responses_api.usage_counts(usage)
+        return prompt, cached or 0
+    if "input_tokens" in usage:  # the Messages API's: input_tokens count what was not read from a cache
         prompt, cached, _ = messages_api.usage_counts(usage)
         return prompt, cached or 0
     details = usage.get("prompt_tokens_details")
@@ -250,10 +258,13 @@ _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens",
 def one_token_body(request: ClientRequest) -> dict[str, Any]:
     """The client's body cut to a prefill: one token, not streamed, no minimum length."""
     body = {key: value for key, value in request.body.items() if key not in _DROPPED_FOR_PREFILL}
-    body["max_tokens"] = 1
     body["stream"] = False
+    if request.kind == "responses":
+        body["max_output_tokens"] = 1
+        return body  # nor prompt ids: vLLM's Responses answer has none to ask for
+    body["max_tokens"] = 1
     if request.kind == "messages":
-        return body  # vLLM's Messages answer has no prompt ids to ask for
+        return body
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     # The answer brings the prompt's ids: the router counts and indexes the prompt by the prefiller's own

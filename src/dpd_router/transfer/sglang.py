@@ -120,7 +120,7 @@ class SGLangConnector:
 
     def unsupported(self, request: ClientRequest) -> str | None:
         # SGLang's servers read the bootstrap fields on their OpenAI endpoints only.
-        return "the Messages API" if request.kind == "messages" else None
+        return f"the {request.kind.capitalize()} API" if request.kind in ("messages", "responses") else None
 
     def bootstrap_port(self, prefiller: Endpoint) -> int:
         return self._bootstrap_ports.get(prefiller.url, self._bootstrap_port)

@@ -53,8 +53,8 @@ def unsupported(request: ClientRequest, *, local_tokenizer: bool = True) -> str 
     an engine's /tokenize, which is told the messages alone).
     """
     body = request.body
-    if request.kind == "messages":
-        return "the Messages API"  # the continuation is written as chat and completions chunks
+    if request.kind in ("messages", "responses"):
+        return f"the {request.kind.capitalize()} API"  # the continuation is written as chat and completions chunks
     if request.batch_size > 1:
         return "a batched prompt"
     n = body.get("n")
