@@ -268,10 +268,23 @@ async def eventually(check: Any, *, within: float = 15.0, every: float = 0.25) -
         await asyncio.sleep(every)
 
 
+async def counters_after_a_transfer(pair: VllmPair, before: EngineCounters) -> EngineCounters:
+    """The pair's counters once the decoder has counted a NIXL transfer since `before`."""
+
+    async def transferred() -> bool:
+        """the decoder's vllm:nixl_xfer_time_seconds_count grew"""
+        return (await EngineCounters.read(pair)).nixl_transfers > before.nixl_transfers
+
+    await eventually(transferred)
+    return await EngineCounters.read(pair)
+
+
 _MODULE_ORDER = (
     "test_protocol",
     "test_disaggregation",
     "test_engine_parity",
+    "test_messages",
+    "test_responses",
     "test_nixl_leases",
     "test_prefill_failure",
     "test_shared_storage",

@@ -10,7 +10,14 @@ import anthropic
 import pytest
 
 from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair
-from tests.e2e_vllm.conftest import ANSWER_TOKENS, REQUEST_TIMEOUT, THRESHOLD, EngineCounters, eventually, long_text
+from tests.e2e_vllm.conftest import (
+    ANSWER_TOKENS,
+    REQUEST_TIMEOUT,
+    THRESHOLD,
+    EngineCounters,
+    counters_after_a_transfer,
+    long_text,
+)
 
 
 def client(base_url: str) -> anthropic.AsyncAnthropic:
@@ -47,12 +54,7 @@ async def test_a_long_message_is_prefilled_on_one_engine_and_decoded_on_the_othe
 
     text, usage = await message_text(router, body, stream=stream)
 
-    async def transferred() -> bool:
-        """the decoder's vllm:nixl_xfer_time_seconds_count grew"""
-        return (await EngineCounters.read(nixl_pair)).nixl_transfers > before.nixl_transfers
-
-    await eventually(transferred)
-    after = await EngineCounters.read(nixl_pair)
+    after = await counters_after_a_transfer(nixl_pair, before)
     assert after.prefill_requests == before.prefill_requests + 1, "the prefiller ran the prefill hop"
     assert after.decode_requests == before.decode_requests + 1
 

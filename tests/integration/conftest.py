@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -95,6 +96,16 @@ async def requests_seen(url: str, request_id: str) -> list[dict[str, Any]]:
     """The engine's record of requests that carried this X-Request-Id."""
     stats = await engine_stats(url)
     return [entry for entry in stats["recent"] if entry["request_id"] == request_id]
+
+
+def rid() -> str:
+    """A fresh X-Request-Id, to find a request in the engines' records."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+async def kinds_seen(urls: list[str], request_id: str) -> list[str]:
+    """What the engines at `urls` ran for this request id: `remote_prefill`, `kv_decode`, `local`."""
+    return [str(entry["kind"]) for url in urls for entry in await requests_seen(url, request_id)]
 
 
 async def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -10,7 +10,6 @@ the one a decoder serving alone gives.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,16 +28,13 @@ from .conftest import (
     metric,
     openai_client,
     requests_seen,
+    rid,
     running_router,
     settled,
 )
 
 THRESHOLD = 64
 LONG = "The quarterly report shows steady growth across every region and product line. " * 12
-
-
-def rid() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
 
 
 def chat(text: str) -> list[dict[str, str]]:

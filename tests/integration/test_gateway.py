@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import httpx
@@ -11,15 +10,11 @@ import pytest
 
 from dpd_sim.cluster import SimCluster
 
-from .conftest import MODEL, engine_stats, metric, openai_client, requests_seen, running_router
+from .conftest import MODEL, engine_stats, metric, openai_client, requests_seen, rid, running_router
 
 THRESHOLD = 64
 LONG_TEXT = "The quarterly report shows steady growth across every region and product line. " * 12
 SHORT_TEXT = "Hello there!"
-
-
-def rid() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
 
 
 async def seen_on(urls: list[str], request_id: str) -> list[dict[str, object]]:

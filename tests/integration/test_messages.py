@@ -4,7 +4,6 @@ the client reads."""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 
-from .conftest import MODEL, engine_stats, metric, requests_seen, running_router, settled
+from .conftest import MODEL, engine_stats, kinds_seen, metric, rid, running_router, settled
 
 THRESHOLD = 64
 LONG_TEXT = "The quarterly report shows steady growth across every region and product line. " * 12
@@ -39,14 +38,6 @@ async def router(cluster: SimCluster, tokenizer_dir: Path, tmp_path_factory: pyt
 
 def client(base_url: str, api_key: str = "good-key") -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0)
-
-
-def rid() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
-
-
-async def kinds_seen(urls: list[str], request_id: str) -> list[str]:
-    return [str(entry["kind"]) for url in urls for entry in await requests_seen(url, request_id)]
 
 
 async def test_a_long_message_goes_through_a_prefiller_and_answers_as_the_decoder_alone(
