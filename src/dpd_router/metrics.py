@@ -109,7 +109,7 @@ class RouterMetrics:
         )
         self.api_requests = Counter(
             f"{PREFIX}_api_requests",
-            "Requests finished, by the API they came in by (chat, completion, messages) and outcome.",
+            "Requests finished, by the API they came in by (chat, completion, messages, responses) and outcome.",
             ["api", "outcome"],
             registry=r,
         )
