@@ -103,6 +103,11 @@ def rid() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 
 
+def fresh(text: str) -> str:
+    """`text` after a prefix no engine has cached: a prefiller's cache hit is then nothing, whatever ran before."""
+    return f"[{uuid.uuid4().hex}] {text}"
+
+
 async def kinds_seen(urls: list[str], request_id: str) -> list[str]:
     """What the engines at `urls` ran for this request id: `remote_prefill`, `kv_decode`, `local`."""
     return [str(entry["kind"]) for url in urls for entry in await requests_seen(url, request_id)]

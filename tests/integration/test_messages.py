@@ -14,10 +14,12 @@ import pytest
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 
-from .conftest import MODEL, engine_stats, kinds_seen, metric, rid, running_router, settled
+from .conftest import MODEL, engine_stats, fresh, kinds_seen, metric, rid, running_router, settled
 
 THRESHOLD = 64
 LONG_TEXT = "The quarterly report shows steady growth across every region and product line. " * 12
+
+
 SHORT_TEXT = "Hello there!"
 
 
@@ -44,7 +46,7 @@ async def test_a_long_message_goes_through_a_prefiller_and_answers_as_the_decode
     router: str, cluster: SimCluster
 ) -> None:
     request_id = rid()
-    messages: list[Any] = [{"role": "user", "content": LONG_TEXT}]
+    messages: list[Any] = [{"role": "user", "content": fresh(LONG_TEXT)}]
     through = await client(router).messages.create(
         model=MODEL,
         max_tokens=12,
@@ -75,7 +77,7 @@ async def test_a_long_message_streams_its_events_through_both_hops(router: str, 
     async with client(router).messages.stream(
         model=MODEL,
         max_tokens=16,
-        messages=[{"role": "user", "content": LONG_TEXT + " Stream it."}],
+        messages=[{"role": "user", "content": fresh(LONG_TEXT + " Stream it.")}],
         extra_headers={"X-Request-Id": request_id},
     ) as stream:
         events = [event.type async for event in stream]

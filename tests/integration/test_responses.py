@@ -13,10 +13,12 @@ import pytest
 
 from dpd_sim.cluster import SimCluster
 
-from .conftest import MODEL, kinds_seen, metric, openai_client, rid, running_router, settled
+from .conftest import MODEL, fresh, kinds_seen, metric, openai_client, rid, running_router, settled
 
 THRESHOLD = 64
 LONG_TEXT = "The quarterly report shows steady growth across every region and product line. " * 12
+
+
 SHORT_TEXT = "Hello there!"
 
 
@@ -36,7 +38,7 @@ async def test_a_long_input_goes_through_a_prefiller_and_answers_as_the_decoder_
     router: str, cluster: SimCluster
 ) -> None:
     request_id = rid()
-    ask: dict[str, Any] = {"model": MODEL, "instructions": "Answer in one line.", "input": LONG_TEXT}
+    ask: dict[str, Any] = {"model": MODEL, "instructions": "Answer in one line.", "input": fresh(LONG_TEXT)}
     through = await openai_client(router).responses.create(
         **ask, max_output_tokens=12, extra_headers={"X-Request-Id": request_id}
     )
@@ -58,7 +60,7 @@ async def test_a_long_input_streams_its_events_through_both_hops(router: str, cl
     before = await metric(router, "dpd_router_time_to_first_token_seconds_count", {"path": "disaggregated"})
     async with openai_client(router).responses.stream(
         model=MODEL,
-        input=[{"role": "user", "content": [{"type": "input_text", "text": LONG_TEXT + " Stream it."}]}],
+        input=[{"role": "user", "content": [{"type": "input_text", "text": fresh(LONG_TEXT + " Stream it.")}]}],
         max_output_tokens=16,
         extra_headers={"X-Request-Id": request_id},
     ) as stream:
