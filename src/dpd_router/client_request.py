@@ -86,7 +86,8 @@ def parse_request(
     yielding: bool = False,
     counting: bool = False,
 ) -> ClientRequest:
-    """Parse and check a chat, text completion or Messages body; raise InvalidRequest naming the bad field.
+    """Parse and check a chat, text completion, Messages or Responses body; raise a RouterError naming the
+    bad field (InvalidRequest; a Responses body naming a stored response, ResponseNotFound).
 
     A chat template the client sends is refused unless `trust_chat_template` (as vLLM refuses it
     unless started with --trust-request-chat-template). `yielding`, for a large body parsed on another

@@ -205,8 +205,8 @@ async def send_prefill(
 
 
 def prefill_usage(payload: dict[str, Any]) -> tuple[int | None, int]:
-    """(prompt tokens, the prefiller's cached prompt tokens) from a prefill answer's usage (OpenAI's, or
-    the Messages API's)."""
+    """(prompt tokens, the prefiller's cached prompt tokens) from a prefill answer's usage (OpenAI's chat and
+    completions', the Responses API's or the Messages API's)."""
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         usage = {}
@@ -261,10 +261,10 @@ def one_token_body(request: ClientRequest) -> dict[str, Any]:
     body["stream"] = False
     if request.kind == "responses":
         body["max_output_tokens"] = 1
-        return body  # nor prompt ids: vLLM's Responses answer has none to ask for
+        return body  # vLLM's Responses answer has no prompt ids to ask for
     body["max_tokens"] = 1
     if request.kind == "messages":
-        return body
+        return body  # nor has its Messages answer
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     # The answer brings the prompt's ids: the router counts and indexes the prompt by the prefiller's own
