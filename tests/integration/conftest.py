@@ -104,7 +104,8 @@ def rid() -> str:
 
 
 def fresh(text: str) -> str:
-    """`text` after a prefix no engine has cached: a prefiller's cache hit is then nothing, whatever ran before."""
+    """`text` after a prefix no engine has cached: put first in a prompt, it leaves the prefiller no cache hit,
+    whatever ran before."""
     return f"[{uuid.uuid4().hex}] {text}"
 
 

@@ -46,11 +46,12 @@ async def test_a_long_message_goes_through_a_prefiller_and_answers_as_the_decode
     router: str, cluster: SimCluster
 ) -> None:
     request_id = rid()
-    messages: list[Any] = [{"role": "user", "content": fresh(LONG_TEXT)}]
+    messages: list[Any] = [{"role": "user", "content": LONG_TEXT}]
+    system = fresh("Answer in one line.")  # the prompt's start: what the prefiller's cache would match first
     through = await client(router).messages.create(
         model=MODEL,
         max_tokens=12,
-        system="Answer in one line.",
+        system=system,
         messages=messages,
         extra_headers={"X-Request-Id": request_id},
     )
@@ -58,7 +59,7 @@ async def test_a_long_message_goes_through_a_prefiller_and_answers_as_the_decode
     assert await kinds_seen(cluster.decode_urls, request_id) == ["kv_decode"]
 
     alone = await client(cluster.decode_urls[0]).messages.create(
-        model=MODEL, max_tokens=12, system="Answer in one line.", messages=messages
+        model=MODEL, max_tokens=12, system=system, messages=messages
     )
     assert through.type == "message" and through.role == "assistant"
     assert [block.type for block in through.content] == ["text"]

@@ -38,7 +38,7 @@ async def test_a_long_input_goes_through_a_prefiller_and_answers_as_the_decoder_
     router: str, cluster: SimCluster
 ) -> None:
     request_id = rid()
-    ask: dict[str, Any] = {"model": MODEL, "instructions": "Answer in one line.", "input": fresh(LONG_TEXT)}
+    ask: dict[str, Any] = {"model": MODEL, "instructions": fresh("Answer in one line."), "input": LONG_TEXT}
     through = await openai_client(router).responses.create(
         **ask, max_output_tokens=12, extra_headers={"X-Request-Id": request_id}
     )
