@@ -4,9 +4,9 @@ The stream is passed on event by event as it arrives. Events are parsed only as 
 metrics need: until the first token (TTFT), and the usage event at the end, whose
 `cached_tokens` is reconciled to the prefiller's view on the disaggregated path. A connector whose
 decoder answers in another shape (LMCache's continuation) passes a `rewrite`: then every event is
-parsed and rewritten before anything else looks at it. The answer's API (OpenAI's chunks, or the
-Messages API's named events) is its `Wire`: what an event with a token looks like, where the stream
-ends, how its usage counts, how an in-band error is written.
+parsed and rewritten before anything else looks at it. The answer's API (OpenAI's chat and completions
+chunks, or the Responses and Messages APIs' named events) is its `Wire`: what an event with a token
+looks like, where the stream ends, how its usage counts, how an in-band error is written.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class ResponsesWire(MessagesWire):
 
     @staticmethod
     def only_tokens(event: bytes) -> bool:
-        return event.startswith(b"event: response.") and event.split(b"\n", 1)[0].endswith(b".delta")
+        return event.startswith(b"event: response.") and event[: event.find(b"\n")].endswith(b".delta")
 
     @staticmethod
     def has_token(payload: dict[str, Any]) -> bool:
