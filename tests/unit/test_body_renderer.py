@@ -33,9 +33,10 @@ def many_messages(**extra: object) -> bytes:
     return orjson.dumps({"messages": messages, **extra})
 
 
-async def test_a_body_of_many_messages_is_counted_as_the_routers_own_render_counts_it(
-    tokenizer_dir: Path, renderer: TemplateSandbox
-) -> None:
+async def test_a_body_of_many_messages_is_counted_as_the_routers_own_render_counts_it(tokenizer_dir: Path) -> None:
+    # Not the fixture's worker, which stops half a second idle: encoding the text it rendered can take longer
+    # on a busy machine, and the check below would find it already stopped.
+    renderer = TemplateSandbox(tokenizer_dir, timeout=60, max_output_chars=1 << 20, idle_timeout=60)
     here = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
     apart = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1, body_renderer=renderer)
     raw = many_messages(add_generation_prompt=False, tools=[{"type": "function", "function": {"name": "f"}}])
