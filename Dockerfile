@@ -25,7 +25,8 @@ LABEL org.opencontainers.image.title="dpd-router" \
       org.opencontainers.image.description="OpenAI-compatible gateway for disaggregated prefill/decode serving on vLLM" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --system --gid 10001 dpd \
-    && useradd --system --uid 10001 --gid dpd --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin dpd
+    && useradd --system --uid 10001 --gid dpd --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin dpd \
+    && mkdir -p /var/lib/dpd-router && chown dpd:dpd /var/lib/dpd-router
 COPY --from=build /opt/dpd-router /opt/dpd-router
 # The router listens on 127.0.0.1 by default; in a container it must listen on every interface.
 # The environment wins over the YAML file, so DPD_HOST here is the host whatever the file says.
@@ -34,10 +35,13 @@ ENV PATH=/opt/dpd-router/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     DPD_HOST=0.0.0.0 \
+    DPD_RESPONSES_STORE=/var/lib/dpd-router/responses.sqlite3 \
     HF_HOME=/tmp/huggingface \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+# Stored Responses API responses (a volume here keeps them across containers; Redis for replicas).
+VOLUME /var/lib/dpd-router
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000

@@ -25,6 +25,15 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tokenizer(root / "tokenizer")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def responses_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Responses store of every router this test process starts (and the engines' and routers' processes
+    it runs, which inherit the setting): a file of the run's, never the user's own state directory."""
+    path = tmp_path_factory.getbasetemp() / "responses.sqlite3"
+    os.environ["DPD_RESPONSES_STORE"] = str(path)
+    return path
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """tests/e2e_vllm runs real vLLM engines: only when named (`make test-vllm`), never in the quick suite."""
     if collection_path.name == "e2e_vllm" and not any("e2e_vllm" in str(arg) for arg in config.args):

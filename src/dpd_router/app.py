@@ -114,6 +114,7 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
         model=model,
         live=live,
         metrics=metrics,
+        responses=serving.responses,
     )
     app.include_router(openai.routes())
     tokenize = TokenizeApi(

@@ -10,12 +10,15 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from dpd_router import messages_api, responses_api
 from dpd_router.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from dpd_router.responses_api import Turn
 
 # chat and text completions and the Responses API (OpenAI's), and the Anthropic Messages API.
 RequestKind = Literal["chat", "completion", "messages", "responses"]
@@ -47,6 +50,11 @@ class ClientRequest:
     brackets: int = field(default=0)
     # A Messages or Responses body converted to the chat body the engine's template renders it as.
     converted: dict[str, Any] | None = field(default=None, repr=False)
+    # A Responses request that asked to be stored (`store`, true by default): the router keeps it, and
+    # the engines are sent `store: false` (responses_history).
+    store_asked: bool = field(default=False)
+    # A Responses request the router keeps or continues (responses_history), set before it is served.
+    turn: Turn | None = field(default=None, repr=False)
 
     @property
     def template_body(self) -> dict[str, Any] | None:
@@ -87,7 +95,7 @@ def parse_request(
     counting: bool = False,
 ) -> ClientRequest:
     """Parse and check a chat, text completion, Messages or Responses body; raise a RouterError naming the
-    bad field (InvalidRequest; a Responses body naming a stored response, ResponseNotFound).
+    bad field (InvalidRequest).
 
     A chat template the client sends is refused unless `trust_chat_template` (as vLLM refuses it
     unless started with --trust-request-chat-template). `yielding`, for a large body parsed on another
@@ -128,9 +136,11 @@ def parse_request(
         raise
     stream = bool(body.get("stream", False))
     request = ClientRequest(kind=kind, body=body, raw=raw, stream=stream, brackets=brackets, converted=converted)
-    if kind == "responses" and body.get("store") is not False:
-        body["store"] = False  # no engine keeps what the next request could not find (responses_api)
-        request.body_changed = True
+    if kind == "responses":
+        request.store_asked = body.get("store") is not False
+        if body.get("store") is not False:
+            body["store"] = False  # no engine keeps what the next request, sent elsewhere, could not find
+            request.body_changed = True
     return request
 
 

@@ -102,6 +102,10 @@ SETTING_GROUPS: dict[str, tuple[str, str]] = {
         "How much the router takes on at once, and what a client's request may cost it before it is refused.",
     ),
     "auth": ("Authentication and tenants", "API keys, rate limits and engines reserved for one tenant."),
+    "responses": (
+        "The Responses store",
+        "Where the responses the Responses API stores are kept (the router's, not the engines'), and for how long.",
+    ),
     "discovery": ("Discovery", "Engines found as Kubernetes pods instead of listed URLs."),
     "observability": ("Observability", "Logs and traces."),
     "server": (
@@ -878,6 +882,30 @@ class Settings(BaseSettings):
         "failed authentications count against the client it names (the rightmost entry that is not itself "
         "a trusted proxy). Empty: the peer's address, and the header is ignored.",
         json_schema_extra=_meta("auth"),
+    )
+    responses_store: str = Field(
+        default="",
+        description="Where stored responses (`store`, the API's default) and the history `previous_response_id` "
+        "continues are kept: unset, an SQLite file in the user's state directory "
+        "(`$XDG_STATE_HOME/dpd-router/responses.sqlite3`, else `~/.local/state/...`), shared by every worker and "
+        "kept across restarts; a path, that SQLite file; `redis://HOST:PORT/DB` (or `rediss://`), one store for "
+        "every replica; `off`, nothing kept (a request is served, its `previous_response_id` gets 404). The engines "
+        "never store: each is sent `store: false`.",
+        json_schema_extra=_meta("responses"),
+    )
+    responses_ttl: float = Field(
+        default=30 * 24 * 3600.0,
+        gt=0,
+        description="Seconds a stored response is kept. A conversation continues only while every response in "
+        "it is kept: past that, its follow-ups get 404.",
+        json_schema_extra=_meta("responses"),
+    )
+    responses_store_max_mb: float = Field(
+        default=1024.0,
+        gt=0,
+        description="The most the stored responses may take, in MiB (their input items and response objects); "
+        "past it, the oldest are dropped first.",
+        json_schema_extra=_meta("responses"),
     )
     tenants: dict[str, TenantPools] = Field(
         default_factory=dict,

@@ -35,6 +35,13 @@ class ModelNotFound(RouterError):
     error_type = "NotFoundError"
 
 
+class NotFound(RouterError):
+    """No such route."""
+
+    status_code = 404
+    error_type = "NotFoundError"
+
+
 class ResponseNotFound(RouterError):
     """A stored response was asked for that nobody stored (vLLM's status, type and wording)."""
 

@@ -336,6 +336,12 @@ class RouterMetrics:
             "the process decided on its own share of the limit instead.",
             registry=r,
         )
+        self.responses_store_errors = Counter(
+            f"{PREFIX}_responses_store_errors",
+            "Responses the Responses store (responses_store) failed to keep, or could not keep for their size; "
+            "the client had its answer, and a follow-up naming it gets 404.",
+            registry=r,
+        )
         self.auth_failures = Counter(
             f"{PREFIX}_auth_failures", "Requests refused for a missing, unknown or insufficient API key.", registry=r
         )

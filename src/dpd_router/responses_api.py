@@ -1,21 +1,61 @@
-"""The OpenAI Responses API (`POST /v1/responses`) as the router carries it today: every request holds its
-whole conversation, and nothing is stored.
+"""The OpenAI Responses API (`POST /v1/responses`): what the router reads of a body, and the chat conversation
+the engine renders it as.
 
 vLLM serves `/v1/responses` itself, `kv_transfer_params` on the request and on its whole answer, so both
 hops send the client's body to the engines' own endpoint, as for chat. What the router adds: the chat
 conversation the engine renders of the instructions, input items and tools (the threshold counts its
-tokens), and `store: false` to every engine. A vLLM engine keeps a stored response in the memory of that
-one process, and only when started to (`VLLM_ENABLE_RESPONSES_API_STORE`); by default it ignores `store`
-and serves the request. Behind a router that spreads requests over engines, a response stored on one
-would be unknown to the engine the next request reaches, so none is: `previous_response_id` and the
-stored-response endpoints are answered as a default vLLM answers them, 404 "not found".
+tokens), and the history: stored responses and `previous_response_id` are the router's
+(responses_history), and every engine is sent `store: false`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from dpd_router.errors import InvalidRequest, ResponseNotFound
+from dpd_router.errors import InvalidRequest
+
+
+class Keeper(Protocol):
+    """What keeps a turn's ended response (responses_history.ResponsesHistory)."""
+
+    async def keep(self, turn: Turn, response: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Turn:
+    """One Responses request the router keeps or continues: who asked (a stored response is its API key's
+    alone), whether to keep it, what it continued and its own input (responses_history)."""
+
+    history: Keeper
+    owner: str
+    store: bool
+    previous: str | None
+    own_input: list[Any]
+    final: dict[str, Any] | None = field(default=None, repr=False)
+    _kept: bool = field(default=False, repr=False)
+
+    def seen(self, response: dict[str, Any], *, ended: bool) -> bool:
+        """The answer's response object passing by (whole, or in a stream's event): tell it the client's
+        `store` and `previous_response_id`, and hold it to keep once it has `ended` (completed or
+        incomplete, not failed). True when it was changed."""
+        changed = False
+        if response.get("store") is not self.store:
+            response["store"] = self.store
+            changed = True
+        if self.previous is not None and response.get("previous_response_id") != self.previous:
+            response["previous_response_id"] = self.previous
+            changed = True
+        if ended and self.store and response.get("status") in ("completed", "incomplete"):
+            self.final = response
+        return changed
+
+    async def settle(self) -> None:
+        """Keep the ended response, once (the relay calls this before it sends the answer's end)."""
+        if self.final is None or self._kept:
+            return
+        self._kept = True
+        await self.history.keep(self, self.final)
 
 
 def check_body(body: dict[str, Any]) -> None:
@@ -37,16 +77,13 @@ def check_body(body: dict[str, Any]) -> None:
         raise InvalidRequest("'tools' must be an array of tool objects.", param="tools")
     if body.get("background") is True:
         raise InvalidRequest(
-            "'background' responses are stored to be fetched later, and dpd-router stores no responses: "
-            "send the request without 'background'.",
+            "'background' responses run on after their request and are fetched later, which dpd-router does "
+            "not serve: send the request without 'background'.",
             param="background",
         )
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidRequest("'previous_response_id' must be a string.", param="previous_response_id")
-    if previous is not None:
-        # No engine behind the router stores a response (each is sent store: false), nor does the router yet.
-        raise ResponseNotFound(str(previous))
 
 
 def template_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -385,3 +385,19 @@ def test_limits_store_is_set_from_a_url_or_a_secret() -> None:
 def test_a_limits_store_secret_needs_its_name_and_key() -> None:
     with pytest.raises(helm.HelmValuesError, match="secretKeyRef"):
         render({"router": {"limitsStore": {"secretKeyRef": {"name": "router-redis"}}}})
+
+
+def test_the_responses_store_is_a_file_on_the_state_volume_or_a_redis_url() -> None:
+    release = render_example(None)
+    assert release.router_settings()["responses_store"] == "/var/lib/dpd-router/responses.sqlite3"
+    spec = release.component("Deployment", "router")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert {"name": "router-state", "mountPath": "/var/lib/dpd-router"} in container["volumeMounts"]
+    assert {"name": "router-state", "emptyDir": {"sizeLimit": "1Gi"}} in spec["volumes"]
+    url = "redis://redis-master.cache:6379/1"
+    assert render({"router": {"responsesStore": {"url": url}}}).router_settings()["responses_store"] == url
+    claimed = render({"router": {"responsesStore": {"volume": {"persistentVolumeClaim": {"claimName": "state"}}}}})
+    volumes = claimed.component("Deployment", "router")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "router-state", "persistentVolumeClaim": {"claimName": "state"}} in volumes
+    with pytest.raises(helm.HelmValuesError, match="responsesStore"):
+        render({"router": {"responsesStore": {"url": "http://redis:6379"}}})

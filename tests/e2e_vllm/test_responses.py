@@ -1,6 +1,7 @@
 """The OpenAI Responses API through dpd-router in front of two real vLLM engines moving the KV over NIXL: a
-long input is disaggregated and answers as one engine alone does, streamed or not; a follow-up by a stored
-response is answered as that engine answers it (vLLM stores nothing by default)."""
+long input is disaggregated and answers as one engine alone does, streamed or not; a follow-up by a response
+the router stored answers as the engine answers the same history sent explicitly; an unknown one is refused
+as the engine refuses it."""
 
 from __future__ import annotations
 
@@ -57,7 +58,31 @@ async def test_a_long_input_is_prefilled_on_one_engine_and_decoded_on_the_other(
     assert routed.status == reference.status
 
 
-async def test_a_follow_up_by_a_stored_response_is_answered_as_the_engine_answers_it(
+async def test_a_follow_up_answers_as_the_engine_answers_the_whole_history_sent_explicitly(
+    router: str, nixl_pair: VllmPair
+) -> None:
+    opening = long_text(seed="responses-history")
+    asked = {"model": MODEL_NAME, "max_output_tokens": ANSWER_TOKENS, "temperature": 0}
+    async with openai_client(router) as client:
+        first = await client.responses.create(**asked, input=opening)
+        before = await EngineCounters.read(nixl_pair)
+        follow = await client.responses.create(**asked, input="And then?", previous_response_id=first.id)
+    after = await counters_after_a_transfer(nixl_pair, before)
+    assert after.prefill_requests == before.prefill_requests + 1, "the whole history went through both hops"
+    assert follow.previous_response_id == first.id
+
+    history = [
+        {"type": "message", "role": "user", "content": opening},
+        *(item.model_dump(exclude_none=True) for item in first.output),
+        {"type": "message", "role": "user", "content": "And then?"},
+    ]
+    reference = await response_of(nixl_pair.prefill.url, {**asked, "input": history, "store": False}, stream=False)
+    _say(f"responses follow-up: {follow.usage.input_tokens} prompt tokens, {follow.output_text!r}")
+    assert follow.usage.input_tokens == reference.usage.input_tokens > THRESHOLD
+    assert follow.output_text == reference.output_text
+
+
+async def test_a_follow_up_by_an_unknown_response_is_refused_as_the_engine_refuses_it(
     router: str, nixl_pair: VllmPair
 ) -> None:
     body = {"model": MODEL_NAME, "input": "And then?", "previous_response_id": "resp_not_kept", "max_output_tokens": 4}

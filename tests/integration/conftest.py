@@ -59,8 +59,8 @@ async def serving(server: uvicorn.Server, sock: socket.socket, *, within: float 
         sock.close()
 
 
-def openai_client(base_url: str, **kwargs: Any) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, **kwargs)
+def openai_client(base_url: str, *, api_key: str = "unused", **kwargs: Any) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
 
 
 def chat_body(content: str, *, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.responses_history import ResponsesHistory
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.lmcache.connector import LMCacheConnector
@@ -292,6 +293,7 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
         model=cast(Any, SimpleNamespace(name="m")),
         metrics=metrics,
         gateway=cast(Any, StubbornGateway()),
+        responses=ResponsesHistory(None, metrics),
     )
     messages = [
         {"type": "http.request", "body": orjson.dumps({"messages": [{"role": "user", "content": "x"}]})},

@@ -4,6 +4,7 @@ the end and the usage."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -11,9 +12,10 @@ import orjson
 import pytest
 
 from dpd_router.client_request import parse_request
-from dpd_router.errors import InvalidRequest, ResponseNotFound
-from dpd_router.gateway.relay import RESPONSES_WIRE, EventStream, relay_body
+from dpd_router.errors import InvalidRequest
+from dpd_router.gateway.relay import RESPONSES_WIRE, EventStream, KeptResponsesWire, relay_body
 from dpd_router.observe import RequestTrace
+from dpd_router.responses_api import Turn
 from dpd_router.transfer.base import prefill_usage
 from dpd_router.transfer.nixl import prefill_body
 from tests.unit.test_relay import Chunks
@@ -67,7 +69,6 @@ def test_the_prefill_is_one_output_token_not_streamed_not_stored() -> None:
         ({"input": "hi", "background": True}, InvalidRequest, "background"),
         ({"input": "hi", "max_output_tokens": 0}, InvalidRequest, "max_output_tokens"),
         ({"input": "hi", "previous_response_id": ["x"]}, InvalidRequest, "previous_response_id"),
-        ({"input": "hi", "previous_response_id": "resp_1"}, ResponseNotFound, "response_id"),
     ],
 )
 def test_what_cannot_be_served_is_refused_naming_the_field(body: dict[str, Any], error: type, param: str) -> None:
@@ -110,3 +111,47 @@ def test_a_whole_response_with_no_error_is_not_a_failure() -> None:
     assert prefill_usage(answer) == (300, 300)
     failed = {**answer, "status": "failed", "error": {"code": "server_error", "message": "broke"}}
     assert RESPONSES_WIRE.errored(failed) == "broke"
+
+
+class Keeper:
+    """Records what a turn asked to keep, and what the client had been sent by then."""
+
+    def __init__(self) -> None:
+        self.kept: list[dict[str, Any]] = []
+        self.sent_when_kept: list[bytes] = []
+        self.sent = b""
+
+    async def keep(self, turn: Turn, response: dict[str, Any]) -> None:
+        self.kept.append(response)
+        self.sent_when_kept.append(self.sent)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["event by event", "all in the first read"])
+async def test_a_kept_stream_is_stored_before_its_end_is_sent_and_says_what_the_client_asked(chunked: bool) -> None:
+    keeper = Keeper()
+    turn = Turn(keeper, "alice", True, "resp_before", [{"role": "user", "content": "hi"}])
+    events = [CREATED, DELTA, DELTA, DONE_TEXT, COMPLETED]
+    trace = RequestTrace(request_id="r", kind="responses", stream=True)
+    relayed = EventStream(
+        httpx.Response(200, stream=Chunks(events if chunked else [b"".join(events)])),
+        trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=KeptResponsesWire(turn),
+    )  # fmt: skip
+    await relayed.prime(asyncio.get_running_loop().time() + 5)
+    async for part in relayed:
+        keeper.sent += part
+    assert [kept["id"] for kept in keeper.kept] == ["r"], "kept once, the completed response"
+    assert b"response.completed" not in keeper.sent_when_kept[0], "kept before the client saw the end"
+    shown = [orjson.loads(event.split(b"data: ", 1)[1]) for event in keeper.sent.split(b"\n\n") if b"data: " in event]
+    for event in (shown[0], shown[-1]):
+        assert event["response"]["store"] is True and event["response"]["previous_response_id"] == "resp_before"
+    assert keeper.kept[0]["store"] is True and keeper.kept[0]["previous_response_id"] == "resp_before"
+
+
+def test_a_whole_answer_is_held_to_keep_and_a_failed_one_is_not() -> None:
+    for status, kept in (("completed", True), ("incomplete", True), ("failed", False)):
+        turn = Turn(Keeper(), "alice", True, None, [])
+        answer = {"id": "r", "object": "response", "status": status, "error": None, "store": False, "usage": USAGE}
+        content = relay_body(orjson.dumps(answer), RequestTrace(request_id="r", kind="responses", stream=False), None,
+                             wire=KeptResponsesWire(turn))  # fmt: skip
+        assert orjson.loads(content)["store"] is True
+        assert (turn.final is not None) is kept, status

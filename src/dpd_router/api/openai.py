@@ -31,10 +31,11 @@ from dpd_router.client_request import (
 )
 from dpd_router.errors import (
     AdmissionRejected,
+    InvalidRequest,
     ModelNotFound,
+    NotFound,
     PayloadTooLarge,
     RateLimited,
-    ResponseNotFound,
     RouterError,
     Unauthorized,
 )
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
     from dpd_router.pool.served_model import ServedModel
+    from dpd_router.responses_history import ResponsesHistory
 
 
 class OpenAIApi:
@@ -61,7 +63,9 @@ class OpenAIApi:
         model: ServedModel,
         live: LiveConfig,
         metrics: RouterMetrics,
+        responses: ResponsesHistory,
     ) -> None:
+        self._responses = responses
         self._gatekeeper = gatekeeper
         self._admission = admission
         self._gateway = gateway
@@ -116,13 +120,29 @@ class OpenAIApi:
         return await self._serve(request, "responses")
 
     async def stored_response(self, request: Request) -> Response:
-        """A stored response asked for (retrieved, deleted, cancelled, its input items): none is stored
-        (responses_api), so the answer is a default vLLM's, 404 not found."""
-        request_id, refusal = self._caller(request)
-        if refusal is not None:
-            return refusal
-        response_id = request.path_params.get("rest", "").split("/", 1)[0]
-        return self._error(ResponseNotFound(response_id), request_id)
+        """A stored response retrieved (GET), deleted (DELETE), listed its input items (GET .../input_items) or
+        cancelled (POST .../cancel: only a background response can be, and none is): each the caller's own."""
+        request_id = request_id_of(request)
+        response_id, _, rest = request.path_params.get("rest", "").partition("/")
+        try:
+            principal = self._gatekeeper.caller(request)
+            await principal.limits.take_request()
+            owner = principal.key_id
+            if rest == "" and request.method == "GET":
+                answer = await self._responses.retrieve(response_id, owner)
+            elif rest == "" and request.method == "DELETE":
+                answer = await self._responses.delete(response_id, owner)
+            elif rest == "input_items" and request.method == "GET":
+                limit, order, after = _listing(request)
+                answer = await self._responses.input_items(response_id, owner, limit=limit, order=order, after=after)
+            elif rest == "cancel" and request.method == "POST":
+                await self._responses.retrieve(response_id, owner)
+                raise InvalidRequest("Only a background response can be cancelled, and this one was not.")
+            else:
+                raise NotFound(f"No such route: {request.method} {request.url.path}")
+        except RouterError as exc:
+            return self._error(exc, request_id, "responses")
+        return Response(orjson.dumps(answer), media_type="application/json", headers={"X-Request-Id": request_id})
 
     def _caller(self, request: Request) -> tuple[str, Response | None]:
         """The request's id, and the refusal to send when the caller's key is not accepted."""
@@ -143,6 +163,8 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
             client_request = await self._parse(raw, kind)
+            if kind == "responses":
+                await self._responses.begin(client_request, principal.key_id)
         except RouterError as exc:
             return self._error(exc, request_id, kind)
         admission_started = time.perf_counter()
@@ -175,6 +197,8 @@ class OpenAIApi:
                 await discard(serving.result())  # it finished anyway: release what the answer holds
             return Response(status_code=499)
         try:
+            if client_request.turn is not None and serving.exception() is None:
+                await client_request.turn.settle()  # a whole answer's response kept before the client has it
             return http_response(serving.result())
         except RouterError as exc:
             if client_request.brackets > MANY_CONTAINERS:
@@ -264,3 +288,19 @@ def _resolve_model(request: ClientRequest, served: str | None) -> None:
 def shortened(text: str, limit: int = 200) -> str:
     """A client's string fit to be echoed in an error: at most `limit` characters."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _listing(request: Request) -> tuple[int, str, str | None]:
+    """The `limit` (1-100, default 20), `order` (asc or desc, the default) and `after` of an input items listing."""
+    query = request.query_params
+    given = query.get("limit", "20")
+    try:
+        limit = int(given)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise InvalidRequest(f"'limit' must be an integer from 1 to 100, not '{given[:50]}'.", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"'order' must be 'asc' or 'desc', not '{order[:50]}'.", param="order")
+    return limit, order, query.get("after")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import httpx
@@ -25,6 +25,9 @@ from dpd_router.client_request import ClientRequest
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transport import EngineAnswer
+
+if TYPE_CHECKING:
+    from dpd_router.responses_api import Turn
 
 Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -91,6 +94,13 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
 class OpenAIWire:
     """Chat and text completion answers: `data: {chunk}` events, `data: [DONE]` at the end."""
 
+    # Whether the answer is kept (a Responses answer the router stores): then `settle` is awaited before
+    # the stream's end reaches the client.
+    keeps: ClassVar[bool] = False
+
+    async def settle(self) -> None:
+        """Nothing to keep."""
+
     @staticmethod
     def data(event: bytes) -> int | None:
         """Where the JSON of a data event starts (None: not a data event)."""
@@ -129,6 +139,13 @@ _MESSAGE_DATA = b"\ndata: "
 class MessagesWire:
     """Messages API answers: `event: <type>` then `data: {...}`; `message_stop` ends the stream; the usage
     comes in `message_start` and `message_delta`."""
+
+    # Whether the answer is kept (a Responses answer the router stores): then `settle` is awaited before
+    # the stream's end reaches the client.
+    keeps: ClassVar[bool] = False
+
+    async def settle(self) -> None:
+        """Nothing to keep."""
 
     @staticmethod
     def data(event: bytes) -> int | None:
@@ -220,6 +237,30 @@ class ResponsesWire(MessagesWire):
         return b"event: error\ndata: " + orjson.dumps(payload) + _EVENT_END
 
 
+class KeptResponsesWire(ResponsesWire):
+    """A Responses answer the router keeps or continues: each response object that passes (a whole answer,
+    or an event's `response`) is shown to the request's turn (responses_history), which tells it the
+    client's `store` and `previous_response_id` and holds the ended one to keep."""
+
+    keeps = True
+    _ENDED = ("response.completed", "response.incomplete")
+
+    def __init__(self, turn: Turn) -> None:
+        self._turn = turn
+
+    def reconcile(self, payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:  # type: ignore[override]
+        changed = ResponsesWire.reconcile(payload, trace, cached_tokens)
+        inner = payload.get("response")
+        if isinstance(inner, dict):
+            return self._turn.seen(inner, ended=payload.get("type") in self._ENDED) or changed
+        if payload.get("object") == "response":
+            return self._turn.seen(payload, ended=True) or changed
+        return changed
+
+    async def settle(self) -> None:
+        await self._turn.settle()
+
+
 def _record_counts(
     trace: RequestTrace, counts: tuple[int | None, int | None, int | None], cached_tokens: int | None
 ) -> None:
@@ -241,6 +282,8 @@ _WIRES: dict[str, Wire] = {"messages": MESSAGES_WIRE, "responses": RESPONSES_WIR
 
 def wire_of(request: ClientRequest) -> Wire:
     """The API the engine answers `request` in."""
+    if request.turn is not None:
+        return KeptResponsesWire(request.turn)
     return _WIRES.get(request.kind, OPENAI_WIRE)
 
 
@@ -417,6 +460,7 @@ class EventStream:
         try:
             if self._head:
                 head, self._head = self._head, b""
+                await self._settle()
                 yield head
             while not self._ended:
                 chunk = await self._read_within_idle()
@@ -424,6 +468,7 @@ class EventStream:
                     break
                 out = self._absorb(chunk)
                 if out:
+                    await self._settle()
                     yield out
             if self._pending.strip():
                 yield self._pending
@@ -441,6 +486,11 @@ class EventStream:
             yield self._error_event("The connection to the decoder broke before the stream ended.")
         finally:
             await self.close()
+
+    async def _settle(self) -> None:
+        """Once the answer has ended, what the wire keeps of it is kept before the client sees the end."""
+        if self._saw_done and self._wire.keeps:
+            await self._wire.settle()
 
     def _relay_events(self, events: list[bytes]) -> bytes:
         trace, wire = self._trace, self._wire

@@ -142,6 +142,7 @@ class Components:
         if self.routing.kv_events is not None:
             await self.routing.kv_events.close()
         await self.serving.gateway.close()
+        await self.serving.responses.aclose()
         await self.connector.close()
         if self.access.limits_store is not None:
             await self.access.limits_store.aclose()

@@ -26,6 +26,8 @@ from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.responses_history import ResponsesHistory, default_store_path
+from dpd_router.responses_store import open_store
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
@@ -96,6 +98,8 @@ class Serving:
     gateway: Gateway
     observer: Observer
     shadow: LiveShadow
+    # The Responses API's stored responses and the conversations continued from them.
+    responses: ResponsesHistory
 
 
 def build_transport(settings: Settings) -> httpx.AsyncBaseTransport:
@@ -247,7 +251,9 @@ def build_serving(
         experiments=routing.experiments,
         shadow=shadow,
     )
-    return Serving(gateway, observer, shadow)
+    where = settings.responses_store or str(default_store_path())
+    store = open_store(where, ttl=settings.responses_ttl, max_bytes=int(settings.responses_store_max_mb * 1024 * 1024))
+    return Serving(gateway, observer, shadow, ResponsesHistory(store, metrics))
 
 
 def build_upkeep(

@@ -137,6 +137,7 @@ tokenizer), then router.settings on top. Every key is a dpd-router setting.
 {{- with .Values.router.limitsStore.url }}
 {{- $_ := set $settings "limits_store" . }}
 {{- end }}
+{{- $_ := set $settings "responses_store" (.Values.router.responsesStore.url | default "/var/lib/dpd-router/responses.sqlite3") }}
 {{- toYaml (mergeOverwrite $settings (deepCopy .Values.router.settings)) }}
 {{- end }}
 
@@ -233,6 +234,8 @@ podAntiAffinity:
       readOnly: true
     - name: router-tmp
       mountPath: /tmp
+    - name: router-state
+      mountPath: /var/lib/dpd-router
     {{- if .Values.router.tokenizerSubPath }}
     - name: models
       mountPath: {{ .Values.model.mountPath }}
@@ -243,7 +246,8 @@ podAntiAffinity:
     {{- end }}
 {{- end }}
 
-{{/* The router's volumes: its settings file and a scratch /tmp (the root filesystem is read-only). */}}
+{{/* The router's volumes: its settings file, a scratch /tmp (the root filesystem is read-only) and the
+Responses store's directory. */}}
 {{- define "dpd-router.routerVolumes" -}}
 - name: router-config
   configMap:
@@ -251,6 +255,13 @@ podAntiAffinity:
 - name: router-tmp
   emptyDir:
     sizeLimit: 256Mi
+- name: router-state
+  {{- with .Values.router.responsesStore.volume }}
+  {{- toYaml . | nindent 2 }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: 1Gi
+  {{- end }}
 {{- with .Values.router.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
