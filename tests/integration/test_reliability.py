@@ -395,7 +395,8 @@ async def test_a_thousand_concurrent_streams_complete_without_errors(cluster: Si
                 return response.status_code, await response.aread()
 
         results = await asyncio.gather(*(stream(i) for i in range(1000)))
-        assert [status for status, _ in results] == [200] * 1000
+        refused = [(i, status, raw[:300]) for i, (status, raw) in enumerate(results) if status != 200]
+        assert not refused, f"{len(refused)} of 1000 streams refused, the first: {refused[:3]}"
         assert all(sse_events(raw)[-1] == b"data: [DONE]" and b'"error"' not in raw for _, raw in results)
         grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
         assert grown_mib < 400, f"router + client grew {grown_mib:.0f} MiB for 1000 streams"
