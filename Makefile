@@ -15,7 +15,7 @@ XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # The unit tests share little set-up a test could not pay itself: spread test by test, over two.
 UNIT_XDIST = -n 2 --dist load
 
-.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-all
+.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-affinity bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -107,4 +107,7 @@ bench-memory: $(VENV)/.installed-bench
 bench-arms: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.arms
 
-bench-all: bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms
+bench-affinity: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.affinity
+
+bench-all: bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-affinity

@@ -79,6 +79,15 @@ def test_threshold_measures_both_paths_and_the_sweep(tmp_path: Path) -> None:
     assert_plots(results, tmp_path)
 
 
+def test_affinity_serves_follow_ups_direct_on_the_first_steps_decoder(tmp_path: Path) -> None:
+    results = run_scenario("affinity", tmp_path)
+    runs = {run["setup"]: run for run in results["runs"]}
+    later = [row for row in runs["affinity"]["steps"] if row["step"] > 1]
+    assert later and all(row["path"] == "direct" and row["ttft"] is not None for row in later)
+    assert all(row["prefilled"] for row in runs["no-affinity"]["steps"])
+    assert [row["same_decoder"] for row in results["by_step"]["affinity"]] == [2, 2, 2]
+
+
 def test_memory_samples_router_rss_and_sizes_the_prefix_index(tmp_path: Path) -> None:
     results = run_scenario("memory", tmp_path)
 
