@@ -680,10 +680,19 @@ def longest_token_bytes(tokenizer: Any) -> int:
 class EngineTokenizer:
     """Counts tokens with an engine's `POST /tokenize` when no local tokenizer is configured."""
 
-    def __init__(self, client: httpx.AsyncClient, urls: Callable[[], list[str]], model: Callable[[], str | None]):
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        urls: Callable[[], list[str]],
+        model: Callable[[], str | None],
+        *,
+        timeout: float = 10.0,
+    ):
         self._client = client
         self._urls = urls
         self._model = model
+        # A hung engine is passed over after this, not after the client's whole request timeout.
+        self._timeout = httpx.Timeout(timeout)
 
     async def tokenize(self, request: ClientRequest, *, max_tokens: int | None = None) -> Prompt:
         started = time.perf_counter()
@@ -719,7 +728,9 @@ class EngineTokenizer:
         last_error = "no engine to ask"
         for url in self._urls():
             try:
-                response = await self._client.post(f"{url}/tokenize", content=orjson.dumps(payload))
+                response = await self._client.post(
+                    f"{url}/tokenize", content=orjson.dumps(payload), timeout=self._timeout
+                )
             except httpx.HTTPError as exc:
                 last_error = f"{url}: {type(exc).__name__}"
                 continue

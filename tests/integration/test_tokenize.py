@@ -3,8 +3,10 @@ limits and tenants, from an engine that can be reached."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +131,35 @@ async def test_an_engine_that_cannot_be_reached_is_passed_over(
     assert [answer.status_code for answer in answers] == [200] * 4
     tried_dead = [record for record in caplog.records if dead in record.getMessage()]
     assert len(tried_dead) == 2, "the calls took the decoders in turn, the dead one first every other call"
+
+
+async def test_an_engine_that_never_answers_is_passed_over_within_the_tokenize_timeout(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    """It accepts the connection and reads the call, then says nothing: a hung engine, passing its probes."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read(1 << 16)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    hung = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_router(
+            decode_urls=[hung, cluster.decode_urls[0]],
+            tokenizer=str(tokenizer_dir),
+            model=MODEL,
+            health_unhealthy_threshold=1000,
+            tokenize_timeout=0.5,
+        ) as base_url:
+            started = time.monotonic()
+            answers = [await post(base_url, "/tokenize", {"prompt": f"{i} {TEXT}"}) for i in range(2)]
+            waited = time.monotonic() - started
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert waited < 30, "the hung engine cost its tokenize_timeout, not the request timeout"
+    assert held, "one of the calls tried the hung engine first"

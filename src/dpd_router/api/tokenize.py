@@ -4,7 +4,8 @@ Benchmark tools and clients count and decode tokens with these. An engine answer
 will read a generation request (its chat template, tools, multimodal parts, `max_model_len`), so the
 router relays the body to one and its answer back, as sent: the caller's key, request rate and body size
 are checked as for chat, and a tenant's prompts reach only the engines reserved for it. An engine that
-cannot be reached is passed over for the next; any answer it gives (a 400 included) is the caller's.
+cannot be reached, or leaves a call unanswered for `tokenize_timeout`, is passed over for the next; any answer
+it gives (a 400 included) is the caller's.
 """
 
 from __future__ import annotations
@@ -82,9 +83,13 @@ class TokenizeApi:
         if (content_type := request.headers.get("content-type")) is not None:
             headers["Content-Type"] = content_type  # vLLM refuses a body not sent as JSON: so may it here
         failures = []
+        settings = self._live.settings
+        limits = httpx.Timeout(
+            settings.tokenize_timeout, connect=min(settings.connect_timeout, settings.tokenize_timeout)
+        )
         for endpoint in engines:
             try:
-                answer = await self._client.post(f"{endpoint.url}{path}", content=raw, headers=headers)
+                answer = await self._client.post(f"{endpoint.url}{path}", content=raw, headers=headers, timeout=limits)
             except httpx.HTTPError as exc:
                 failures.append(f"{endpoint.url}: {type(exc).__name__}")
                 log.warning("%s %s: %s", path, endpoint.url, type(exc).__name__)

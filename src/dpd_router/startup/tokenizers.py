@@ -35,7 +35,8 @@ async def load_tokenizers(
     /tokenize, so no prompt of a tenant's reaches an engine not reserved for it."""
     if settings.tokenizer is None:
         log.warning("no tokenizer directory configured: counting tokens with the engines' /tokenize")
-        return {tenant: engine_tokenizer(client, pool, model) for tenant, pool in pools.items()}
+        timeout = settings.tokenize_timeout
+        return {tenant: engine_tokenizer(client, pool, model, timeout=timeout) for tenant, pool in pools.items()}
     sandbox = (
         TemplateSandbox(
             settings.tokenizer, timeout=settings.chat_template_timeout, max_output_chars=settings.max_body_bytes
@@ -67,5 +68,9 @@ async def load_tokenizers(
     return {tenant: local for tenant in pools}
 
 
-def engine_tokenizer(client: httpx.AsyncClient, pool: Pool, model: ServedModel) -> EngineTokenizer:
-    return EngineTokenizer(client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name)
+def engine_tokenizer(
+    client: httpx.AsyncClient, pool: Pool, model: ServedModel, *, timeout: float = 10.0
+) -> EngineTokenizer:
+    return EngineTokenizer(
+        client, urls=lambda: [e.url for e in pool.healthy("decode")], model=lambda: model.name, timeout=timeout
+    )
