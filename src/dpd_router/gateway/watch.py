@@ -11,8 +11,10 @@ rather than guesses:
 - slow: nothing moved, and the hop is past a learned deadline, far longer than hops of its size take
   here: abandoned for another engine as before (deadlines.py).
 - hung: nothing moved, no history to judge by, and the engine leaves a one-token completion
-  unanswered for `hang_probe_timeout` seconds. An engine that answers the probe is alive and merely
-  long at this call: the watch looks again after twice the period.
+  unanswered for `hang_probe_timeout` seconds while nothing else of it moves either. An engine that
+  answers the probe is alive and merely long at this call: the watch looks again after twice the
+  period. One whose other calls move while the probe waits is busy (the probe queued behind their
+  work, as it does on an engine working through a burst): the watch looks again one period later.
 
 A look that comes late (the router's own loop held up: a long collection, a starved CPU) judges nothing:
 the engine's tokens of that time may still wait in the socket, unread, so the watch looks again one
@@ -104,6 +106,7 @@ class HopWatch:
         self.late_looks = 0
         self._scope: asyncio.Timeout | None = None
         self._asking: asyncio.Task[bool] | None = None
+        self._asked_at = self.started  # when this hop last asked for the probe's answer
         self._due = self.started + expected
         self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._due, self._look)
 
@@ -130,6 +133,7 @@ class HopWatch:
         elif self._learned:
             self._decide("slow")
         elif self._probe is not None:
+            self._asked_at = now
             asking = self._asking = self._probe.answers(self._endpoint, self._model, self._probe_timeout)
             asking.add_done_callback(self._answered)
 
@@ -137,9 +141,14 @@ class HopWatch:
         if asking is not self._asking:
             return  # the hop ended meanwhile
         self._asking = None
+        now = self._loop.time()
         if asking.cancelled() or asking.exception() is not None or asking.result():
             self._period *= 2
-            self._again(self._loop.time() + self._period)
+            self._again(now + self._period)
+        elif self._endpoint.moved_since(self._asked_at):
+            # Its other calls moved while the probe waited: alive, and the probe queued behind their work.
+            self.busy_checks += 1
+            self._again(now + self._period)
         else:
             self._decide("hung")
 

@@ -114,6 +114,25 @@ async def test_without_history_an_engine_that_leaves_the_probe_unanswered_is_hun
     assert engine.probes == [{"model": "m", "prompt": "ping", "max_tokens": 1, "stream": False}]
 
 
+async def test_an_engine_whose_other_calls_move_while_the_probe_waits_is_busy_not_hung() -> None:
+    """Quiet at the look, then working through a burst: the probe queues behind that work, unanswered."""
+    endpoint, engine = Endpoint("http://bursting", "decode"), Engine(hung=True)
+    hop_watch = watch(endpoint, engine, 0.05, learned=False, probe_timeout=0.1)
+
+    async def burst_after_the_look() -> None:
+        await asyncio.sleep(0.07)
+        async with moving(endpoint):
+            await asyncio.sleep(10)
+
+    bursting = asyncio.create_task(burst_after_the_look())
+    try:
+        await hop(hop_watch, 0.5)
+    finally:
+        bursting.cancel()
+    assert hop_watch.verdict is None
+    assert engine.probes and hop_watch.busy_checks >= 1
+
+
 async def test_without_history_a_live_engine_keeps_a_long_hop_looking_less_often() -> None:
     """The probe answered: the hop is long, not hung; each look after the last comes twice as late."""
     endpoint, engine = Endpoint("http://long", "decode"), Engine(hung=False)
