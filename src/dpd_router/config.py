@@ -603,7 +603,7 @@ class Settings(BaseSettings):
         description="Seconds an engine has to answer a `/tokenize` or `/detokenize` call (relayed, or counting a "
         "prompt where the router has no local tokenizer) before the next engine is asked: these are quick on "
         "a live engine, so a hung one costs this, not `request_timeout`.",
-        json_schema_extra=_meta("reliability", live=True),
+        json_schema_extra=_meta("reliability"),
     )
     prefill_timeout: float = Field(
         default=120.0,
