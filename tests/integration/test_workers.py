@@ -429,3 +429,27 @@ async def test_a_shadow_put_reaches_the_sibling_with_its_key_through_a_private_l
         assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
         assert stat.S_IMODE(log_path.parent.stat().st_mode) == 0o700
     assert not log_path.parent.exists(), "the supervisor removes the log when it stops"
+
+
+async def test_a_response_one_worker_stored_is_continued_by_the_other(
+    engines: SimCluster, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The default store is one SQLite file every worker process reads and writes."""
+    store = tmp_path / "responses.sqlite3"
+    async with (
+        supervised_router(engines, tokenizer_dir, tmp_path, responses_store=str(store)) as router,
+        clients_on_each_worker(router.base_url) as by_worker,
+    ):
+        (first,), (second,) = by_worker.values()
+        made = await first.post("/v1/responses", json={"model": MODEL, "input": "hello", "max_output_tokens": 3})
+        assert made.status_code == 200, made.text
+        response_id = made.json()["id"]
+        kept = await second.get(f"/v1/responses/{response_id}")
+        assert kept.status_code == 200 and kept.json()["id"] == response_id
+        follow = await second.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "and?", "previous_response_id": response_id, "max_output_tokens": 3},
+        )
+        assert follow.status_code == 200 and follow.json()["previous_response_id"] == response_id
+        listed = await first.get(f"/v1/responses/{follow.json()['id']}/input_items", params={"order": "asc"})
+        assert [item.get("role") for item in listed.json()["data"]] == ["user", "assistant", "user"]
