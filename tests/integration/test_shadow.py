@@ -115,6 +115,47 @@ async def test_only_prompts_of_at_least_min_prompt_tokens_reach_the_shadow_and_a
         assert await metric(base_url, "dpd_router_shadow_dropped_total") == 0
 
 
+async def test_messages_and_responses_requests_are_copied_in_their_own_api(
+    engines: SimCluster, tokenizer_dir: Path
+) -> None:
+    shadow = {"url": shadow_url(engines), "min_prompt_tokens": MIN_TOKENS, "max_concurrent": 2, "queue": 64}
+    async with (
+        running_router(**live_settings(engines, tokenizer_dir, shadow)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+    ):
+        first = await client.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": LONG, "max_output_tokens": 4},
+            headers={"x-request-id": "apis-responses-1"},
+        )
+        assert first.status_code == 200, first.text
+        follow = await client.post(
+            "/v1/responses",
+            json={"model": MODEL, "input": "And?", "previous_response_id": first.json()["id"], "max_output_tokens": 4},
+            headers={"x-request-id": "apis-responses-2"},
+        )
+        assert follow.status_code == 200, follow.text
+        messages = await client.post(
+            "/v1/messages",
+            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": LONG}]},
+            headers={"x-request-id": "apis-messages-1"},
+        )
+        assert messages.status_code == 200, messages.text
+        await copies_finished(base_url, 3)
+        assert await metric(base_url, "dpd_router_shadow_requests_total", {"outcome": "ok"}) == 3
+        ttft = await metric(
+            base_url, "dpd_router_ttft_by_prompt_length_seconds_count", {"arm": "shadow", "path": "monolithic"}
+        )
+        assert ttft == 3, "each copy's stream was read in its own API, its first token seen"
+    assert sorted(await shadow_saw(engines, "apis-")) == ["apis-messages-1", "apis-responses-1", "apis-responses-2"]
+    # The follow-up's copy is the whole history, as the engines got it: the shadow stores nothing either.
+    recent = (await engine_stats(shadow_url(engines)))["recent"]
+    prompts = {
+        entry["request_id"]: entry["prompt_tokens"] for entry in recent if entry["request_id"].startswith("apis-")
+    }
+    assert prompts["apis-responses-2"] > prompts["apis-responses-1"]
+
+
 async def test_a_share_of_requests_is_copied_and_every_replica_chooses_the_same_ones(
     engines: SimCluster, tokenizer_dir: Path
 ) -> None:

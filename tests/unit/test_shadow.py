@@ -11,6 +11,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.shadow import LiveShadow, RecentLengths, ShadowChoice, ShadowCopy
 from dpd_router.shadow.copies import ShadowAnswer, ShadowAnswerUnreadable, shadow_body, shadow_headers
+from dpd_router.wires import MESSAGES_WIRE, RESPONSES_WIRE
 
 
 def settings(**values: object) -> ShadowSettings:
@@ -126,7 +127,7 @@ def test_an_answer_that_stops_before_done_or_reports_an_error_fails_the_copy() -
     answer = ShadowAnswer(cut)
     answer.feed(event(chunk("a")), 1.0)
     answer.end()
-    assert cut.outcome == "error" and "before [DONE]" in (cut.error or "")
+    assert cut.outcome == "error" and "before its end event" in (cut.error or "")
     failed = RequestTrace(request_id="r2", kind="chat", stream=True)
     answer = ShadowAnswer(failed)
     answer.feed(event({"error": {"message": "engine overloaded"}}) + b"data: [DONE]\n\n", 1.0)
@@ -178,3 +179,37 @@ async def test_a_copy_of_a_copy_is_never_queued() -> None:
 
 def dropped(metrics: RouterMetrics, reason: str) -> float:
     return metrics.registry.get_sample_value("dpd_router_shadow_dropped_total", {"reason": reason}) or 0.0
+
+
+def named(name: str, payload: dict[str, object]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **payload}) + b"\n\n"
+
+
+def test_messages_and_responses_copies_are_streams_read_in_their_own_api() -> None:
+    for kind in ("messages", "responses"):
+        body = {"model": "m", "input": "hi", "store": False} if kind == "responses" else {"messages": [], "model": "m"}
+        sent = orjson.loads(shadow_body(ShadowCopy("r1", kind, orjson.dumps(body), None, 12), None))
+        assert sent["stream"] is True and "stream_options" not in sent, "these APIs carry their usage in events"
+    messages = RequestTrace(request_id="r1", kind="messages", stream=True)
+    answer = ShadowAnswer(messages, MESSAGES_WIRE)
+    start = {"message": {"id": "m", "content": [], "usage": {"input_tokens": 12, "output_tokens": 0}}}
+    answer.feed(named("message_start", start), 1.0)
+    answer.feed(named("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "a"}}), 2.0)
+    answer.feed(named("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "b"}}), 2.5)
+    answer.feed(named("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 2}}), 3)
+    answer.feed(named("message_stop", {}), 3.0)
+    answer.end()
+    assert messages.outcome == "ok" and messages.first_token_at == 2.0 and messages.completion_tokens == 2
+    responses = RequestTrace(request_id="r2", kind="responses", stream=True)
+    answer = ShadowAnswer(responses, RESPONSES_WIRE)
+    answer.feed(named("response.created", {"response": {"id": "r", "status": "in_progress", "usage": None}}), 1.0)
+    answer.feed(named("response.output_text.delta", {"delta": "a", "output_index": 0}), 2.0)
+    usage = {"input_tokens": 12, "output_tokens": 1, "input_tokens_details": {"cached_tokens": 0}}
+    answer.feed(named("response.completed", {"response": {"id": "r", "status": "completed", "usage": usage}}), 3)
+    answer.end()
+    assert responses.outcome == "ok" and responses.first_token_at == 2.0 and responses.completion_tokens == 1
+    cut = RequestTrace(request_id="r3", kind="responses", stream=True)
+    answer = ShadowAnswer(cut, RESPONSES_WIRE)
+    answer.feed(named("response.output_text.delta", {"delta": "a", "output_index": 0}), 2.0)
+    answer.end()
+    assert cut.outcome == "error", "a stream without its end event fails the copy"

@@ -24,13 +24,14 @@ from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefil
 from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learned_deadline
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
-from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body, wire_of
+from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
 from dpd_router.gateway.watch import EngineProbe, HopWatch
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 from dpd_router.transport import EngineAnswer, EngineCalls
+from dpd_router.wires import wire_of
 
 log = logging.getLogger("dpd_router.gateway")
 

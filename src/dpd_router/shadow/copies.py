@@ -28,6 +28,7 @@ from dpd_router.shadow.choice import ShadowChoice
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.transfer.base import ENGINE_PATHS
+from dpd_router.wires import OPENAI_WIRE, Wire, wire_for
 
 log = logging.getLogger("dpd_router.shadow")
 
@@ -93,15 +94,15 @@ class Shadow:
         """Queue a copy of the request if it is chosen; never waits (a full queue drops the copy)."""
         if self._session is None or headers.get(SHADOW_HEADER):
             return  # not running, or a copy itself (this router is the staging one)
-        if request.kind in ("messages", "responses") or not self._choice.eligible(prompt_tokens):
-            return  # a copy is read as a chat or completions stream: these APIs' are not copied
+        if not self._choice.eligible(prompt_tokens):
+            return
         key = session_key(headers, request.body, header=self._session_header) or request_id
         if not self._choice.chosen(key):
             return
         model = request.body.get("model")
-        copy = ShadowCopy(
-            request_id, request.kind, request.raw, model if isinstance(model, str) else None, prompt_tokens
-        )
+        # A Responses request as the engines get it: its history expanded, stored nowhere (responses_history).
+        raw = request.encoded() if request.kind == "responses" else request.raw
+        copy = ShadowCopy(request_id, request.kind, raw, model if isinstance(model, str) else None, prompt_tokens)
         try:
             self._queue.put_nowait(copy)
         except asyncio.QueueFull:
@@ -184,7 +185,7 @@ class Shadow:
                 status = response.status
                 trace.fail(f"status_{status // 100}xx", f"the shadow answered {status}", status=status)
                 return
-            answer = ShadowAnswer(trace)
+            answer = ShadowAnswer(trace, wire_for(copy.kind))
             async for chunk in response.content.iter_any():
                 answer.feed(chunk, time.perf_counter())
             answer.end()
@@ -217,13 +218,15 @@ def shadow_headers(settings: ShadowSettings) -> dict[str, str]:
 
 
 def shadow_body(copy: ShadowCopy, model: str | None) -> bytes:
-    """The client's body as a stream that ends with its usage, asking for `model` if given."""
+    """The client's body as a stream that ends with its usage, asking for `model` if given (the Messages and
+    Responses APIs' streams carry their usage in their own events)."""
     body: dict[str, Any] = orjson.loads(copy.raw)
     body["stream"] = True
-    options = body.get("stream_options")
-    body["stream_options"] = (
-        {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
-    )
+    if copy.kind in ("chat", "completion"):
+        options = body.get("stream_options")
+        body["stream_options"] = (
+            {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
+        )
     model = model or copy.model
     if model is not None:
         body["model"] = model
@@ -231,10 +234,12 @@ def shadow_body(copy: ShadowCopy, model: str | None) -> bytes:
 
 
 class ShadowAnswer:
-    """Reads a shadow's event stream into its trace (first token, gaps, usage, [DONE]); the text is dropped."""
+    """Reads a shadow's event stream into its trace (first token, gaps, usage, its end), in the API it is
+    written in (its `Wire`, as the relay reads a decoder's); the text is dropped."""
 
-    def __init__(self, trace: RequestTrace) -> None:
+    def __init__(self, trace: RequestTrace, wire: Wire = OPENAI_WIRE) -> None:
         self._trace = trace
+        self._wire = wire
         self._pending = b""
         self._saw_token = False
         self._saw_done = False
@@ -251,45 +256,31 @@ class ShadowAnswer:
 
     def end(self) -> None:
         if not self._saw_done and self._trace.outcome == "ok":
-            self._trace.fail("error", "the shadow ended the stream before [DONE]")
+            self._trace.fail("error", "the shadow ended the stream before its end event ([DONE])")
 
     def _read(self, event: bytes, now: float) -> None:
-        if not event.startswith(_DATA):
+        wire = self._wire
+        start = wire.data(event)
+        if start is None:
             return
-        if event.startswith(_DONE):
+        if wire.ends(event):
             self._saw_done = True
-            return
+            if event.startswith(_DONE):
+                return
         trace = self._trace
-        if self._saw_token and b'"usage"' not in event and b'"error"' not in event:
+        if self._saw_token and wire.only_tokens(event):
             trace.mark_token_chunk(now)  # past the first token, a chunk is a token unless it says otherwise
             return
         try:
-            payload = orjson.loads(event[len(_DATA) :])
+            payload = orjson.loads(event[start:])
         except orjson.JSONDecodeError:
             return
         if not isinstance(payload, dict):
             return
-        error = payload.get("error")
-        if error is not None and trace.outcome == "ok":
-            trace.fail("error", str(error.get("message") if isinstance(error, dict) else error))
-        if _carries_output(payload):
+        failure = wire.errored(payload)
+        if failure is not None and trace.outcome == "ok":
+            trace.fail("error", failure)
+        if wire.has_token(payload):
             self._saw_token = True
             trace.mark_token_chunk(now)
-        usage = payload.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            trace.completion_tokens = usage["completion_tokens"]
-
-
-def _carries_output(payload: dict[str, Any]) -> bool:
-    """Whether a chunk carries output (content, text, tool calls or a finish), as the relay counts it."""
-    for choice in payload.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        if choice.get("finish_reason") not in (None, "error") or choice.get("text"):
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and (
-            delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
-        ):
-            return True
-    return False
+        wire.reconcile(payload, trace, None)
