@@ -66,6 +66,13 @@ class UpstreamTimeout(UpstreamError):
     error_type = "GatewayTimeoutError"
 
 
+class StoreUnavailable(RouterError):
+    """The Responses store could not be read (its file or its Redis failed): nothing is known to say."""
+
+    status_code = 503
+    error_type = "ServiceUnavailableError"
+
+
 class NoHealthyDecoder(RouterError):
     """Every decoder is down or unreachable."""
 

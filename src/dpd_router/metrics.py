@@ -338,8 +338,8 @@ class RouterMetrics:
         )
         self.responses_store_errors = Counter(
             f"{PREFIX}_responses_store_errors",
-            "Responses the Responses store (responses_store) failed to keep, or could not keep for their size; "
-            "the client had its answer, and a follow-up naming it gets 404.",
+            "Calls to the Responses store (responses_store) that failed: responses not kept (the client had its "
+            "answer; a follow-up naming one gets 404), kept not for their size, and reads answered 503.",
             registry=r,
         )
         self.auth_failures = Counter(

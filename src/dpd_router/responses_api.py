@@ -10,6 +10,7 @@ tokens), and the history: stored responses and `previous_response_id` are the ro
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +34,9 @@ class Turn:
     previous: str | None
     own_input: list[Any]
     final: dict[str, Any] | None = field(default=None, repr=False)
+    # The id a kept response is stored and answered under: the router's own, so no engine's choice (vLLM
+    # takes a body's `request_id` as its response's id) can name another caller's response.
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     _kept: bool = field(default=False, repr=False)
 
     def seen(self, response: dict[str, Any], *, ended: bool) -> bool:
@@ -40,6 +44,9 @@ class Turn:
         `store` and `previous_response_id`, and hold it to keep once it has `ended` (completed or
         incomplete, not failed). True when it was changed."""
         changed = False
+        if self.store and response.get("id") != self.id:
+            response["id"] = self.id
+            changed = True
         if response.get("store") is not self.store:
             response["store"] = self.store
             changed = True

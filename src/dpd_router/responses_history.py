@@ -19,19 +19,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
 from dpd_router import responses_api
 from dpd_router.client_request import ClientRequest
-from dpd_router.errors import InvalidRequest, ResponseNotFound
+from dpd_router.errors import InvalidRequest, ResponseNotFound, StoreUnavailable
 from dpd_router.metrics import RouterMetrics
 from dpd_router.responses_store import ResponseStore, StoredResponse
 
 log = logging.getLogger("dpd_router.responses")
+
+T = TypeVar("T")
 
 
 def default_store_path() -> Path:
@@ -59,7 +61,7 @@ class ResponsesHistory:
         previous = body.get("previous_response_id")
         own_input = _items(body["input"])
         if previous is not None:
-            chain = None if self._store is None else await self._store.chain(previous, owner)
+            chain = await self._read(self._chain(previous, owner))
             if chain is None:
                 raise ResponseNotFound(previous)
             del body["previous_response_id"]  # the engines are sent the whole history instead
@@ -70,14 +72,12 @@ class ResponsesHistory:
             request.turn = responses_api.Turn(self, owner, store and self._store is not None, previous, own_input)
 
     async def keep(self, turn: responses_api.Turn, response: dict[str, Any]) -> None:
-        """Keep `response`; a store that fails is counted and logged, never the client's failure."""
+        """Keep `response` under the turn's id; a store that fails is counted and logged, never the client's
+        failure (the client has its answer; a follow-up naming it gets 404)."""
         assert self._store is not None
-        response_id = response.get("id")
-        if not isinstance(response_id, str):
-            return
         created = response.get("created_at")
         record = StoredResponse(
-            id=response_id,
+            id=turn.id,
             owner=turn.owner,
             previous=turn.previous,
             created=float(created) if isinstance(created, int | float) else time.time(),
@@ -88,22 +88,22 @@ class ResponsesHistory:
             kept = await self._store.put(record)
         except Exception as exc:  # the answer is the client's either way: a store down costs the history
             self._metrics.responses_store_errors.inc()
-            log.warning("response %s not stored: %s: %s", response_id, type(exc).__name__, exc)
+            log.warning("response %s not stored: %s: %s", turn.id, type(exc).__name__, exc)
             return
         if not kept:
             self._metrics.responses_store_errors.inc()
-            log.warning("response %s not stored: larger than responses_store_max_mb on its own", response_id)
+            log.warning("response %s not stored: larger than responses_store_max_mb on its own", turn.id)
 
     async def retrieve(self, response_id: str, owner: str) -> dict[str, Any]:
         """The stored response object; ResponseNotFound when this owner has none of that id."""
-        record = None if self._store is None else await self._store.get(response_id, owner)
+        record = await self._read(self._get(response_id, owner))
         if record is None:
             raise ResponseNotFound(response_id)
         response: dict[str, Any] = orjson.loads(record.response)
         return response
 
     async def delete(self, response_id: str, owner: str) -> dict[str, Any]:
-        if self._store is None or not await self._store.delete(response_id, owner):
+        if not await self._read(self._delete(response_id, owner)):
             raise ResponseNotFound(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -112,7 +112,7 @@ class ResponsesHistory:
     ) -> dict[str, Any]:
         """The items the response was generated from (every earlier turn's input and output, then its
         own input), each with an id, as the API lists them: `order` asc or desc, `limit` from `after`."""
-        chain = None if self._store is None else await self._store.chain(response_id, owner)
+        chain = await self._read(self._chain(response_id, owner))
         if chain is None:
             raise ResponseNotFound(response_id)
         items = list(_listed(chain))
@@ -135,6 +135,25 @@ class ResponsesHistory:
     async def aclose(self) -> None:
         if self._store is not None:
             await self._store.aclose()
+
+    async def _chain(self, response_id: str, owner: str) -> list[StoredResponse] | None:
+        return None if self._store is None else await self._store.chain(response_id, owner)
+
+    async def _get(self, response_id: str, owner: str) -> StoredResponse | None:
+        return None if self._store is None else await self._store.get(response_id, owner)
+
+    async def _delete(self, response_id: str, owner: str) -> bool:
+        return self._store is not None and await self._store.delete(response_id, owner)
+
+    async def _read(self, asking: Awaitable[T]) -> T:
+        """What the store answers; StoreUnavailable (503) when it fails: a history not read is never taken
+        for one that does not exist."""
+        try:
+            return await asking
+        except Exception as exc:
+            self._metrics.responses_store_errors.inc()
+            log.warning("responses store failed: %s: %s", type(exc).__name__, exc)
+            raise StoreUnavailable("The stored responses cannot be read right now; retry shortly.") from None
 
 
 def _items(given: str | list[Any]) -> list[Any]:

@@ -310,7 +310,9 @@ class RedisResponses:
         *,
         ttl: float,
         max_bytes: int,
-        timeout: float = 5.0,
+        # A round trip of a small script: a Redis that takes longer is down for this purpose, and every
+        # Responses request waits on its store call before its end is sent.
+        timeout: float = 1.0,
         prefix: str = REDIS_PREFIX,
         clock: Callable[[], float] = time.time,
     ) -> None:

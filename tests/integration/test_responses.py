@@ -5,6 +5,7 @@ key's own; kept across a restart in the default SQLite store and shared by two r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,7 @@ async def test_a_stored_response_is_retrieved_continued_listed_and_deleted(route
     opening = fresh(LONG_TEXT)
     first = await client.responses.create(model=MODEL, instructions="Be brief.", input=opening, max_output_tokens=8)
     assert first.store is True
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", first.id), "the router's own id, not one an engine chose"
     kept = await client.responses.retrieve(first.id)
     assert kept.id == first.id and kept.output_text == first.output_text and kept.status == first.status
 
@@ -263,3 +265,22 @@ async def test_two_routers_sharing_one_redis_continue_each_others_conversations(
             await there.responses.delete(first.id)
             with pytest.raises(openai.NotFoundError):
                 await openai_client(one).responses.create(model=MODEL, input="More?", previous_response_id=follow.id)
+
+
+async def test_a_store_that_fails_costs_the_history_never_the_answer(cluster: SimCluster, tokenizer_dir: Path) -> None:
+    async with redis_server() as redis:
+        settings = {"decode_urls": cluster.decode_urls, "tokenizer": str(tokenizer_dir), "responses_store": redis.url}
+        async with running_router(**settings) as base_url:
+            client = openai_client(base_url)
+            first = await client.responses.create(model=MODEL, input=SHORT_TEXT, max_output_tokens=3)
+            await redis.kill()
+            answered = await client.responses.create(model=MODEL, input=SHORT_TEXT, max_output_tokens=3)
+            assert answered.output_text, "served, though it could not be kept"
+            for ask in (
+                client.responses.create(model=MODEL, input="Then?", previous_response_id=first.id),
+                client.responses.retrieve(first.id),
+            ):
+                with pytest.raises(openai.InternalServerError) as unavailable:
+                    await ask
+                assert unavailable.value.status_code == 503, "a history not read is not taken for none"
+            assert await metric(base_url, "dpd_router_responses_store_errors_total") >= 3

@@ -140,11 +140,13 @@ async def test_a_kept_stream_is_stored_before_its_end_is_sent_and_says_what_the_
     await relayed.prime(asyncio.get_running_loop().time() + 5)
     async for part in relayed:
         keeper.sent += part
-    assert [kept["id"] for kept in keeper.kept] == ["r"], "kept once, the completed response"
+    assert [kept["id"] for kept in keeper.kept] == [turn.id], "kept once, the completed response, by the router's id"
+    assert turn.id.startswith("resp_") and turn.id != "r"
     assert b"response.completed" not in keeper.sent_when_kept[0], "kept before the client saw the end"
     shown = [orjson.loads(event.split(b"data: ", 1)[1]) for event in keeper.sent.split(b"\n\n") if b"data: " in event]
     for event in (shown[0], shown[-1]):
         assert event["response"]["store"] is True and event["response"]["previous_response_id"] == "resp_before"
+        assert event["response"]["id"] == turn.id, "the client is told the id the response is kept under"
     assert keeper.kept[0]["store"] is True and keeper.kept[0]["previous_response_id"] == "resp_before"
 
 
