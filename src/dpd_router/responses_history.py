@@ -16,6 +16,7 @@ sent the moment it arrives finds it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from dpd_router.client_request import ClientRequest
 from dpd_router.errors import InvalidRequest, ResponseNotFound, StoreUnavailable
 from dpd_router.metrics import RouterMetrics
 from dpd_router.responses_store import ResponseStore, StoredResponse
+from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 log = logging.getLogger("dpd_router.responses")
 
@@ -65,9 +67,11 @@ class ResponsesHistory:
             if chain is None:
                 raise ResponseNotFound(previous)
             del body["previous_response_id"]  # the engines are sent the whole history instead
-            body["input"] = [*_context(chain), *own_input]
-            request.converted = responses_api.template_body(body)
-            request.body_changed = True
+            if sum(len(record.input) + len(record.response) for record in chain) > LARGE_REQUEST_BYTES:
+                # Parsed and converted on a thread, as a client's body that large is (client_request).
+                await asyncio.to_thread(_expand, request, chain, own_input)
+            else:
+                _expand(request, chain, own_input)
         if previous is not None or (store and self._store is not None):
             request.turn = responses_api.Turn(self, owner, store and self._store is not None, previous, own_input)
 
@@ -154,6 +158,18 @@ class ResponsesHistory:
             self._metrics.responses_store_errors.inc()
             log.warning("responses store failed: %s: %s", type(exc).__name__, exc)
             raise StoreUnavailable("The stored responses cannot be read right now; retry shortly.") from None
+
+
+def _expand(request: ClientRequest, chain: list[StoredResponse], own_input: list[Any]) -> None:
+    """The request as the engines get it: its history before its own input. Its `raw` becomes those bytes,
+    so what is sized by the body (rendering and encoding on a thread, in another process) sizes the
+    whole conversation, not the few bytes the client sent."""
+    body = request.body
+    body["input"] = [*_context(chain), *own_input]
+    request.converted = responses_api.template_body(body)
+    request.raw = orjson.dumps(body)
+    request.brackets = request.raw.count(b"[") + request.raw.count(b"{")
+    request.body_changed = True
 
 
 def _items(given: str | list[Any]) -> list[Any]:
