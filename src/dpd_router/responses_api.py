@@ -145,7 +145,7 @@ def _message(item: dict[str, Any], previous: dict[str, Any] | None) -> dict[str,
         content = item.get("content")
         text = content if isinstance(content, str) else _first_text(content)
         if text is None:
-            return item
+            return dict(item)  # a copy: a tool call or reasoning after it joins it, never the client's own item
         if assistant is not None and assistant.get("content") is None:
             assistant["content"] = text
             return None

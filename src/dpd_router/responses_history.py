@@ -79,12 +79,12 @@ class ResponsesHistory:
         """Keep `response` under the turn's id; a store that fails is counted and logged, never the client's
         failure (the client has its answer; a follow-up naming it gets 404)."""
         assert self._store is not None
-        created = response.get("created_at")
         record = StoredResponse(
             id=turn.id,
             owner=turn.owner,
             previous=turn.previous,
-            created=float(created) if isinstance(created, int | float) else time.time(),
+            # When kept, by this router's clock: both stores drop the oldest first by it.
+            created=time.time(),
             input=orjson.dumps(turn.own_input),
             response=orjson.dumps(response),
         )

@@ -10,6 +10,7 @@ Two backends behind one contract:
 - SQLite (the default): one file, shared by every worker process of a router and kept across restarts;
   every call runs on one thread of its own, so the event loop never waits on the disk.
 - Redis (`redis://...`): shared by replicas; a Lua script keeps each put, eviction and chain walk atomic.
+  The scripts name keys they build from ids, so a single Redis (with replicas) is needed, not a Cluster.
 
 Both bound what they keep by age (`responses_ttl`) and by size (`responses_store_max_mb`, the oldest
 evicted first). Records belong to the API key that made them: any other key is told they do not exist.
@@ -18,6 +19,7 @@ evicted first). Records belong to the API key that made them: any other key is t
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -106,13 +108,20 @@ class SqliteResponses:
 
     def _on_thread(self, work: Callable[[sqlite3.Connection], T]) -> T:
         if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # The callers' conversations: readable by this user alone (SQLite gives its -wal and -shm
+            # files the database file's mode).
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
             # Autocommit mode: each write below opens its own BEGIN IMMEDIATE, which takes the file's write
             # lock at once (a deferred transaction could fail to upgrade while another worker writes).
             db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(self._SCHEMA)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(self._SCHEMA)
+            except BaseException:
+                db.close()
+                raise
             self._db = db
         return work(self._db)
 

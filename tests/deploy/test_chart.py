@@ -393,7 +393,7 @@ def test_the_responses_store_is_a_file_on_the_state_volume_or_a_redis_url() -> N
     spec = release.component("Deployment", "router")["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert {"name": "router-state", "mountPath": "/var/lib/dpd-router"} in container["volumeMounts"]
-    assert {"name": "router-state", "emptyDir": {"sizeLimit": "1Gi"}} in spec["volumes"]
+    assert {"name": "router-state", "emptyDir": {"sizeLimit": "2Gi"}} in spec["volumes"]
     url = "redis://redis-master.cache:6379/1"
     assert render({"router": {"responsesStore": {"url": url}}}).router_settings()["responses_store"] == url
     claimed = render({"router": {"responsesStore": {"volume": {"persistentVolumeClaim": {"claimName": "state"}}}}})

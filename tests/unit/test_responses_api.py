@@ -158,3 +158,12 @@ def test_a_whole_answer_is_held_to_keep_and_a_failed_one_is_not() -> None:
                              wire=KeptResponsesWire(turn))  # fmt: skip
         assert orjson.loads(content)["store"] is True
         assert (turn.final is not None) is kept, status
+
+
+def test_the_conversion_never_changes_the_clients_own_items() -> None:
+    """They are sent to the engines and kept as the client sent them: a call joins a copy of its message."""
+    assistant = {"role": "assistant", "content": []}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    request = parsed({"input": [{"role": "user", "content": "hi"}, assistant, call]})
+    assert request.template_body["messages"][1]["tool_calls"][0]["id"] == "c1"
+    assert assistant == {"role": "assistant", "content": []}

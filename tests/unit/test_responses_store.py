@@ -24,9 +24,9 @@ class Clock:
 
 
 def record(
-    rid: str, *, owner: str = "alice", previous: str | None = None, size: int = 10, at: float = 0
+    rid: str, *, previous: str | None = None, size: int = 10, at: float = 0, owner: str = "alice"
 ) -> StoredResponse:
-    return StoredResponse(rid, "alice", previous, at, orjson.dumps([{"role": "user", "content": "x" * size}]), b"{}")
+    return StoredResponse(rid, owner, previous, at, orjson.dumps([{"role": "user", "content": "x" * size}]), b"{}")
 
 
 MakeStore = Callable[[float, int, "Clock"], ResponseStore]
@@ -69,6 +69,9 @@ async def test_a_chain_is_walked_back_to_its_start_and_only_for_its_owner(make_s
     assert chain[0].input == record("resp_3").input
     assert (await store.get("resp_2", "alice")).previous == "resp_1"
     assert await store.chain("resp_3", "bob") is None, "another key is told nothing is kept"
+    await store.put(record("resp_theirs", owner="bob"))
+    await store.put(record("resp_4", previous="resp_theirs"))
+    assert await store.chain("resp_4", "alice") is None, "every response of the chain is the owner's own"
     assert await store.get("resp_3", "bob") is None
     assert not await store.delete("resp_3", "bob")
     assert await store.get("resp_3", "alice") is not None

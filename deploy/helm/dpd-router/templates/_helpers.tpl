@@ -260,7 +260,7 @@ Responses store's directory. */}}
   {{- toYaml . | nindent 2 }}
   {{- else }}
   emptyDir:
-    sizeLimit: 1Gi
+    sizeLimit: 2Gi
   {{- end }}
 {{- with .Values.router.extraVolumes }}
 {{ toYaml . }}
