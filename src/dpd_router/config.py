@@ -769,7 +769,9 @@ class Settings(BaseSettings):
         "a prior from its size) while its engine produced nothing for any call is asked about: the engine gets "
         "a one-token completion, and one that leaves it unanswered this many seconds is taken for hung: the hop "
         "goes to another engine (or fails), and the engine's breaker opens. An engine whose other calls move is "
-        "busy, not hung: its hops wait. 0 turns the probe off (then the timeouts alone bound a hop without history).",
+        "busy, not hung: its hops wait, as they do when its calls move while the probe waits. Keep it above the "
+        "engine's longest step, which the probe waits for (milliseconds on a GPU; seconds for a CPU engine over a "
+        "long prompt). 0 turns the probe off (then the timeouts alone bound a hop without history).",
         json_schema_extra=_meta("reliability", live=True),
     )
     hop_deadline_samples: int = Field(

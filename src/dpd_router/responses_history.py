@@ -7,11 +7,12 @@ counted or routed: the input of every response before it and their output, then 
 both hops as one explicit conversation. The engine renders what a client sending that history itself
 would have sent, token for token.
 
-A request's `Turn` is what the router remembers of it while it is served: who asked (a stored response is
-its API key's alone), whether to keep it, what it continued and its own input. The relay hands it the
-answer's response object as it passes (gateway/relay.py), which is told back the client's `store` and
-`previous_response_id`; the whole response is kept before the client is sent its end, so a follow-up
-sent the moment it arrives finds it.
+A request's `Turn` (responses_api) is what the router remembers of it while it is served: who asked (a
+stored response is its API key's alone), whether to keep it, what it continued and its own input. The
+relay shows it the answer's response objects as they pass (wires.KeptResponsesWire), which are told the
+router's own id and the client's `store` and `previous_response_id`; the whole response is kept before the
+client is sent its end (relay.EventStream, api/openai.py for a whole answer), so a follow-up sent the
+moment it arrives finds it.
 """
 
 from __future__ import annotations
@@ -50,10 +51,6 @@ class ResponsesHistory:
     def __init__(self, store: ResponseStore | None, metrics: RouterMetrics) -> None:
         self._store = store
         self._metrics = metrics
-
-    @property
-    def enabled(self) -> bool:
-        return self._store is not None
 
     async def begin(self, request: ClientRequest, owner: str) -> None:
         """Give a Responses request its turn: its history expanded into its input (ResponseNotFound when

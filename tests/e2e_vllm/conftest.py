@@ -228,6 +228,10 @@ def router_for(pair: VllmPair, **settings: Any) -> AbstractAsyncContextManager[s
         # The engines busy both cores of a CI machine: give a starved connect room (the router also
         # resends a request its only decoder could not be reached for, see test_reliability).
         "connect_timeout": 30.0,
+        # No hang probes: the tests count the engines' requests exactly, and a probe is one. And a CPU
+        # engine's step over a long prompt takes seconds, which a probe waits for: silence here is not a
+        # hang, as it would be on a GPU engine (the hang watch is tested on simulated engines).
+        "hang_probe_timeout": 0,
     }
     return running_router(**{**defaults, **settings})
 

@@ -133,8 +133,15 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
     # their lease. Whether that happened is reported; every other expiry must be the control or a counted orphan.
     fanned_expired = fanned in expired
     routed = [request for request in expired if request not in (control, fanned)]
-    assert control in expired and len(routed) == unreleased, routed
-    assert await expired_total(nixl_pair) == expired_before + 1 + unreleased + fanned_expired
+    # The same race for a request the router released: its release reached the prefiller before the
+    # prefiller had registered the blocks it staged ("unrecognized"), so they waited out their lease anyway.
+    # The router did release it (counted above); vLLM did not take it. Reported, not asserted.
+    unrecognized = UNRECOGNIZED.findall(log)
+    raced = [request for request in routed if request in unrecognized]
+    assert control in expired and len(routed) - len(raced) == unreleased, routed
+    assert await expired_total(nixl_pair) == expired_before + 1 + unreleased + fanned_expired + len(raced)
+    if raced:
+        _say(f"released by the router before the prefiller registered their blocks (vLLM's race): {raced}")
     # Reported, not asserted (vLLM's own behaviour): the fanned-out prompt's later reads name freed blocks.
     _say(
         f"decoder n=2 over one prefill: {fanned} unrecognized afterwards: {fanned in UNRECOGNIZED.findall(log)};"
