@@ -79,6 +79,8 @@ async def step(
                 ttft = time.perf_counter() - started
             if event.get("type") in ("response.completed", "response.incomplete"):
                 response = event["response"]
+    if "id" not in response:
+        raise RuntimeError(f"step {request_id}: the stream ended without its completed or incomplete event")
     usage = response.get("usage") or {}
     return str(response["id"]), ttft, usage.get("input_tokens")
 
@@ -125,26 +127,25 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = ensure_tokenizer()
     factory = PromptFactory(tokenizer)
     runs: list[dict[str, Any]] = []
-    store = tempfile.TemporaryDirectory(prefix="bench-affinity-")
-    async with stack.engines(prefill=1, decode=args.decoders, timing=args.timing) as cluster:
-        for name, settings in SETUPS.items():
-            router = stack.dpd_router(
-                decode=cluster.decode_urls,
-                prefill=cluster.prefill_urls,
-                threshold=args.threshold,
-                settings={**settings, "log_level": "warning", "responses_store": f"{store.name}/{name}.sqlite3"},
-                name=name,
-            )
-            async with stack.running(router):
-                run = f"{name}-{uuid.uuid4().hex[:4]}"
-                loops = [agent(router.url, factory, args, index, run) for index in range(args.agents)]
-                rows = [row for rows in await asyncio.gather(*loops) for row in rows]
-                decisions = await stack.route_decisions(router.url)
-            await where_served(cluster, rows)
-            runs.append({"setup": name, "steps": rows, "decisions": decisions})
-            if not args.quiet:
-                print(f"{name}: {len(rows)} steps", file=sys.stderr)
-    store.cleanup()
+    with tempfile.TemporaryDirectory(prefix="bench-affinity-") as store:
+        async with stack.engines(prefill=1, decode=args.decoders, timing=args.timing) as cluster:
+            for name, settings in SETUPS.items():
+                router = stack.dpd_router(
+                    decode=cluster.decode_urls,
+                    prefill=cluster.prefill_urls,
+                    threshold=args.threshold,
+                    settings={**settings, "log_level": "warning", "responses_store": f"{store}/{name}.sqlite3"},
+                    name=name,
+                )
+                async with stack.running(router):
+                    run = f"{name}-{uuid.uuid4().hex[:4]}"
+                    loops = [agent(router.url, factory, args, index, run) for index in range(args.agents)]
+                    rows = [row for rows in await asyncio.gather(*loops) for row in rows]
+                    decisions = await stack.route_decisions(router.url)
+                await where_served(cluster, rows)
+                runs.append({"setup": name, "steps": rows, "decisions": decisions})
+                if not args.quiet:
+                    print(f"{name}: {len(rows)} steps", file=sys.stderr)
     return {"runs": runs}
 
 
