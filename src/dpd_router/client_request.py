@@ -138,7 +138,7 @@ def parse_request(
     request = ClientRequest(kind=kind, body=body, raw=raw, stream=stream, brackets=brackets, converted=converted)
     if kind == "responses":
         request.store_asked = body.get("store") is not False
-        if body.get("store") is not False:
+        if request.store_asked:
             body["store"] = False  # no engine keeps what the next request, sent elsewhere, could not find
             request.body_changed = True
     return request

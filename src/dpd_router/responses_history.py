@@ -56,7 +56,7 @@ class ResponsesHistory:
         """Give a Responses request its turn: its history expanded into its input (ResponseNotFound when
         `previous_response_id` names nothing this owner has kept), and the answer to keep if it asks."""
         body = request.body
-        store = request.store_asked
+        keeping = request.store_asked and self._store is not None
         previous = body.get("previous_response_id")
         own_input = _items(body["input"])
         if previous is not None:
@@ -69,8 +69,8 @@ class ResponsesHistory:
                 await asyncio.to_thread(_expand, request, chain, own_input)
             else:
                 _expand(request, chain, own_input)
-        if previous is not None or (store and self._store is not None):
-            request.turn = responses_api.Turn(self, owner, store and self._store is not None, previous, own_input)
+        if previous is not None or keeping:
+            request.turn = responses_api.Turn(self, owner, keeping, previous, own_input)
 
     async def keep(self, turn: responses_api.Turn, response: dict[str, Any]) -> None:
         """Keep `response` under the turn's id; a store that fails is counted and logged, never the client's

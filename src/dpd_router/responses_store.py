@@ -19,10 +19,11 @@ evicted first). Records belong to the API key that made them: any other key is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,8 +133,7 @@ class SqliteResponses:
         now = self._clock()
 
         def write(db: sqlite3.Connection) -> bool:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _writing(db):
                 freed = db.execute("SELECT COALESCE(SUM(size), 0) FROM responses WHERE expires <= ?", (now,))
                 freed_bytes = freed.fetchone()[0]
                 db.execute("DELETE FROM responses WHERE expires <= ?", (now,))
@@ -168,10 +168,6 @@ class SqliteResponses:
                         db.execute("DELETE FROM responses WHERE id = ?", (old_id,))
                         total -= old_size
                     db.execute("UPDATE totals SET bytes = ? WHERE one = 1", (total,))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             return True
 
         return await self._call(write)
@@ -179,16 +175,7 @@ class SqliteResponses:
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         now = self._clock()
 
-        def read(db: sqlite3.Connection) -> StoredResponse | None:
-            row = db.execute(
-                "SELECT owner, previous, created, input, response FROM responses WHERE id = ? AND expires > ?",
-                (response_id, now),
-            ).fetchone()
-            if row is None or row[0] != owner:
-                return None
-            return StoredResponse(response_id, row[0], row[1], row[2], row[3], row[4])
-
-        return await self._call(read)
+        return await self._call(lambda db: _read_row(db, response_id, owner, now))
 
     async def chain(self, response_id: str, owner: str) -> list[StoredResponse] | None:
         now = self._clock()
@@ -197,14 +184,11 @@ class SqliteResponses:
             found: list[StoredResponse] = []
             wanted: str | None = response_id
             while wanted is not None and len(found) < MAX_CHAIN:
-                row = db.execute(
-                    "SELECT owner, previous, created, input, response FROM responses WHERE id = ? AND expires > ?",
-                    (wanted, now),
-                ).fetchone()
-                if row is None or row[0] != owner:
+                record = _read_row(db, wanted, owner, now)
+                if record is None:
                     return None
-                found.append(StoredResponse(wanted, row[0], row[1], row[2], row[3], row[4]))
-                wanted = row[1]
+                found.append(record)
+                wanted = record.previous
             return found if wanted is None else None
 
         return await self._call(walk)
@@ -213,17 +197,12 @@ class SqliteResponses:
         now = self._clock()
 
         def forget(db: sqlite3.Connection) -> bool:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _writing(db):
                 row = db.execute(
                     "DELETE FROM responses WHERE id = ? AND owner = ? RETURNING size, expires", (response_id, owner)
                 ).fetchone()
                 if row is not None:
                     db.execute("UPDATE totals SET bytes = bytes - ? WHERE one = 1", (row[0],))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             return row is not None and row[1] > now
 
         return await self._call(forget)
@@ -236,6 +215,29 @@ class SqliteResponses:
             await self._call(close)
             self._db = None
         self._thread.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def _writing(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction, holding the file's write lock from its start; rolled back if it fails."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
+def _read_row(db: sqlite3.Connection, response_id: str, owner: str, now: float) -> StoredResponse | None:
+    """`response_id` as kept and unexpired at `now`; None when it is not, or is another owner's."""
+    row = db.execute(
+        "SELECT owner, previous, created, input, response FROM responses WHERE id = ? AND expires > ?",
+        (response_id, now),
+    ).fetchone()
+    if row is None or row[0] != owner:
+        return None
+    return StoredResponse(response_id, row[0], row[1], row[2], row[3], row[4])
 
 
 # The Redis layout, under one prefix: a hash per response (owner, previous, created, size, input, response)

@@ -6,7 +6,7 @@ named events.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -77,15 +77,15 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
     return True
 
 
-class OpenAIWire:
-    """Chat and text completion answers: `data: {chunk}` events, `data: [DONE]` at the end."""
-
-    # Whether the answer is kept (a Responses answer the router stores): then `settle` is awaited before
-    # the stream's end reaches the client.
-    keeps: ClassVar[bool] = False
+class _Unkept:
+    """A wire whose answers the router does not keep: nothing to settle at a stream's end."""
 
     async def settle(self) -> None:
-        """Nothing to keep."""
+        """What the answer leaves to keep, kept (awaited before the stream's end reaches the client)."""
+
+
+class OpenAIWire(_Unkept):
+    """Chat and text completion answers: `data: {chunk}` events, `data: [DONE]` at the end."""
 
     @staticmethod
     def data(event: bytes) -> int | None:
@@ -122,16 +122,9 @@ class OpenAIWire:
 _MESSAGE_DATA = b"\ndata: "
 
 
-class MessagesWire:
+class MessagesWire(_Unkept):
     """Messages API answers: `event: <type>` then `data: {...}`; `message_stop` ends the stream; the usage
     comes in `message_start` and `message_delta`."""
-
-    # Whether the answer is kept (a Responses answer the router stores): then `settle` is awaited before
-    # the stream's end reaches the client.
-    keeps: ClassVar[bool] = False
-
-    async def settle(self) -> None:
-        """Nothing to keep."""
 
     @staticmethod
     def data(event: bytes) -> int | None:
@@ -228,7 +221,6 @@ class KeptResponsesWire(ResponsesWire):
     or an event's `response`) is shown to the request's turn (responses_history), which tells it the
     client's `store` and `previous_response_id` and holds the ended one to keep."""
 
-    keeps = True
     _ENDED = ("response.completed", "response.incomplete")
 
     def __init__(self, turn: Turn) -> None:

@@ -234,7 +234,7 @@ class EventStream:
 
     async def _settle(self) -> None:
         """Once the answer has ended, what the wire keeps of it is kept before the client sees the end."""
-        if self._saw_done and self._wire.keeps:
+        if self._saw_done:
             await self._wire.settle()
 
     def _relay_events(self, events: list[bytes]) -> bytes:
