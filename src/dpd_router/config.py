@@ -672,13 +672,21 @@ class Settings(BaseSettings):
         description="Worker threads for tokenizing long prompts.",
         json_schema_extra=_meta("server"),
     )
+    count_whole_prompts: bool = Field(
+        default=False,
+        description="Encode every prompt the router read only in part (as far as its plan and the context "
+        "window needed) whole as well, in the background: every block of every prompt goes into the prefix "
+        "index, and a request is counted by the router where the engine reports no usage. Off, a prompt is "
+        "encoded no further than a decision needs: its count comes from the engine's usage, the prefix index "
+        "learns the blocks that were read and, where a prefill answer has them, the prefiller's own ids.",
+        json_schema_extra=_meta("server"),
+    )
     tokenize_background_max_chars: int = Field(
         default=4_000_000,
         ge=0,
-        description="Characters of prompts waiting for their whole encoding in the background (one thread; "
-        "the prefix index's tail blocks, and the exact count where the engine reports none). A prompt "
-        "beyond it is not encoded whole: its plan's blocks stay indexed, its count comes from the engine "
-        "(`background_encodes_skipped_total`).",
+        description="With `count_whole_prompts`: characters of prompts waiting for their whole encoding in the "
+        "background (one thread). A prompt beyond it is not encoded whole: its plan's blocks stay indexed, its "
+        "count comes from the engine (`background_encodes_skipped_total`).",
         json_schema_extra=_meta("server"),
     )
 

@@ -6,7 +6,10 @@ Long prompts are tokenized in a worker thread so the event loop keeps relaying o
 Without a local tokenizer, the engines' own `POST /tokenize` answers.
 
 Routing rarely needs the whole count: a `PromptReader` reads a byte-level tokenizer's prompt from its
-start only as far as the decision needs (see `PromptReader`), and the rest is encoded in the background.
+start only as far as the decision needs (see `PromptReader`), and no further: the exact count comes
+from the engine's usage, the prefix index learns the blocks that were read (and those of the prefiller's
+own ids where its answer has them). `count_whole` (the `count_whole_prompts` setting) encodes the rest
+in the background as well, for an exact count and every block indexed where the engines give neither.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class LocalTokenizer:
         body_renderer: TemplateSandbox | None = None,
         background_max_chars: int = 4_000_000,
         on_background_skip: Callable[[], None] | None = None,
+        count_whole: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         # A fast tokenizer's Rust core, called directly: transformers' wrapper around it costs more
@@ -113,9 +117,11 @@ class LocalTokenizer:
         self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
         if self._added_specials is not None and not self._heads_agree(_PROBE_TEXT):
             self._added_specials = None  # a pre-tokenizer pattern crossed a boundary: count prompts whole
+        # Whether a prompt read in part is encoded whole as well, after its plan (see PromptReader.rest).
+        self.count_whole = count_whole
         self._background = (
             None
-            if self._backend is None
+            if self._backend is None or not count_whole
             else BackgroundEncoder(self._backend, max_chars=background_max_chars, on_skip=on_background_skip)
         )
 
@@ -478,19 +484,31 @@ class PromptReader:
         return len(prompt.token_ids) + math.ceil(excess / (bytes_per_token - 1))
 
     def rest(self, *, later: bool = False) -> Prompt:
-        """The prompt as read so far, with its whole encoding to come (in the background); a prompt
-        small enough to encode on the event loop is encoded whole at once, which costs the router less
-        CPU than handing it to the background thread and waking the loop when that is done. `later`:
-        the whole encoding waits for the caller (`Prompt.later`), who may get the ids elsewhere."""
+        """The prompt as read so far, with its whole encoding to come in `rest`: a prompt small enough to
+        encode on the event loop is encoded whole at once, which costs the router less CPU than handing it
+        to the background thread and waking the loop when that is done. `later`: the whole encoding waits
+        for the caller (`Prompt.later`), who may get the ids elsewhere (a prefill answer's).
+
+        Unless the tokenizer counts prompts whole (`count_whole`), nothing more is encoded: `rest` holds
+        None at once (the count comes from the engine's usage), and `later` takes the ids it is supplied
+        or ends with None."""
+        tokenizer = self._tokenizer
         if later:
-            waiting = WholeLater(self._tokenizer, self._text, special=self._special, started=self._started)
+            waiting = WholeLater(
+                tokenizer if tokenizer.count_whole else None, self._text, special=self._special, started=self._started
+            )
             self.prompt = replace(self.prompt, rest=waiting.future, later=waiting)
             return self.prompt
-        ids = self._tokenizer.encode_at_once(self._text, special=self._special)
+        if not tokenizer.count_whole:
+            nothing: asyncio.Future[Prompt | None] = asyncio.get_running_loop().create_future()
+            nothing.set_result(None)
+            self.prompt = replace(self.prompt, rest=nothing)
+            return self.prompt
+        ids = tokenizer.encode_at_once(self._text, special=self._special)
         if ids is not None:
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
-        whole = self._tokenizer.encode_rest(self._text, special=self._special, started=self._started)
+        whole = tokenizer.encode_rest(self._text, special=self._special, started=self._started)
         self.prompt = replace(self.prompt, rest=whole)
         return self.prompt
 
@@ -507,9 +525,10 @@ class PromptReader:
 class WholeLater:
     """The whole encoding of a prompt planned on its first tokens, left until it is known whether a
     prefill answer brings the prompt's ids (`supply`: nothing to encode) or not (`start`: encoded as
-    `PromptReader.rest` would have). Either resolves `future` (the prompt's `rest`), once."""
+    `PromptReader.rest` would have, or, without a `tokenizer` to encode it, None: not known). Either
+    resolves `future` (the prompt's `rest`), once."""
 
-    def __init__(self, tokenizer: LocalTokenizer, text: str, *, special: bool, started: float) -> None:
+    def __init__(self, tokenizer: LocalTokenizer | None, text: str, *, special: bool, started: float) -> None:
         self.future: asyncio.Future[Prompt | None] = asyncio.get_running_loop().create_future()
         self._tokenizer = tokenizer
         self._text: str | None = text
@@ -529,6 +548,9 @@ class WholeLater:
         or under way."""
         text, self._text = self._text, None
         if text is None or self.future.done():
+            return
+        if self._tokenizer is None:
+            self.future.set_result(None)  # counted by the engine; indexed as far as it was read
             return
         ids = self._tokenizer.encode_at_once(text, special=self._special)
         if ids is not None:
@@ -619,12 +641,16 @@ _PROBE_TEXT = (
 
 def head_cut(text: str, chars: int) -> int:
     """The last place at or before `chars` where `text` may be cut for a head (a space right after a
-    non-space character), looked for a little way back; 0 when there is none."""
+    non-space character, as `_BOUNDARY` matches), looked for a little way back; 0 when there is none.
+    Searched from the end: the last boundary is usually a word back, where a scan of the window would
+    cross thousands of characters."""
     start = max(0, chars - _BOUNDARY_WINDOW)
-    last = 0
-    for match in _BOUNDARY.finditer(text, start, chars + 1):
-        last = match.start()
-    return last
+    at = text.rfind(" ", start, chars + 1)
+    while at > 0:
+        if not text[at - 1].isspace():
+            return at
+        at = text.rfind(" ", start, at)
+    return 0
 
 
 def byte_level_specials(backend: Any) -> int | None:

@@ -1,5 +1,6 @@
-"""A long prompt is routed on its first tokens: its whole count still reaches the metrics, the log line
-and the prefix index, equal to what the engine counted."""
+"""A long prompt is routed on its first tokens: its whole count still reaches the metrics and the log line,
+equal to what the engine counted, and the prefix index holds what was read and the prefill answer's ids
+(every block, encoded by the router, with `count_whole_prompts`)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
     monkeypatch: pytest.MonkeyPatch,
     ids_in_answer: str,
 ) -> None:
-    """Whole by the prefill answer's ids, or, where the answer has none (or ids that do not start as the
-    router's own encoding does), by the router's own encoding of the prompt off the request's path."""
+    """With `count_whole_prompts`: whole by the prefill answer's ids, or, where the answer has none (or ids
+    that do not start as the router's own encoding does), by the router's own encoding of the prompt off the
+    request's path."""
     caplog.set_level(logging.INFO, logger="dpd_router.request")
     read_in_part: list[str] = []
     encode_rest = LocalTokenizer.encode_rest
@@ -71,7 +73,7 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
         answers_without_ids(monkeypatch)
     elif ids_in_answer == "foreign":  # another tokenizer's: as many ids, not the same
         monkeypatch.setattr(transfer_base, "prefill_prompt_ids", lambda payload, prompt_tokens: [7] * prompt_tokens)
-    async with reading_router(cluster, tokenizer_dir) as base_url:
+    async with reading_router(cluster, tokenizer_dir, count_whole_prompts=True) as base_url:
         client = openai_client(base_url)
         answer = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": long_text(4000, 1)}], max_tokens=4
@@ -92,6 +94,68 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
     assert [(fields["path"], fields["prompt_tokens"]) for fields in logged] == [("disaggregated", engine_count)]
 
 
+@pytest.mark.parametrize("ids_in_answer", ["theirs", "none"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_by_default_a_long_prompt_is_never_encoded_whole_by_the_router(
+    cluster: SimCluster,
+    tokenizer_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    ids_in_answer: str,
+    stream: bool,
+) -> None:
+    """Read only as far as its plan needs, on or off the request's path: counted by the engine's usage (in
+    the metrics and the log line), indexed by the prefill answer's ids where it has them, else as far as
+    it was read."""
+    caplog.set_level(logging.INFO, logger="dpd_router.request")
+    text = long_text(4000, 11)
+    read: list[int] = []
+    ids_and_offsets, encode = LocalTokenizer._ids_and_offsets, LocalTokenizer._encode
+
+    def head_spy(self: LocalTokenizer, head: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        read.append(len(head))
+        return ids_and_offsets(self, head, special)
+
+    def whole_spy(self: LocalTokenizer, whole: str, *, special: bool) -> list[int]:
+        read.append(len(whole))
+        return encode(self, whole, special=special)
+
+    monkeypatch.setattr(LocalTokenizer, "_ids_and_offsets", head_spy)
+    monkeypatch.setattr(LocalTokenizer, "_encode", whole_spy)
+    if ids_in_answer == "none":
+        answers_without_ids(monkeypatch)
+    async with reading_router(cluster, tokenizer_dir, threshold_mode="static", prefill_strategy="roundrobin") as url:
+        client = openai_client(url)
+        messages = [{"role": "user", "content": text}]
+        if stream:
+            chunks = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = [chunk.usage async for chunk in chunks if chunk.usage is not None]
+            engine_count = usage[-1].prompt_tokens
+        else:
+            answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            assert answer.usage is not None
+            engine_count = answer.usage.prompt_tokens
+        assert read and max(read) < len(text) / 2  # the router read a head, never the prompt whole
+        for _ in range(100):
+            if await metric(url, "dpd_router_prompt_tokens_count", {"path": "disaggregated"}) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await metric(url, "dpd_router_prompt_tokens_sum", {"path": "disaggregated"}) == engine_count
+        indexed = await metric(url, "dpd_router_cache_index_blocks", {"index": "prefix"})
+        if ids_in_answer == "theirs":
+            assert indexed == engine_count // BLOCK_SIZE
+        else:
+            assert 512 // BLOCK_SIZE <= indexed < engine_count // (2 * BLOCK_SIZE)
+    logged = [r.fields for r in caplog.records if r.getMessage().startswith("Conditional routing")]  # type: ignore[attr-defined]
+    assert [(fields["path"], fields["prompt_tokens"]) for fields in logged] == [("disaggregated", engine_count)]
+
+
 async def test_a_prompt_the_background_encoder_has_no_room_for_is_counted_by_the_engine(
     cluster: SimCluster, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -104,7 +168,9 @@ async def test_a_prompt_the_background_encoder_has_no_room_for_is_counted_by_the
 
     monkeypatch.setattr(BackgroundEncoder, "_encode", held)
     answers_without_ids(monkeypatch)
-    async with reading_router(cluster, tokenizer_dir, tokenize_background_max_chars=1) as base_url:
+    async with reading_router(
+        cluster, tokenizer_dir, count_whole_prompts=True, tokenize_background_max_chars=1
+    ) as base_url:
         client = openai_client(base_url)
         try:
             counts = []
@@ -163,18 +229,27 @@ async def test_a_long_prompt_sent_again_is_read_only_as_far_as_its_plan_needs(
     assert encoded_whole == []
 
 
-async def test_a_long_prompt_whose_plan_is_refused_is_still_reported_with_its_whole_count(
-    cluster: SimCluster, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("count_whole", [True, False])
+async def test_a_long_prompt_whose_plan_is_refused_is_still_reported(
+    cluster: SimCluster,
+    tokenizer_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    count_whole: bool,
 ) -> None:
-    """No decoder to plan on: the 503 is logged and counted once the prompt is encoded whole, not held
-    for a prefill answer that never comes."""
+    """No decoder to plan on: the 503 is logged and counted, not held for a prefill answer that never comes:
+    with its whole count once the prompt is encoded whole (`count_whole_prompts`), else without a count (no
+    engine counted it)."""
     caplog.set_level(logging.INFO, logger="dpd_router.request")
 
     def no_decoder(self: Planner, request: object) -> object:
         raise NoHealthyDecoder("No decoder is available to serve this request; try again shortly.")
 
     monkeypatch.setattr(Planner, "choose_decoder", no_decoder)
-    async with reading_router(cluster, tokenizer_dir) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+    async with (
+        reading_router(cluster, tokenizer_dir, count_whole_prompts=count_whole) as base_url,
+        httpx.AsyncClient(base_url=base_url) as client,
+    ):
         answer = await client.post(
             "/v1/chat/completions",
             json={"model": MODEL, "messages": [{"role": "user", "content": long_text(4000, 3)}], "max_tokens": 4},
@@ -185,4 +260,8 @@ async def test_a_long_prompt_whose_plan_is_refused_is_still_reported_with_its_wh
                 break
             await asyncio.sleep(0.05)
     logged = [r.fields for r in caplog.records if r.name == "dpd_router.request"]  # type: ignore[attr-defined]
-    assert len(logged) == 1 and logged[0]["status"] == 503 and logged[0]["prompt_tokens"] > 512
+    assert len(logged) == 1 and logged[0]["status"] == 503
+    if count_whole:
+        assert logged[0]["prompt_tokens"] > 512
+    else:
+        assert logged[0]["prompt_tokens"] is None

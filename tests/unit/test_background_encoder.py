@@ -22,7 +22,7 @@ def text_of(words: int, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def local(tokenizer_dir: Path) -> LocalTokenizer:
-    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=1 << 30, threads=1)
+    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=1 << 30, threads=1, count_whole=True)
 
 
 class GatedBackend:

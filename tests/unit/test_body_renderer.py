@@ -38,7 +38,9 @@ async def test_a_body_of_many_messages_is_counted_as_the_routers_own_render_coun
     # on a busy machine, and the check below would find it already stopped.
     renderer = TemplateSandbox(tokenizer_dir, timeout=60, max_output_chars=1 << 20, idle_timeout=60)
     here = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
-    apart = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1, body_renderer=renderer)
+    apart = LocalTokenizer.load(
+        tokenizer_dir, inline_max_chars=100, threads=1, body_renderer=renderer, count_whole=True
+    )
     raw = many_messages(add_generation_prompt=False, tools=[{"type": "function", "function": {"name": "f"}}])
     request = parse_request("chat", raw, yielding=True)
     assert request.brackets > MANY_CONTAINERS

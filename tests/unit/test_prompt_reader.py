@@ -26,12 +26,14 @@ from dpd_router.pool.pool import Pool
 from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
 from dpd_router.tokenizer import (
+    _BOUNDARY,
     WINDOW_LEFT_TO_ENGINES,
     LocalTokenizer,
     Prompt,
     PromptReader,
     PromptTooLong,
     byte_level_specials,
+    head_cut,
     read_prompt,
 )
 from dpd_sim.tokenizer_kit import _WORDS
@@ -81,6 +83,13 @@ def text_of(pieces: int, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def local(tokenizer_dir: Path) -> LocalTokenizer:
+    """A tokenizer that encodes a prompt read in part whole after its plan (`count_whole_prompts`)."""
+    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1, count_whole=True)
+
+
+@pytest.fixture(scope="module")
+def deciding(tokenizer_dir: Path) -> LocalTokenizer:
+    """The default: a prompt is encoded only as far as a decision needs."""
     return LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
 
 
@@ -92,7 +101,7 @@ def chatml(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Loc
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = CHATML
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return LocalTokenizer.load(directory, inline_max_chars=2048, threads=1)
+    return LocalTokenizer.load(directory, inline_max_chars=2048, threads=1, count_whole=True)
 
 
 texts = st.builds(text_of, st.integers(1, 1500), st.integers(0, 2**32))
@@ -332,6 +341,74 @@ async def test_a_small_prompt_is_encoded_whole_at_once_rather_than_in_the_backgr
     assert read.token_ids == (await local.tokenize(request)).token_ids
 
 
+@pytest.mark.parametrize("chars", [200, 3000, 80000])
+async def test_by_default_a_prompt_is_encoded_no_further_than_its_plan_needs(
+    deciding: LocalTokenizer, chars: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small (inline), mid-sized and long prompts, direct or bound for the prefill hop: read as far as the
+    plan needs and no further, on or off the request's path; what was read starts the whole encoding."""
+    encoded: list[int] = []
+    ids_and_offsets, encode = LocalTokenizer._ids_and_offsets, LocalTokenizer._encode
+
+    def spy_head(self: LocalTokenizer, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        encoded.append(len(text))
+        return ids_and_offsets(self, text, special)
+
+    def spy_whole(self: LocalTokenizer, text: str, *, special: bool) -> list[int]:
+        encoded.append(len(text))
+        return encode(self, text, special=special)
+
+    text = text_of(chars // 4, chars)
+    request = parse_request("completion", orjson.dumps({"prompt": text}))
+    whole = await deciding.tokenize(request)
+    monkeypatch.setattr(LocalTokenizer, "_ids_and_offsets", spy_head)
+    monkeypatch.setattr(LocalTokenizer, "_encode", spy_whole)
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200", "http://127.0.0.1:8201"],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=256,
+        threshold_mode="static",
+        prefill_strategy="roundrobin",  # reads nothing past the threshold (prefixaware reads its match length)
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    for later in (False, True):
+        encoded.clear()
+        reader = await deciding.reader(request)
+        assert reader is not None
+        read = await read_prompt(reader, planner.tokens_to_settle, None, later=lambda prompt, later=later: later)
+        await asyncio.sleep(0.05)
+        if read.at_most is None:  # read whole by its first head: a prompt near the threshold
+            assert whole.num_tokens < 3 * 256 and len(encoded) == 1
+            continue
+        assert list(read.token_ids) == list(whole.token_ids[: len(read.token_ids)])
+        assert sum(encoded) < len(text) or len(encoded) == 1  # the heads read, never the whole again
+        assert max(encoded, default=0) < len(text)
+        assert read.rest is not None
+        if later:
+            assert read.later is not None and not read.rest.done()  # waits for a prefill answer's ids
+            read.later.start()  # none came: nothing is encoded, the engine's usage counts it
+        assert await read.rest is None
+        assert max(encoded, default=0) < len(text)
+        assert planner.plan(read).path == planner.plan(whole).path
+
+
+async def test_by_default_a_prefill_answers_ids_make_a_prompt_read_in_part_whole(deciding: LocalTokenizer) -> None:
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 1)}))
+    whole = await deciding.tokenize(request)
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"], prefill_urls=["http://127.0.0.1:8100"], routing_threshold=64
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    reader = await deciding.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, None, later=lambda prompt: True)
+    assert read.later is not None and read.rest is not None
+    read.later.supply(list(whole.token_ids))
+    read.later.start()  # a no-op once supplied
+    supplied = await read.rest
+    assert supplied is not None and list(supplied.token_ids) == list(whole.token_ids)
+
+
 async def test_adaptive_mode_reads_the_whole_prompt(local: LocalTokenizer) -> None:
     request = parse_request("completion", orjson.dumps({"prompt": text_of(3000, 3)}))
     settings = load_settings(
@@ -435,3 +512,15 @@ def test_a_cached_prefix_running_past_the_known_tokens_leaves_the_plan_unsettled
         if settled:
             assert planner.plan(part).decoder.url == planner_for(case, whole).plan(whole).decoder.url
     assert planner_for(case, whole).plan(whole).decoder.url == "http://127.0.0.1:8201"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from([" ", "a", "b", "\n", "\t", "\u00a0", "\u3000", "\x1c", "\u00e9"])),
+    data=st.data(),
+)
+def test_a_head_is_cut_at_the_last_boundary_the_pattern_finds(text: str, data: st.DataObject) -> None:
+    """head_cut searches back from the cut; the boundary pattern, scanned forward, says where cuts may be."""
+    chars = data.draw(st.integers(-1, len(text) + 1))
+    boundaries = [match.start() for match in _BOUNDARY.finditer(text, 0, max(chars + 1, 0))]
+    assert head_cut(text, chars) == (boundaries[-1] if boundaries else 0)

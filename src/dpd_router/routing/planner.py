@@ -179,7 +179,8 @@ class Planner:
         endpoint (by every cache source) end inside its known ids, or only one decoder could take it;
         a long prompt once its known tokens, less the longest such cached prefix, reach the threshold
         (and the busy gate's ceiling, while the gate is closed), and its prefiller's strategy reads no
-        further (`tokens_read`). Nothing awaits between this and `plan`, so the state it saw is the plan's.
+        further (`tokens_read`; nothing while one prefiller is up: it takes the prompt whatever the strategy
+        would read). Nothing awaits between this and `plan`, so the state it saw is the plan's.
         Adaptive mode weighs the exact count, an external KV lookup asks with every id, and decoders
         that serve nothing alone take every prompt through a prefiller: they read the whole prompt.
         """
@@ -193,7 +194,9 @@ class Planner:
         if prompt.at_most < self.threshold:
             return 0 if reach is not None or len(self.pool.decoders) == 1 else max(2 * known, 16 * block_size)
         strategy = self.prefill_strategy
-        floor = max(self.threshold, strategy.tokens_read() if isinstance(strategy, PrefixAware) else 0)
+        # A prefix-aware choice among several prefillers reads its key; with one, nothing is chosen.
+        reads = strategy.tokens_read() if isinstance(strategy, PrefixAware) else 0
+        floor = max(self.threshold, reads if len(self.pool.healthy("prefill")) > 1 else 0)
         if reach is None:
             return max(2 * known, floor + block_size)
         cached = reach if self._threshold.cache_aware else 0

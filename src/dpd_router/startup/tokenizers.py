@@ -64,6 +64,7 @@ async def load_tokenizers(
         body_renderer=body_renderer,
         background_max_chars=settings.tokenize_background_max_chars,
         on_background_skip=metrics.background_encodes_skipped.inc,
+        count_whole=settings.count_whole_prompts,
     )
     return {tenant: local for tenant in pools}
 
