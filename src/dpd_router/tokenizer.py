@@ -112,6 +112,10 @@ class LocalTokenizer:
         # transformers' copies of them here would hold the event loop (TemplateSandbox.render_body).
         self._body_renderer = body_renderer
         self.bytes_per_token = longest_token_bytes(tokenizer)
+        # Characters a token of the prompts read so far stood for (a moving average of their heads): the
+        # first head of the next prompt is cut by it, so most prompts are read in one step of about the
+        # tokens their plan wants. None until a head was read.
+        self.chars_per_token: float | None = None
         # Special tokens the post-processor adds to an encoding, when every other token stands for at
         # least one byte of the text (None: not such a tokenizer, so no prompt is read in part).
         self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
@@ -422,8 +426,10 @@ class BackgroundEncoder:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-# Before a prompt's head is encoded, the characters one token is taken to stand for.
+# Before any prompt's head is encoded, the characters one token is taken to stand for.
 _CHARS_PER_TOKEN_GUESS = 4.0
+# The weight of the latest head in the tokenizer's average characters per token.
+DENSITY_WEIGHT = 0.1
 # How far back from a wanted cut a boundary is looked for; none there and the text is read whole.
 _BOUNDARY_WINDOW = 4096
 # A space right after a non-space character: a pre-tokenizer splits just before it.
@@ -450,13 +456,15 @@ class PromptReader:
         self._started = started
         self._size = utf8_size(text)
         self._chars = 0  # characters of the last head encoded
-        self._per_token = _CHARS_PER_TOKEN_GUESS
+        self._per_token = tokenizer.chars_per_token or _CHARS_PER_TOKEN_GUESS
+        # A head cut by the tokenizer's own average errs less than one cut by the fixed guess.
+        self._first_margin = 1.5 if tokenizer.chars_per_token is None else 1.2
         self.prompt = self._known([], 0)
 
     async def more(self, wanted: int) -> Prompt:
         """The prompt read on, to about `wanted` known tokens (at least twice as far as before), or whole."""
         text = self._text
-        margin = 1.1 if self._chars else 1.5  # a guessed size of a token errs long, to read in one step
+        margin = 1.1 if self._chars else self._first_margin  # a guessed size errs long, to read in one step
         chars = max(2 * self._chars, math.ceil(wanted * self._per_token * margin) + 64)
         cut = head_cut(text, chars) if chars < len(text) else 0
         if cut <= 0:
@@ -469,6 +477,10 @@ class PromptReader:
         end = max((token_end for _, token_end in offsets[:known]), default=0)
         if ids:
             self._per_token = max(cut / len(ids), 1.0)
+            learned = self._tokenizer.chars_per_token
+            self._tokenizer.chars_per_token = (
+                self._per_token if learned is None else learned + DENSITY_WEIGHT * (self._per_token - learned)
+            )
         self.prompt = self._known(ids[:known], end)
         return self.prompt
 

@@ -10,6 +10,7 @@ import random
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -524,3 +525,37 @@ def test_a_head_is_cut_at_the_last_boundary_the_pattern_finds(text: str, data: s
     chars = data.draw(st.integers(-1, len(text) + 1))
     boundaries = [match.start() for match in _BOUNDARY.finditer(text, 0, max(chars + 1, 0))]
     assert head_cut(text, chars) == (boundaries[-1] if boundaries else 0)
+
+
+async def test_a_prompts_first_head_is_cut_by_the_density_of_the_prompts_read_before(tokenizer_dir: Path) -> None:
+    """The fixed guess of four characters a token, with its margin, reads these texts (two characters a token)
+    nearly three times as far as their plan needs; once heads were read, the tokenizer's own average cuts the
+    next prompt's first head close to the tokens its plan wants, still in one step."""
+    local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
+    assert local.chars_per_token is None
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=400,
+        threshold_mode="static",
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    read_tokens = []
+    for seed in range(6):
+        request = parse_request("completion", orjson.dumps({"prompt": text_of(8000, seed)}))
+        reader = await local.reader(request)
+        assert reader is not None
+        steps: list[int] = []
+
+        async def counted(wanted: int, more: Any = reader.more, steps: list[int] = steps) -> Prompt:
+            steps.append(wanted)
+            return await more(wanted)  # type: ignore[no-any-return]
+
+        reader.more = counted  # type: ignore[method-assign]
+        read = await read_prompt(reader, planner.tokens_to_settle, None)
+        assert read.at_most is not None and len(steps) == 1 and len(read.token_ids) >= 400
+        read_tokens.append(len(read.token_ids))
+    assert local.chars_per_token is not None
+    wanted = 400 + 16
+    assert read_tokens[0] > 2 * wanted  # the fixed guess: 4 characters, far more than these texts' tokens
+    assert all(wanted <= tokens < 1.5 * wanted for tokens in read_tokens[2:])
