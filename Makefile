@@ -15,7 +15,7 @@ XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # The unit tests share little set-up a test could not pay itself: spread test by test, over two.
 UNIT_XDIST = -n 2 --dist load
 
-.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-affinity bench-all
+.PHONY: demo test pytest test-vllm lint docs unit quick integration install clean bench-install bench-smoke bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-affinity bench-conversation bench-all
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dpd-router needs Python 3.11 or newer")'
@@ -110,4 +110,7 @@ bench-arms: $(VENV)/.installed-bench
 bench-affinity: $(VENV)/.installed-bench
 	$(BIN)/python -m benchmarks.affinity
 
-bench-all: bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-affinity
+bench-conversation: $(VENV)/.installed-bench
+	$(BIN)/python -m benchmarks.conversation
+
+bench-all: bench-dpd bench-overhead bench-capacity bench-stages bench-threshold bench-memory bench-arms bench-affinity bench-conversation

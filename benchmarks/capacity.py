@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import shutil
 import statistics
@@ -93,18 +94,43 @@ def bodies(factory: PromptFactory, long_tokens: int) -> dict[tuple[bool, str], b
     return out
 
 
+# Where a body's request number goes in `wrk_script`: every request's body differs from the others'.
+COUNTER = b"@@N@@"
+
+
 def wrk_script(body: bytes, directory: Path) -> Path:
-    """The Lua script that makes wrk POST `body` as JSON (the body read from a file beside it)."""
+    """The Lua script that makes wrk POST `body` as JSON (the body read from a file beside it). A body with
+    `COUNTER` in it has a number there that counts up from a random start, request by request, so that no
+    two bodies are the same (a benchmark that repeats one body measures a cache of that body)."""
     directory.mkdir(parents=True, exist_ok=True)
     body_path = directory / "body.json"
-    body_path.write_bytes(body)
     script = body_path.with_suffix(".lua")
+    head, marker, tail = body.partition(COUNTER)
+    if not marker:
+        body_path.write_bytes(body)
+        script.write_text(
+            'wrk.method = "POST"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+            f'local f = io.open("{body_path}", "rb")\n'
+            "wrk.body = f:read('*a')\n"
+            "f:close()\n"
+        )
+        return script
+    body_path.write_bytes(head)
+    body_path.with_suffix(".tail").write_bytes(tail)
     script.write_text(
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
         f'local f = io.open("{body_path}", "rb")\n'
-        "wrk.body = f:read('*a')\n"
+        "local head = f:read('*a')\n"
         "f:close()\n"
+        f'f = io.open("{body_path.with_suffix(".tail")}", "rb")\n'
+        "local tail = f:read('*a')\n"
+        "f:close()\n"
+        f"local n = {random.randrange(10**12)}\n"
+        'local headers = {["Content-Type"] = "application/json"}\n'
+        "request = function()\n"
+        "  n = n + 1\n"
+        '  return wrk.format("POST", nil, headers, head .. n .. tail)\n'
+        "end\n"
     )
     return script
 

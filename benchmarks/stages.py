@@ -3,8 +3,9 @@
 Two instant engines (benchmarks/instant_engine.py), a prefiller and a decoder, behind one dpd-router process
 (a static threshold of 1,024 tokens: a long prompt takes both hops) and behind the Python floor
 (benchmarks/floor_proxy.py: uvicorn, orjson and the router's engine pool, nothing of the router's own). wrk
-drives four loads in turn (LOADS), each twice a round on the router: once for its CPU time per request
-(utime+stime from /proc over the requests wrk completed), once under py-spy, which samples the router's
+drives four loads in turn (LOADS; every body differs: a request number starts its message), each twice a
+round on the router: once for its CPU time per request (utime+stime from /proc over the requests wrk
+completed), once under py-spy, which samples the router's
 threads while they are on a CPU. Each sample goes to one stage: that of its innermost frame the stage map
 (STAGE_MAP) names, the most specific entry winning; frames it does not name (the standard library, the
 libraries every stage calls) count for their caller, and a sample none of whose frames is named is "other".
@@ -63,7 +64,9 @@ class Load:
 
     def body(self, factory: PromptFactory) -> bytes:
         content = factory.text(self.tokens, f"stages-{self.key}")  # no load's prompt a prefix of another's
-        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        # A request number starts the message: every body differs (capacity.wrk_script), as traffic does.
+        marked = capacity.COUNTER.decode() + " " + content
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": marked}]}
         body["max_tokens"] = 32 if self.stream else 8
         if self.stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}

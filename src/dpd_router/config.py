@@ -675,10 +675,20 @@ class Settings(BaseSettings):
     count_whole_prompts: bool = Field(
         default=False,
         description="Encode every prompt the router read only in part (as far as its plan and the context "
-        "window needed) whole as well, in the background: every block of every prompt goes into the prefix "
-        "index, and a request is counted by the router where the engine reports no usage. Off, a prompt is "
-        "encoded no further than a decision needs: its count comes from the engine's usage, the prefix index "
-        "learns the blocks that were read and, where a prefill answer has them, the prefiller's own ids.",
+        "window needed) whole as well, in the background, so every request is counted by the router where no "
+        "engine reports usage. Off, a prompt is encoded whole only where the prefix index needs its blocks for "
+        "a cache-aware threshold's next decision and no prefill answer brought its ids; otherwise its count "
+        "comes from the engine's usage.",
+        json_schema_extra=_meta("server"),
+    )
+    tokenize_piece_cache_chars: int = Field(
+        default=8_000_000,
+        ge=0,
+        description="Characters of chat prompts' pieces (the text between the chat template's markers, each of "
+        "which a tokenizer encodes alone) kept with their encodings, so a conversation sent again every turn "
+        "encodes only its new messages; about 1.7 bytes of memory a character (14 MB) in each worker process. "
+        "0 turns it off. Used only with a byte-level BPE tokenizer whose startup check shows its texts encode as "
+        "their pieces do.",
         json_schema_extra=_meta("server"),
     )
     tokenize_background_max_chars: int = Field(

@@ -6,10 +6,11 @@ Long prompts are tokenized in a worker thread so the event loop keeps relaying o
 Without a local tokenizer, the engines' own `POST /tokenize` answers.
 
 Routing rarely needs the whole count: a `PromptReader` reads a byte-level tokenizer's prompt from its
-start only as far as the decision needs (see `PromptReader`), and no further: the exact count comes
-from the engine's usage, the prefix index learns the blocks that were read (and those of the prefiller's
-own ids where its answer has them). `count_whole` (the `count_whole_prompts` setting) encodes the rest
-in the background as well, for an exact count and every block indexed where the engines give neither.
+start only as far as the decision needs (see `PromptReader`). The rest is encoded in the background
+only where a decision to come needs it (a cache-aware threshold's prefix index) and no prefill answer
+brought the prompt's ids, or where `count_whole` (the `count_whole_prompts` setting) asks for every
+prompt; otherwise the exact count comes from the engine's usage. A chat's pieces between added tokens
+are kept encoded (`PieceCache`), so a conversation sent again encodes its new messages only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 import re
 import threading
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -97,6 +100,7 @@ class LocalTokenizer:
         background_max_chars: int = 4_000_000,
         on_background_skip: Callable[[], None] | None = None,
         count_whole: bool = False,
+        piece_cache_chars: int = 8_000_000,
     ) -> None:
         self._tokenizer = tokenizer
         # A fast tokenizer's Rust core, called directly: transformers' wrapper around it costs more
@@ -116,17 +120,24 @@ class LocalTokenizer:
         # first head of the next prompt is cut by it, so most prompts are read in one step of about the
         # tokens their plan wants. None until a head was read.
         self.chars_per_token: float | None = None
+        self._pieces: PieceCache | None = None  # set below, once heads are known to read right without it
         # Special tokens the post-processor adds to an encoding, when every other token stands for at
         # least one byte of the text (None: not such a tokenizer, so no prompt is read in part).
         self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
         if self._added_specials is not None and not self._heads_agree(_PROBE_TEXT):
             self._added_specials = None  # a pre-tokenizer pattern crossed a boundary: count prompts whole
+        # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
+        # messages only. Only where the startup check shows a text encodes as its pieces do.
+        if self._backend is not None and self._added_specials is not None and piece_cache_chars > 0:
+            pieces = PieceCache(self._backend, max_chars=piece_cache_chars, with_offsets=self._ids_and_offsets)
+            if pieces.splits and self._pieces_agree(pieces, _piece_probe(pieces)):
+                self._pieces = pieces
         # Whether a prompt read in part is encoded whole as well, after its plan (see PromptReader.rest).
         self.count_whole = count_whole
         self._background = (
             None
-            if self._backend is None or not count_whole
-            else BackgroundEncoder(self._backend, max_chars=background_max_chars, on_skip=on_background_skip)
+            if self._backend is None
+            else BackgroundEncoder(self._encode, max_chars=background_max_chars, on_skip=on_background_skip)
         )
 
     def _heads_agree(self, text: str) -> bool:
@@ -137,10 +148,21 @@ class LocalTokenizer:
             if len(whole) > len(text.encode("utf-8")) + (self._added_specials or 0):
                 return False
             for match in _BOUNDARY.finditer(text):
-                ids, offsets = self._ids_and_offsets(text[: match.start()], special)
-                known = kept_tokens(offsets, head_cut(text, match.start() - 1))
-                if ids[:known] != whole[:known]:
+                known, _, _ = self._head(text, match.start(), special)
+                if known != whole[: len(known)]:
                     return False
+        return True
+
+    def _pieces_agree(self, pieces: PieceCache, text: str) -> bool:
+        """Whether `text` (added tokens among ordinary text) encodes as its pieces do, whole and in every
+        head PromptReader may cut: no normalizer or pattern reaches across an added token."""
+        whole, _ = self._ids_and_offsets(text, False)
+        if pieces.encode(text) != whole:
+            return False
+        for match in _BOUNDARY.finditer(text):
+            known, _, _ = pieces.head(text, match.start(), head_cut(text, match.start() - 1))
+            if known != whole[: len(known)]:
+                return False
         return True
 
     @classmethod
@@ -204,12 +226,24 @@ class LocalTokenizer:
             return None
         return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
 
-    async def encode_head(self, text: str, *, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        """The ids and character offsets of `text`, in the lane its size calls for."""
-        lane = self._lane(len(text))
+    async def read_head(self, text: str, cut: int, *, special: bool) -> tuple[list[int], int, int]:
+        """The first tokens of `text`'s whole encoding that its head `text[:cut]` settles, the character
+        they end at, and the head's tokens in all, in the lane the head's size calls for."""
+        lane = self._lane(cut)
         if lane is None:
-            return self._ids_and_offsets(text, special)
-        return await asyncio.get_running_loop().run_in_executor(lane, self._ids_and_offsets, text, special)
+            return self._head(text, cut, special)
+        return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special)
+
+    def _head(self, text: str, cut: int, special: bool) -> tuple[list[int], int, int]:
+        """A head's tokens up to its last boundary before `cut` (see PromptReader); with the piece cache,
+        every piece before the head's last added token whole, from the cache where it was seen before."""
+        soft = head_cut(text, cut - 1)
+        if self._pieces is not None and not special:
+            return self._pieces.head(text, cut, soft)
+        ids, offsets = self._ids_and_offsets(text[:cut], special)
+        known = kept_tokens(offsets, soft)
+        end = max((token_end for _, token_end in offsets[:known]), default=0)
+        return ids[:known], end, len(ids)
 
     async def encode_whole(self, text: str, *, special: bool) -> list[int]:
         """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
@@ -275,6 +309,8 @@ class LocalTokenizer:
             raise PromptTooLong(at_least)
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
+        if self._pieces is not None and not special:
+            return self._pieces.encode(text)
         if self._encode_batch is None:
             return list(self._tokenizer.encode(text, add_special_tokens=special))
         # The batch call without offsets: the cheapest the Rust core has, and it releases the GIL.
@@ -339,6 +375,140 @@ def encode_batch_of(backend: Any) -> Callable[..., list[Any]]:
     return fast if fast is not None else backend.encode_batch
 
 
+class PieceCache:
+    """Encodings of the pieces of text between a tokenizer's added tokens, kept for the prompts that hold
+    them again.
+
+    A Hugging Face tokenizer splits a text on its added tokens (the chat template's markers) before it
+    normalizes, pre-tokenizes and encodes the rest, so each piece between two of them encodes alone, and a
+    text's encoding is its pieces' and its added tokens' ids in turn. An agent or a chat sends its whole
+    history again every turn: with its earlier messages' pieces kept, a turn encodes its new messages only.
+    LocalTokenizer uses it only where a startup check shows a text encodes as its pieces do (no normalizer,
+    no added token that strips the spaces beside it). At most `max_chars` characters of pieces are kept
+    (with 64 more counted for each piece), the least recently used dropped first. Used from the event loop
+    and the tokenizing threads alike, so the kept pieces are only touched under a lock.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        max_chars: int,
+        with_offsets: Callable[[str, bool], tuple[list[int], list[tuple[int, int]]]],
+    ) -> None:
+        spec = orjson.loads(backend.to_str())
+        self._ids = {str(token["content"]): int(token["id"]) for token in spec.get("added_tokens") or []}
+        # Longest first: at one place, the longest added token matches, as the tokenizer's own split does.
+        contents = sorted((content for content in self._ids if content), key=len, reverse=True)
+        self._split = re.compile("|".join(map(re.escape, contents))) if contents else None
+        self._encode_batch = encode_batch_of(backend)
+        self._with_offsets = with_offsets
+        self._max_chars = max_chars
+        self._kept: OrderedDict[str, array[int]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def splits(self) -> bool:
+        """Whether the tokenizer has added tokens to split on (else a text is one piece: nothing to gain)."""
+        return self._split is not None
+
+    @property
+    def added_tokens(self) -> list[str]:
+        return list(self._ids)
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`, without the post-processor's special tokens, piece by piece."""
+        parts, end = self._parts(text, len(text))
+        ids = self._ids_of(parts)
+        if end < len(text):
+            ids.extend(self._ids_of([text[end:]]))
+        return ids
+
+    def head(self, text: str, cut: int, soft: int) -> tuple[list[int], int, int]:
+        """As LocalTokenizer._head: of the head `text[:cut]`, every token up to its last added token (an
+        added token holds no space, and the cut is at one, so none runs past the cut), then those of the
+        text after it up to `soft`, the head's last boundary before the cut; the character the tokens
+        end at, and the head's tokens in all."""
+        parts, end = self._parts(text, cut)
+        ids = self._ids_of(parts)
+        if end >= cut:
+            return ids, end, len(ids)
+        tail_ids, offsets = self._with_offsets(text[end:cut], False)
+        kept = kept_tokens(offsets, soft - end) if soft > end else 0
+        last = max((token_end for _, token_end in offsets[:kept]), default=0)
+        return ids + tail_ids[:kept], end + last, len(ids) + len(tail_ids)
+
+    def _parts(self, text: str, stop: int) -> tuple[list[str | int], int]:
+        """The pieces and added tokens' ids of `text[:stop]` up to its last added token, and where it ends."""
+        parts: list[str | int] = []
+        end = 0
+        if self._split is not None:
+            ids = self._ids
+            for match in self._split.finditer(text, 0, stop):
+                if match.start() > end:
+                    parts.append(text[end : match.start()])
+                parts.append(ids[match.group()])
+                end = match.end()
+        return parts, end
+
+    def _ids_of(self, parts: Sequence[str | int]) -> list[int]:
+        """The parts' ids in turn: a piece's from the kept ones, or encoded (all those missing in one call)."""
+        found: dict[str, array[int]] = {}
+        with self._lock:
+            kept = self._kept
+            for part in parts:
+                if isinstance(part, str) and part not in found and (seen := kept.get(part)) is not None:
+                    kept.move_to_end(part)
+                    found[part] = seen
+        missing = list({part: None for part in parts if isinstance(part, str) and part not in found})
+        self.hits += len(found)
+        self.misses += len(missing)
+        if missing:
+            encoded = self._encode_batch(missing, add_special_tokens=False)
+            fresh = {piece: array("I", encoding.ids) for piece, encoding in zip(missing, encoded, strict=True)}
+            found.update(fresh)
+            self._keep(fresh)
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(part, int):
+                ids.append(part)
+            else:
+                ids.extend(found[part])
+        return ids
+
+    def _keep(self, fresh: dict[str, array[int]]) -> None:
+        with self._lock:
+            kept = self._kept
+            for piece, ids in fresh.items():
+                size = len(piece) + PIECE_OVERHEAD_CHARS
+                if size > self._max_chars or piece in kept:
+                    continue
+                kept[piece] = ids
+                self._chars += size
+            while self._chars > self._max_chars and kept:
+                piece, _ = kept.popitem(last=False)
+                self._chars -= len(piece) + PIECE_OVERHEAD_CHARS
+
+
+# What a kept piece costs beyond its characters (its entry, its ids' array), counted in characters.
+PIECE_OVERHEAD_CHARS = 64
+
+
+def _piece_probe(pieces: PieceCache) -> str:
+    """Ordinary text with added tokens of the tokenizer before, inside and after it: the first and last
+    eight (a vocabulary may have hundreds, split alike; whether any strips spaces is checked apart, by
+    `byte_level_specials`), so the check at startup stays a matter of milliseconds."""
+    lines = _PROBE_TEXT.splitlines(keepends=True)
+    tokens = pieces.added_tokens
+    parts = []
+    for index, token in enumerate(tokens if len(tokens) <= 16 else tokens[:8] + tokens[-8:]):
+        parts += [token, lines[index % len(lines)], token, token, " " + lines[(index + 1) % len(lines)], "\n\n"]
+    return "".join(parts) + _PROBE_TEXT
+
+
 class BackgroundEncoder:
     """Whole encodings of prompts that were planned on their first tokens, made off the request's path.
 
@@ -352,9 +522,11 @@ class BackgroundEncoder:
     end while prompts arrive faster than one core encodes them.
     """
 
-    def __init__(self, backend: Any, *, max_chars: int, on_skip: Callable[[], None] | None = None) -> None:
-        # The batch call without character offsets, where the tokenizers release has it (0.21+).
-        self._encode_batch = encode_batch_of(backend)
+    def __init__(
+        self, encode: Callable[..., list[int]], *, max_chars: int, on_skip: Callable[[], None] | None = None
+    ) -> None:
+        # LocalTokenizer._encode: the Rust core's call without offsets, through the piece cache for a chat.
+        self._encode_text = encode
         self._max_chars = max_chars
         self._on_skip = on_skip
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-rest")
@@ -396,7 +568,7 @@ class BackgroundEncoder:
         running.add_done_callback(lambda done: self._finished(loop, batch, done))
 
     def _encode(self, texts: list[tuple[str, bool]]) -> list[list[int]]:
-        return [list(self._encode_batch([text], add_special_tokens=special)[0].ids) for text, special in texts]
+        return [self._encode_text(text, special=special) for text, special in texts]
 
     def _finished(
         self,
@@ -471,17 +643,15 @@ class PromptReader:
             ids = await self._tokenizer.encode_whole(text, special=self._special)
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
-        ids, offsets = await self._tokenizer.encode_head(text[:cut], special=self._special)
+        known, end, count = await self._tokenizer.read_head(text, cut, special=self._special)
         self._chars = cut
-        known = kept_tokens(offsets, head_cut(text, cut - 1))
-        end = max((token_end for _, token_end in offsets[:known]), default=0)
-        if ids:
-            self._per_token = max(cut / len(ids), 1.0)
+        if count:
+            self._per_token = max(cut / count, 1.0)
             learned = self._tokenizer.chars_per_token
             self._tokenizer.chars_per_token = (
                 self._per_token if learned is None else learned + DENSITY_WEIGHT * (self._per_token - learned)
             )
-        self.prompt = self._known(ids[:known], end)
+        self.prompt = self._known(known, end)
         return self.prompt
 
     def tokens_to_bound(self, limit: int) -> int:
@@ -495,23 +665,23 @@ class PromptReader:
         excess = max(prompt.at_most - limit + 1, 0)
         return len(prompt.token_ids) + math.ceil(excess / (bytes_per_token - 1))
 
-    def rest(self, *, later: bool = False) -> Prompt:
+    def rest(self, *, later: bool = False, whole: bool = False) -> Prompt:
         """The prompt as read so far, with its whole encoding to come in `rest`: a prompt small enough to
         encode on the event loop is encoded whole at once, which costs the router less CPU than handing it
         to the background thread and waking the loop when that is done. `later`: the whole encoding waits
         for the caller (`Prompt.later`), who may get the ids elsewhere (a prefill answer's).
 
-        Unless the tokenizer counts prompts whole (`count_whole`), nothing more is encoded: `rest` holds
-        None at once (the count comes from the engine's usage), and `later` takes the ids it is supplied
-        or ends with None."""
+        Only where the caller needs the whole encoding (`whole`: the blocks of the whole prompt for a
+        cache-aware threshold's next decision) or the tokenizer counts every prompt whole (`count_whole`);
+        otherwise nothing more is encoded: `rest` holds None at once (the count comes from the engine's
+        usage), and `later` takes the ids it is supplied or ends with None."""
         tokenizer = self._tokenizer
+        whole = whole or tokenizer.count_whole
         if later:
-            waiting = WholeLater(
-                tokenizer if tokenizer.count_whole else None, self._text, special=self._special, started=self._started
-            )
+            waiting = WholeLater(tokenizer if whole else None, self._text, special=self._special, started=self._started)
             self.prompt = replace(self.prompt, rest=waiting.future, later=waiting)
             return self.prompt
-        if not tokenizer.count_whole:
+        if not whole:
             nothing: asyncio.Future[Prompt | None] = asyncio.get_running_loop().create_future()
             nothing.set_result(None)
             self.prompt = replace(self.prompt, rest=nothing)
@@ -520,8 +690,8 @@ class PromptReader:
         if ids is not None:
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
-        whole = tokenizer.encode_rest(self._text, special=self._special, started=self._started)
-        self.prompt = replace(self.prompt, rest=whole)
+        encoded = tokenizer.encode_rest(self._text, special=self._special, started=self._started)
+        self.prompt = replace(self.prompt, rest=encoded)
         return self.prompt
 
     def _known(self, ids: list[int], end: int) -> Prompt:
@@ -597,11 +767,12 @@ async def read_prompt(
     limit: int | None,
     *,
     later: Callable[[Prompt], bool] = lambda prompt: False,
+    whole: bool = False,
 ) -> Prompt:
     """The prompt read as far as `settle` (how many first tokens would settle the plan: 0 when it is
     settled, None when only the whole prompt will do) and the context window of `limit` tokens need:
-    a prompt known in part, its whole encoding coming in `rest` (left to the caller where `later` says
-    so of the prompt as read), or the whole prompt."""
+    a prompt known in part, its whole encoding coming in `rest` where `whole` asks for it (left to the
+    caller where `later` says so of the prompt as read; see PromptReader.rest), or the whole prompt."""
     prompt = reader.prompt
     while prompt.at_most is not None:
         wanted = settle(prompt)
@@ -617,12 +788,12 @@ async def read_prompt(
                 # Planned, and by the head's own density far inside the window: the engines check the
                 # window exactly (as vLLM does, with a 400 the router relays), so the router need not
                 # read on; only a prompt whose estimate nears the window is read as far as its bound needs.
-                return reader.rest(later=later(prompt))
+                return reader.rest(later=later(prompt), whole=whole)
             # The context window's check is not settled either: read as far as the bound needs (once
             # a head read for the plan has shown how many bytes a token of this text stands for).
             wanted = max(wanted, reader.tokens_to_bound(limit))
         if wanted == 0:
-            return reader.rest(later=later(prompt))
+            return reader.rest(later=later(prompt), whole=whole)
         prompt = await reader.more(wanted)
     return prompt
 

@@ -88,6 +88,15 @@ def test_affinity_serves_follow_ups_direct_on_the_first_steps_decoder(tmp_path: 
     assert [row["same_decoder"] for row in results["by_step"]["affinity"]] == [2, 2, 2]
 
 
+def test_conversation_reads_each_turns_tokenize_stage_with_and_without_pieces(tmp_path: Path) -> None:
+    results = run_scenario("conversation", tmp_path)
+    for setup in ("pieces", "no-pieces"):
+        turns = results["by_turn"][setup]
+        assert [turn["turn"] for turn in turns] == [1, 2, 3]
+        assert all(turn["tokenize_p50"] > 0 for turn in turns)
+        assert turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"]
+
+
 def test_memory_samples_router_rss_and_sizes_the_prefix_index(tmp_path: Path) -> None:
     results = run_scenario("memory", tmp_path)
 

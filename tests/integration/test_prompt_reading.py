@@ -96,7 +96,7 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
 
 @pytest.mark.parametrize("ids_in_answer", ["theirs", "none"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_by_default_a_long_prompt_is_never_encoded_whole_by_the_router(
+async def test_under_a_static_threshold_a_long_prompt_is_never_encoded_whole_by_the_router(
     cluster: SimCluster,
     tokenizer_dir: Path,
     caplog: pytest.LogCaptureFixture,
@@ -229,17 +229,21 @@ async def test_a_long_prompt_sent_again_is_read_only_as_far_as_its_plan_needs(
     assert encoded_whole == []
 
 
-@pytest.mark.parametrize("count_whole", [True, False])
+@pytest.mark.parametrize(
+    "settings",
+    [{"count_whole_prompts": True}, {"threshold_mode": "cache_aware"}, {"threshold_mode": "static"}],
+    ids=["count-whole", "cache-aware", "static"],
+)
 async def test_a_long_prompt_whose_plan_is_refused_is_still_reported(
     cluster: SimCluster,
     tokenizer_dir: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
-    count_whole: bool,
+    settings: dict[str, Any],
 ) -> None:
     """No decoder to plan on: the 503 is logged and counted, not held for a prefill answer that never comes:
-    with its whole count once the prompt is encoded whole (`count_whole_prompts`), else without a count (no
-    engine counted it)."""
+    with its whole count once the prompt is encoded whole (`count_whole_prompts`, or for a cache-aware
+    threshold's prefix index), else without a count (no engine counted it)."""
     caplog.set_level(logging.INFO, logger="dpd_router.request")
 
     def no_decoder(self: Planner, request: object) -> object:
@@ -247,7 +251,7 @@ async def test_a_long_prompt_whose_plan_is_refused_is_still_reported(
 
     monkeypatch.setattr(Planner, "choose_decoder", no_decoder)
     async with (
-        reading_router(cluster, tokenizer_dir, count_whole_prompts=count_whole) as base_url,
+        reading_router(cluster, tokenizer_dir, **settings) as base_url,
         httpx.AsyncClient(base_url=base_url) as client,
     ):
         answer = await client.post(
@@ -261,7 +265,7 @@ async def test_a_long_prompt_whose_plan_is_refused_is_still_reported(
             await asyncio.sleep(0.05)
     logged = [r.fields for r in caplog.records if r.name == "dpd_router.request"]  # type: ignore[attr-defined]
     assert len(logged) == 1 and logged[0]["status"] == 503
-    if count_whole:
+    if settings.get("threshold_mode") != "static":
         assert logged[0]["prompt_tokens"] > 512
     else:
         assert logged[0]["prompt_tokens"] is None

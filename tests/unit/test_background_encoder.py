@@ -26,7 +26,8 @@ def local(tokenizer_dir: Path) -> LocalTokenizer:
 
 
 class GatedBackend:
-    """A tokenizer core whose batch calls wait for the test to open a gate, and that records them."""
+    """An encoding (as LocalTokenizer._encode) whose calls wait for the test to open a gate, and that records
+    them."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
@@ -34,11 +35,11 @@ class GatedBackend:
         self.batches: list[list[str]] = []
         self.threads: set[str] = set()
 
-    def encode_batch_fast(self, texts: list[str], *, add_special_tokens: bool) -> Any:
+    def __call__(self, text: str, *, special: bool) -> list[int]:
         self.gate.wait(10)
-        self.batches.append(list(texts))
+        self.batches.append([text])
         self.threads.add(threading.current_thread().name)
-        return self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return list(self._backend.encode_batch_fast([text], add_special_tokens=special)[0].ids)
 
 
 async def test_texts_waiting_are_taken_at_once_and_encoded_on_one_thread_as_the_tokenizer_encodes_them(

@@ -343,7 +343,7 @@ async def test_a_small_prompt_is_encoded_whole_at_once_rather_than_in_the_backgr
 
 
 @pytest.mark.parametrize("chars", [200, 3000, 80000])
-async def test_by_default_a_prompt_is_encoded_no_further_than_its_plan_needs(
+async def test_a_static_threshold_has_a_prompt_encoded_no_further_than_its_plan_needs(
     deciding: LocalTokenizer, chars: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Small (inline), mid-sized and long prompts, direct or bound for the prefill hop: read as far as the
@@ -393,7 +393,7 @@ async def test_by_default_a_prompt_is_encoded_no_further_than_its_plan_needs(
         assert planner.plan(read).path == planner.plan(whole).path
 
 
-async def test_by_default_a_prefill_answers_ids_make_a_prompt_read_in_part_whole(deciding: LocalTokenizer) -> None:
+async def test_a_prefill_answers_ids_make_a_prompt_read_in_part_whole(deciding: LocalTokenizer) -> None:
     request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 1)}))
     whole = await deciding.tokenize(request)
     settings = load_settings(
@@ -559,3 +559,93 @@ async def test_a_prompts_first_head_is_cut_by_the_density_of_the_prompts_read_be
     wanted = 400 + 16
     assert read_tokens[0] > 2 * wanted  # the fixed guess: 4 characters, far more than these texts' tokens
     assert all(wanted <= tokens < 1.5 * wanted for tokens in read_tokens[2:])
+
+
+conversations = st.lists(
+    st.tuples(
+        st.sampled_from(["system", "user", "assistant", "tool"]),
+        st.builds(text_of, st.integers(0, 120), st.integers(0, 2**32)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=conversations, chatml_template=st.booleans(), data=st.data())
+def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
+    local: LocalTokenizer, chatml: LocalTokenizer, turns: list[tuple[str, str]], chatml_template: bool, data: Any
+) -> None:
+    """Rendered by either template (its markers added tokens, or plain text as ChatML's are here), with the
+    markers in the messages too: the piece cache's encoding is the Rust core's of the whole text, and a head's
+    settled tokens start it, however many of its pieces the cache held already (a turn sent again)."""
+    tokenizer = chatml if chatml_template else local
+    assert tokenizer._pieces is not None and tokenizer._backend is not None
+    body = {"messages": [{"role": role, "content": content} for role, content in turns]}
+    text = tokenizer._render(body)
+    whole = list(tokenizer._backend.encode_batch([text], add_special_tokens=False)[0].ids)
+    for _ in range(2):  # the second time, every piece is kept
+        assert tokenizer._encode(text, special=False) == whole
+        cut = data.draw(st.integers(0, len(text)))
+        cut = head_cut(text, cut)
+        if cut:
+            known, end, count = tokenizer._head(text, cut, False)
+            assert known == whole[: len(known)] and count >= len(known)
+            assert end <= cut and len(known) == len(
+                tokenizer._backend.encode_batch([text[:end]], add_special_tokens=False)[0].ids
+            )
+
+
+async def test_a_conversation_sent_again_encodes_only_its_new_messages(tokenizer_dir: Path) -> None:
+    local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=1 << 30, threads=1)
+    pieces = local._pieces
+    assert pieces is not None
+
+    def words(count: int, seed: int) -> str:  # no template marker in them: a message is one piece
+        rng = random.Random(seed)
+        return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+    messages = [{"role": "user", "content": words(400, 1)}]
+    for turn in range(5):
+        request = parse_request("chat", orjson.dumps({"messages": messages}))
+        misses = pieces.misses
+        encoded = await local.tokenize(request)
+        # The new messages' pieces alone are encoded (the roles' and the generation prompt's the first time).
+        assert pieces.misses - misses == (4 if turn == 0 else 2)
+        messages += [{"role": "assistant", "content": words(50, turn)}, {"role": "user", "content": words(300, turn)}]
+    assert encoded.num_tokens > 1000
+
+
+def test_a_tokenizer_whose_pieces_do_not_encode_alone_keeps_none(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """An added token that strips the spaces beside it joins its neighbours' text: checked at startup."""
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["lstrip"] = True
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    assert LocalTokenizer.load(directory, inline_max_chars=2048, threads=1)._pieces is None
+    assert LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1, piece_cache_chars=0)._pieces is None
+
+
+async def test_a_cache_aware_planner_has_the_prompt_it_read_in_part_encoded_whole_for_its_index(
+    deciding: LocalTokenizer,
+) -> None:
+    """Its next decisions weigh how far a prefix is cached: the index needs every block of this prompt."""
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 5)}))
+    whole = await deciding.tokenize(request)
+    for mode, weighs in (("cache_aware", True), ("static", False)):
+        settings = load_settings(
+            decode_urls=["http://127.0.0.1:8200"],
+            prefill_urls=["http://127.0.0.1:8100"],
+            routing_threshold=256,
+            threshold_mode=mode,
+        )
+        planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+        assert planner.weighs_whole_prefixes is weighs
+        reader = await deciding.reader(request)
+        assert reader is not None
+        read = await read_prompt(reader, planner.tokens_to_settle, None, whole=planner.weighs_whole_prefixes)
+        assert read.at_most is not None and read.rest is not None
+        encoded = await read.rest
+        assert (encoded is not None and list(encoded.token_ids) == list(whole.token_ids)) is weighs

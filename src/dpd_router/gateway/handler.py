@@ -230,6 +230,7 @@ class Gateway:
             planner.tokens_to_settle,
             limit,
             later=lambda prompt: prompt.at_most is not None and prompt.at_most >= planner.threshold,
+            whole=planner.weighs_whole_prefixes,
         )
 
     @staticmethod

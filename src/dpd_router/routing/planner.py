@@ -160,6 +160,13 @@ class Planner:
     def threshold_mode(self) -> ThresholdMode:
         return self._threshold.mode
 
+    @property
+    def weighs_whole_prefixes(self) -> bool:
+        """Whether this planner's next decisions weigh how far a prompt's prefix is cached (a cache-aware
+        threshold over the prefix index): the index must hold every block of the prompts it places, not
+        only those a plan read, or a conversation's next turn would find only its head cached."""
+        return self.cache is not None and self._threshold.cache_aware
+
     def session_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
         """The request's session key: the `session_header` header, else the body's `user` field."""
         return session_key(headers, body, header=self._session_header)

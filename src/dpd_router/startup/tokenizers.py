@@ -65,6 +65,7 @@ async def load_tokenizers(
         background_max_chars=settings.tokenize_background_max_chars,
         on_background_skip=metrics.background_encodes_skipped.inc,
         count_whole=settings.count_whole_prompts,
+        piece_cache_chars=settings.tokenize_piece_cache_chars,
     )
     return {tenant: local for tenant in pools}
 
