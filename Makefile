@@ -32,8 +32,13 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed-runtime
 
-demo: $(VENV)/.installed-runtime
-	$(BIN)/dpd-router demo
+# The demo's printed examples use the official clients: the `demo` extra. `make demo PORT=8001` listens elsewhere.
+$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $@ $(VENV)/.installed-runtime
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/dpd-router demo $(if $(PORT),--port $(PORT))
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

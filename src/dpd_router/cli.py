@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,10 +149,31 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why the router could not listen on `host`:`port` (another process has it), naming the settings that
+    choose another; None when it can. Checked before anything starts: uvicorn's own bind error names no
+    setting, and the demo would have started its engines for nothing."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no bar
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return (
+                f"cannot listen on {host}:{port} ({exc.strerror}): choose another port with --port, "
+                "DPD_PORT or `port:` in the YAML file (`make demo PORT=8001` for the demo)"
+            )
+    return None
+
+
 def _serve(settings: Settings) -> int:
     from dpd_router.app import build_server
     from dpd_router.logs import configure_logging
 
+    taken = port_taken(settings.host, settings.port)
+    if taken is not None:
+        print(f"dpd-router: {taken}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level, settings.log_format)
     if settings.workers > 1:
         from dpd_router.supervisor import serve_workers
@@ -185,6 +207,11 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.logs import configure_logging
     from dpd_sim.demo import DemoUnavailable, demo_engines
 
+    listen = _settings_from(args, decode_urls=["http://127.0.0.1:1"], tokenizer=str(tokenizer))
+    taken = port_taken(listen.host, listen.port)
+    if taken is not None:
+        print(f"dpd-router: {taken}", file=sys.stderr)
+        return 2
     try:
         demo = await demo_engines(
             args.engines,
@@ -227,34 +254,83 @@ async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
 async def _announce(server: Any, settings: Settings, prefill: list[str], decode: list[str]) -> None:
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes only a flag, no event to wait on
         await asyncio.sleep(0.05)
-    base = f"http://{settings.host}:{settings.port}"
-    print(
-        f"""
-dpd-router demo is up at {base}
-  console:    {base}/ui  (open it in a browser: long prompts go one way, short ones the other, live)
-  prefillers: {", ".join(prefill)}
-  decoders:   {", ".join(decode)}
-  threshold:  {settings.routing_threshold} tokens (prompts this long or longer go prefiller -> decoder)
+    await _warm_up(f"http://{settings.host}:{settings.port}", str(settings.model))
+    print(demo_banner(settings, prefill, decode), flush=True)
 
-A long prompt (disaggregated: watch the router's log line say disaggregate=True):
-  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{settings.model}", "max_tokens": 32, "stream": true,
-         "messages": [{{"role": "user", "content": "{DEMO_LONG_PROMPT.strip()}"}}]}}'
 
-A short prompt (straight to the decoder):
-  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{settings.model}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+async def _warm_up(base: str, model: str) -> None:
+    """A long and a short request through the router before the banner: a cold machine's first prefill,
+    transfer and decode took seconds, and a newcomer's first example should show what the router costs.
+    The long one's text is not the banner's, so the banner's is not found cached."""
+    import httpx
 
-With the openai client:
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
-r = c.chat.completions.create(model='{settings.model}', messages=[{{'role': 'user', 'content': 'Hi'}}]); \\
-print(r.choices[0].message.content)"
+    print("warming up the engines (a long and a short request) ...", flush=True)
+    warm_long = "Warm-up: " + DEMO_LONG_PROMPT.replace("report", "memo")
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        for content in (warm_long, "Warm-up"):
+            body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+            try:
+                await client.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError as exc:
+                print(f"warm-up request failed ({type(exc).__name__}); the examples may start slow", flush=True)
+                return
 
-Routing decisions and TTFT by path:  curl -s {base}/metrics | grep -E 'dpd_router_(route|requests|time_to)'
-Press Ctrl-C to stop.
-""",
-        flush=True,
+
+def demo_snippets(base: str, model: str) -> list[tuple[str, str]]:
+    """The demo's examples, each a title and a shell command: printed in its banner, run as printed by the
+    suite (tests/integration/test_demo.py)."""
+    long_body = (
+        f'{{"model": "{model}", "max_tokens": 32, "stream": true,\n'
+        f'         "messages": [{{"role": "user", "content": "{DEMO_LONG_PROMPT.strip()}"}}]}}'
     )
+    short_body = f'{{"model": "{model}", "max_tokens": 16, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    openai = (
+        f"python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\\n"
+        f"r = c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}]); \\\n"
+        'print(r.choices[0].message.content)"'
+    )
+    anthropic = (
+        f"python -c \"import anthropic; c = anthropic.Anthropic(base_url='{base}', api_key='none'); \\\n"
+        f"m = c.messages.create(model='{model}', max_tokens=16, \\\n"
+        "messages=[{'role': 'user', 'content': 'Hi'}]); print(m.content[0].text)\""
+    )
+    return [
+        (
+            "A long prompt (disaggregated: the router's log line says disaggregate=True)",
+            f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{long_body}'",
+        ),
+        (
+            "A short prompt (straight to the decoder)",
+            f"curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{short_body}'",
+        ),
+        ("With the openai client (`make demo` installs it)", openai),
+        ("With the anthropic client (the Messages API)", anthropic),
+        (
+            "Routing decisions and TTFT by path",
+            f"curl -s {base}/metrics | grep -E 'dpd_router_(route|requests|time_to)'",
+        ),
+    ]
+
+
+def demo_banner(settings: Settings, prefill: list[str], decode: list[str]) -> str:
+    base = f"http://{settings.host}:{settings.port}"
+    lines = [
+        "",
+        f"dpd-router demo is up at {base}",
+        f"  console:    {base}/ui  (open it in a browser: long prompts go one way, short ones the other, live)",
+        f"  prefillers: {', '.join(prefill)}",
+        f"  decoders:   {', '.join(decode)}",
+        f"  threshold:  {settings.routing_threshold} tokens (prompts this long or longer go prefiller -> decoder)",
+        "",
+    ]
+    for title, command in demo_snippets(base, str(settings.model)):
+        lines += [f"{title}:", *("  " + line for line in command.splitlines()), ""]
+    lines += [
+        "Send the long prompt twice: the second says disaggregate=False reason=cached_on_decoder, as the decoder",
+        "holds its KV from the first, and only the tokens it lacks count against the threshold (cache_aware).",
+        "Press Ctrl-C to stop.",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
