@@ -129,7 +129,7 @@ class LocalTokenizer:
         # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
         # messages only. Only where the startup check shows a text encodes as its pieces do.
         if self._backend is not None and self._added_specials is not None and piece_cache_chars > 0:
-            pieces = PieceCache(self._backend, max_chars=piece_cache_chars, with_offsets=self._ids_and_offsets)
+            pieces = PieceCache(self._backend, max_chars=piece_cache_chars, encode=lambda texts: self._plain(texts))
             if pieces.splits and self._pieces_agree(pieces, _piece_probe(pieces)):
                 self._pieces = pieces
         # Whether a prompt read in part is encoded whole as well, after its plan (see PromptReader.rest).
@@ -160,7 +160,7 @@ class LocalTokenizer:
         if pieces.encode(text) != whole:
             return False
         for match in _BOUNDARY.finditer(text):
-            known, _, _ = pieces.head(text, match.start(), head_cut(text, match.start() - 1))
+            known, _, _ = pieces.head(text, match.start())
             if known != whole[: len(known)]:
                 return False
         return True
@@ -235,15 +235,25 @@ class LocalTokenizer:
         return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special)
 
     def _head(self, text: str, cut: int, special: bool) -> tuple[list[int], int, int]:
-        """A head's tokens up to its last boundary before `cut` (see PromptReader); with the piece cache,
-        every piece before the head's last added token whole, from the cache where it was seen before."""
-        soft = head_cut(text, cut - 1)
-        if self._pieces is not None and not special:
-            return self._pieces.head(text, cut, soft)
+        """A head's settled tokens (see PromptReader), the character they end at and its tokens in all.
+        Without special tokens, every token of `text[:cut]` (with the piece cache, every piece before its
+        last added token from the cache where it was seen before), encoded without offsets. With them, those
+        up to its last boundary before `cut`: a post-processor may end an encoding with its own tokens."""
+        if not special:
+            if self._pieces is not None:
+                return self._pieces.head(text, cut)
+            ids = self._plain([text[:cut]])[0]
+            return ids, cut, len(ids)
         ids, offsets = self._ids_and_offsets(text[:cut], special)
-        known = kept_tokens(offsets, soft)
+        known = kept_tokens(offsets, head_cut(text, cut - 1))
         end = max((token_end for _, token_end in offsets[:known]), default=0)
         return ids[:known], end, len(ids)
+
+    def _plain(self, texts: list[str]) -> list[list[int]]:
+        """The texts' ids without special tokens or offsets, in one call of the Rust core (which releases the
+        GIL)."""
+        assert self._encode_batch is not None
+        return [list(encoding.ids) for encoding in self._encode_batch(texts, add_special_tokens=False)]
 
     async def encode_whole(self, text: str, *, special: bool) -> list[int]:
         """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
@@ -394,15 +404,14 @@ class PieceCache:
         backend: Any,
         *,
         max_chars: int,
-        with_offsets: Callable[[str, bool], tuple[list[int], list[tuple[int, int]]]],
+        encode: Callable[[list[str]], list[list[int]]],
     ) -> None:
         spec = orjson.loads(backend.to_str())
         self._ids = {str(token["content"]): int(token["id"]) for token in spec.get("added_tokens") or []}
         # Longest first: at one place, the longest added token matches, as the tokenizer's own split does.
         contents = sorted((content for content in self._ids if content), key=len, reverse=True)
         self._split = re.compile("|".join(map(re.escape, contents))) if contents else None
-        self._encode_batch = encode_batch_of(backend)
-        self._with_offsets = with_offsets
+        self._encode = encode
         self._max_chars = max_chars
         self._kept: OrderedDict[str, array[int]] = OrderedDict()
         self._chars = 0
@@ -427,19 +436,16 @@ class PieceCache:
             ids.extend(self._ids_of([text[end:]]))
         return ids
 
-    def head(self, text: str, cut: int, soft: int) -> tuple[list[int], int, int]:
-        """As LocalTokenizer._head: of the head `text[:cut]`, every token up to its last added token (an
-        added token holds no space, and the cut is at one, so none runs past the cut), then those of the
-        text after it up to `soft`, the head's last boundary before the cut; the character the tokens
-        end at, and the head's tokens in all."""
+    def head(self, text: str, cut: int) -> tuple[list[int], int, int]:
+        """As LocalTokenizer._head without special tokens: the tokens of the head `text[:cut]` (cut at a
+        boundary), its pieces up to its last added token from the cache (an added token holds no space, and
+        the cut is at one, so none runs past the cut), the text after it encoded and not kept (it is not a
+        whole piece); the character they end at (the cut), and their count."""
         parts, end = self._parts(text, cut)
         ids = self._ids_of(parts)
-        if end >= cut:
-            return ids, end, len(ids)
-        tail_ids, offsets = self._with_offsets(text[end:cut], False)
-        kept = kept_tokens(offsets, soft - end) if soft > end else 0
-        last = max((token_end for _, token_end in offsets[:kept]), default=0)
-        return ids + tail_ids[:kept], end + last, len(ids) + len(tail_ids)
+        if end < cut:
+            ids += self._encode([text[end:cut]])[0]
+        return ids, cut, len(ids)
 
     def _parts(self, text: str, stop: int) -> tuple[list[str | int], int]:
         """The pieces and added tokens' ids of `text[:stop]` up to its last added token, and where it ends."""
@@ -467,8 +473,8 @@ class PieceCache:
         self.hits += len(found)
         self.misses += len(missing)
         if missing:
-            encoded = self._encode_batch(missing, add_special_tokens=False)
-            fresh = {piece: array("I", encoding.ids) for piece, encoding in zip(missing, encoded, strict=True)}
+            encoded = self._encode(missing)
+            fresh = {piece: array("I", ids) for piece, ids in zip(missing, encoded, strict=True)}
             found.update(fresh)
             self._keep(fresh)
         ids: list[int] = []
@@ -615,9 +621,10 @@ class PromptReader:
     tokens its post-processor adds: the text's UTF-8 size bounds its tokens before anything is
     encoded. A head of the text cut just before a space that follows a non-space character splits
     into the same pre-tokens as the whole text up to that boundary (no pre-tokenizer pattern runs from
-    a non-space character into a space, and BPE encodes each pre-token alone), so the head's tokens up
-    to its last such boundary before the cut are the whole encoding's first tokens, and the bytes
-    after them bound the rest (tests/unit/test_prompt_reader.py checks both over random texts).
+    a non-space character into a space, and BPE encodes each pre-token alone), so the head's tokens are
+    the whole encoding's first tokens (with a post-processor's special tokens, those up to the head's
+    last such boundary before the cut), and the bytes after them bound the rest
+    (tests/unit/test_prompt_reader.py checks both over random texts; the tokenizer, at startup).
     """
 
     def __init__(self, tokenizer: LocalTokenizer, text: str, *, special: bool, specials: int, started: float) -> None:

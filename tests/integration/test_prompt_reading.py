@@ -110,18 +110,13 @@ async def test_under_a_static_threshold_a_long_prompt_is_never_encoded_whole_by_
     caplog.set_level(logging.INFO, logger="dpd_router.request")
     text = long_text(4000, 11)
     read: list[int] = []
-    ids_and_offsets, encode = LocalTokenizer._ids_and_offsets, LocalTokenizer._encode
+    plain = LocalTokenizer._plain
 
-    def head_spy(self: LocalTokenizer, head: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        read.append(len(head))
-        return ids_and_offsets(self, head, special)
+    def spy(self: LocalTokenizer, texts: list[str]) -> list[list[int]]:
+        read.extend(len(text) for text in texts)  # heads, and pieces (the chat template's and the message's)
+        return plain(self, texts)
 
-    def whole_spy(self: LocalTokenizer, whole: str, *, special: bool) -> list[int]:
-        read.append(len(whole))
-        return encode(self, whole, special=special)
-
-    monkeypatch.setattr(LocalTokenizer, "_ids_and_offsets", head_spy)
-    monkeypatch.setattr(LocalTokenizer, "_encode", whole_spy)
+    monkeypatch.setattr(LocalTokenizer, "_plain", spy)
     if ids_in_answer == "none":
         answers_without_ids(monkeypatch)
     async with reading_router(cluster, tokenizer_dir, threshold_mode="static", prefill_strategy="roundrobin") as url:
