@@ -63,6 +63,19 @@ class Prompt:
         return self.at_most is None
 
 
+@dataclass(frozen=True)
+class Head:
+    """What a head of a prompt settled: its first `ids` (the whole encoding's), the character they end at,
+    the head's tokens in all, and how many of `ids` (ending at character `whole_end`) are whole pieces of
+    the piece cache, from which the next, longer head of the same text goes on (0: none)."""
+
+    ids: list[int]
+    end: int
+    count: int
+    whole_ids: int = 0
+    whole_end: int = 0
+
+
 class TokenCounter(Protocol):
     async def tokenize(self, request: ClientRequest, *, max_tokens: int | None = None) -> Prompt: ...
 
@@ -148,7 +161,7 @@ class LocalTokenizer:
             if len(whole) > len(text.encode("utf-8")) + (self._added_specials or 0):
                 return False
             for match in _BOUNDARY.finditer(text):
-                known, _, _ = self._head(text, match.start(), special)
+                known = self._head(text, match.start(), special).ids
                 if known != whole[: len(known)]:
                     return False
         return True
@@ -160,7 +173,7 @@ class LocalTokenizer:
         if pieces.encode(text) != whole:
             return False
         for match in _BOUNDARY.finditer(text):
-            known, _, _ = pieces.head(text, match.start())
+            known = pieces.head(text, match.start()).ids
             if known != whole[: len(known)]:
                 return False
         return True
@@ -226,28 +239,28 @@ class LocalTokenizer:
             return None
         return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
 
-    async def read_head(self, text: str, cut: int, *, special: bool) -> tuple[list[int], int, int]:
-        """The first tokens of `text`'s whole encoding that its head `text[:cut]` settles, the character
-        they end at, and the head's tokens in all, in the lane the head's size calls for."""
+    async def read_head(self, text: str, cut: int, *, special: bool, after: Head | None = None) -> Head:
+        """What `text`'s head `text[:cut]` settles of its whole encoding (see Head), in the lane the head's
+        size calls for; `after`: a shorter head of the same text read before, whose whole pieces are kept."""
         lane = self._lane(cut)
         if lane is None:
-            return self._head(text, cut, special)
-        return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special)
+            return self._head(text, cut, special, after)
+        return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special, after)
 
-    def _head(self, text: str, cut: int, special: bool) -> tuple[list[int], int, int]:
+    def _head(self, text: str, cut: int, special: bool, after: Head | None = None) -> Head:
         """A head's settled tokens (see PromptReader), the character they end at and its tokens in all.
         Without special tokens, every token of `text[:cut]` (with the piece cache, every piece before its
         last added token from the cache where it was seen before), encoded without offsets. With them, those
         up to its last boundary before `cut`: a post-processor may end an encoding with its own tokens."""
         if not special:
             if self._pieces is not None:
-                return self._pieces.head(text, cut)
+                return self._pieces.head(text, cut, after)
             ids = self._plain([text[:cut]])[0]
-            return ids, cut, len(ids)
+            return Head(ids, cut, len(ids))
         ids, offsets = self._ids_and_offsets(text[:cut], special)
         known = kept_tokens(offsets, head_cut(text, cut - 1))
         end = max((token_end for _, token_end in offsets[:known]), default=0)
-        return ids[:known], end, len(ids)
+        return Head(ids[:known], end, len(ids))
 
     def _plain(self, texts: list[str]) -> list[list[int]]:
         """The texts' ids without special tokens or offsets, in one call of the Rust core (which releases the
@@ -436,24 +449,28 @@ class PieceCache:
             ids.extend(self._ids_of([text[end:]]))
         return ids
 
-    def head(self, text: str, cut: int) -> tuple[list[int], int, int]:
+    def head(self, text: str, cut: int, after: Head | None = None) -> Head:
         """As LocalTokenizer._head without special tokens: the tokens of the head `text[:cut]` (cut at a
         boundary), its pieces up to its last added token from the cache (an added token holds no space, and
         the cut is at one, so none runs past the cut), the text after it encoded and not kept (it is not a
-        whole piece); the character they end at (the cut), and their count."""
-        parts, end = self._parts(text, cut)
-        ids = self._ids_of(parts)
+        whole piece). `after`: a shorter head's, whose whole pieces are not looked up again."""
+        start = 0 if after is None else after.whole_end
+        ids = [] if after is None else after.ids[: after.whole_ids]
+        parts, end = self._parts(text, cut, start)
+        ids += self._ids_of(parts)
+        whole_ids = len(ids)
         if end < cut:
             ids += self._encode([text[end:cut]])[0]
-        return ids, cut, len(ids)
+        return Head(ids, cut, len(ids), whole_ids, end)
 
-    def _parts(self, text: str, stop: int) -> tuple[list[str | int], int]:
-        """The pieces and added tokens' ids of `text[:stop]` up to its last added token, and where it ends."""
+    def _parts(self, text: str, stop: int, start: int = 0) -> tuple[list[str | int], int]:
+        """The pieces and added tokens' ids of `text[start:stop]` up to its last added token, and where it
+        ends (`start` when there is none)."""
         parts: list[str | int] = []
-        end = 0
+        end = start
         if self._split is not None:
             ids = self._ids
-            for match in self._split.finditer(text, 0, stop):
+            for match in self._split.finditer(text, start, stop):
                 if match.start() > end:
                     parts.append(text[end : match.start()])
                 parts.append(ids[match.group()])
@@ -635,6 +652,7 @@ class PromptReader:
         self._started = started
         self._size = utf8_size(text)
         self._chars = 0  # characters of the last head encoded
+        self._head: Head | None = None  # the last head read
         self._per_token = tokenizer.chars_per_token or _CHARS_PER_TOKEN_GUESS
         # A head cut by the tokenizer's own average errs less than one cut by the fixed guess.
         self._first_margin = 1.5 if tokenizer.chars_per_token is None else 1.2
@@ -650,7 +668,9 @@ class PromptReader:
             ids = await self._tokenizer.encode_whole(text, special=self._special)
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
-        known, end, count = await self._tokenizer.read_head(text, cut, special=self._special)
+        head = await self._tokenizer.read_head(text, cut, special=self._special, after=self._head)
+        self._head = head
+        known, end, count = head.ids, head.end, head.count
         self._chars = cut
         if count:
             self._per_token = max(cut / count, 1.0)

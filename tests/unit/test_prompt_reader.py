@@ -586,14 +586,21 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
     whole = list(tokenizer._backend.encode_batch([text], add_special_tokens=False)[0].ids)
     for _ in range(2):  # the second time, every piece is kept
         assert tokenizer._encode(text, special=False) == whole
-        cut = data.draw(st.integers(0, len(text)))
-        cut = head_cut(text, cut)
-        if cut:
-            known, end, count = tokenizer._head(text, cut, False)
-            assert known == whole[: len(known)] and count >= len(known)
-            assert end <= cut and len(known) == len(
-                tokenizer._backend.encode_batch([text[:end]], add_special_tokens=False)[0].ids
+        cuts = sorted(head_cut(text, data.draw(st.integers(0, len(text)))) for _ in range(2))
+        earlier = None
+        for cut in cuts:
+            if not cut:
+                continue
+            head = tokenizer._head(text, cut, False, earlier)
+            known = head.ids
+            assert known == whole[: len(known)] and head.count >= len(known)
+            assert head.end <= cut
+            assert len(known) == len(
+                tokenizer._backend.encode_batch([text[: head.end]], add_special_tokens=False)[0].ids
             )
+            assert head.whole_ids <= len(known) and head.whole_end <= head.end
+            assert head == tokenizer._head(text, cut, False)  # going on from a shorter head reads as afresh
+            earlier = head
 
 
 async def test_a_conversation_sent_again_encodes_only_its_new_messages(tokenizer_dir: Path) -> None:
