@@ -24,7 +24,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,6 +56,9 @@ class Prompt:
     rest: asyncio.Future[Prompt | None] | None = None
     # The whole encoding behind `rest` where it was left until something asks for it (see WholeLater).
     later: WholeLater | None = None
+    # Block hashes of its first ids by block size, shared by every prompt one reader made of one text (each
+    # one's ids start the next one's), so that reading on hashes only the blocks read since.
+    blocks: dict[int, list[int]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def exact(self) -> bool:
@@ -453,14 +456,31 @@ class PieceCache:
         """As LocalTokenizer._head without special tokens: the tokens of the head `text[:cut]` (cut at a
         boundary), its pieces up to its last added token from the cache (an added token holds no space, and
         the cut is at one, so none runs past the cut), the text after it encoded and not kept (it is not a
-        whole piece). `after`: a shorter head's, whose whole pieces are not looked up again."""
+        whole piece), unless that piece is kept: then it is taken whole, with the added token after it (the
+        head ends there, past the cut, for nothing). `after`: a shorter head's, whose whole pieces are not
+        looked up again."""
         start = 0 if after is None else after.whole_end
         ids = [] if after is None else after.ids[: after.whole_ids]
         parts, end = self._parts(text, cut, start)
         ids += self._ids_of(parts)
+        if end >= cut:
+            return Head(ids, end, len(ids), len(ids), end)
+        assert self._split is not None  # `end` short of the cut: a text with an added token in it
+        after_piece = self._split.search(text, cut)
+        piece_end = len(text) if after_piece is None else after_piece.start()
+        with self._lock:
+            kept = self._kept.get(text[end:piece_end])
+            if kept is not None:
+                self._kept.move_to_end(text[end:piece_end])
+        if kept is not None:
+            self.hits += 1
+            ids.extend(kept)
+            if after_piece is not None:
+                ids.append(self._ids[after_piece.group()])
+            end = len(text) if after_piece is None else after_piece.end()
+            return Head(ids, end, len(ids), len(ids), end)
         whole_ids = len(ids)
-        if end < cut:
-            ids += self._encode([text[end:cut]])[0]
+        ids += self._encode([text[end:cut]])[0]
         return Head(ids, cut, len(ids), whole_ids, end)
 
     def _parts(self, text: str, stop: int, start: int = 0) -> tuple[list[str | int], int]:
@@ -653,6 +673,7 @@ class PromptReader:
         self._size = utf8_size(text)
         self._chars = 0  # characters of the last head encoded
         self._head: Head | None = None  # the last head read
+        self._blocks: dict[int, list[int]] = {}  # the block hashes of the ids read (Prompt.blocks)
         self._per_token = tokenizer.chars_per_token or _CHARS_PER_TOKEN_GUESS
         # A head cut by the tokenizer's own average errs less than one cut by the fixed guess.
         self._first_margin = 1.5 if tokenizer.chars_per_token is None else 1.2
@@ -666,14 +687,17 @@ class PromptReader:
         cut = head_cut(text, chars) if chars < len(text) else 0
         if cut <= 0:
             ids = await self._tokenizer.encode_whole(text, special=self._special)
-            self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
+            self.prompt = self._whole(ids)
             return self.prompt
         head = await self._tokenizer.read_head(text, cut, special=self._special, after=self._head)
         self._head = head
         known, end, count = head.ids, head.end, head.count
-        self._chars = cut
+        if end >= len(text):  # a kept last piece took the head to the text's end: it is whole
+            self.prompt = self._whole(known)
+            return self.prompt
+        self._chars = max(cut, end)
         if count:
-            self._per_token = max(cut / count, 1.0)
+            self._per_token = max(self._chars / count, 1.0)
             learned = self._tokenizer.chars_per_token
             self._tokenizer.chars_per_token = (
                 self._per_token if learned is None else learned + DENSITY_WEIGHT * (self._per_token - learned)
@@ -728,7 +752,11 @@ class PromptReader:
         at_most = len(ids) + after + self._specials
         per_token = head / len(ids) if ids and head else self._per_token
         estimate = min(max(len(ids) + round(after / per_token), len(ids)), at_most)
-        return Prompt(token_ids=ids, num_tokens=estimate, seconds=time.perf_counter() - self._started, at_most=at_most)
+        seconds = time.perf_counter() - self._started
+        return Prompt(ids, estimate, seconds, at_most=at_most, blocks=self._blocks)
+
+    def _whole(self, ids: list[int]) -> Prompt:
+        return Prompt(ids, len(ids), time.perf_counter() - self._started, blocks=self._blocks)
 
 
 class WholeLater:

@@ -4,6 +4,7 @@ is refused with the setting that moves it."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +46,11 @@ def test_every_example_the_demo_prints_runs_as_printed(tmp_path: Path) -> None:
     log = tmp_path / "demo.log"
     with log.open("wb") as out:
         demo = subprocess.Popen(
-            [str(BIN / "dpd-router"), "demo", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env
+            [str(BIN / "dpd-router"), "demo", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a group of its own, which Ctrl-C reaches whole, as in a terminal
         )
     try:
         deadline = time.monotonic() + 120
@@ -70,8 +75,13 @@ def test_every_example_the_demo_prints_runs_as_printed(tmp_path: Path) -> None:
         assert any('path="direct"' in line for line in decisions), decisions
         assert "disaggregate=True" in log.read_text(errors="replace")
     finally:
-        demo.terminate()
-        demo.wait(30)
+        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C in its terminal, as its banner says
+        try:
+            demo.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)
+    assert "stopping the engines" in log.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("command", ["serve", "demo"])

@@ -594,7 +594,7 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
             head = tokenizer._head(text, cut, False, earlier)
             known = head.ids
             assert known == whole[: len(known)] and head.count >= len(known)
-            assert head.end <= cut
+            assert head.end <= cut or head.whole_end == head.end  # past the cut: a kept piece taken whole
             assert len(known) == len(
                 tokenizer._backend.encode_batch([text[: head.end]], add_special_tokens=False)[0].ids
             )
@@ -656,3 +656,27 @@ async def test_a_cache_aware_planner_has_the_prompt_it_read_in_part_encoded_whol
         assert read.at_most is not None and read.rest is not None
         encoded = await read.rest
         assert (encoded is not None and list(encoded.token_ids) == list(whole.token_ids)) is weighs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=conversations, steps=st.lists(st.integers(16, 4000), min_size=1, max_size=4))
+def test_the_block_hashes_of_a_prompt_read_on_are_carried_on_from_those_read_before(
+    deciding: LocalTokenizer, turns: list[tuple[str, str]], steps: list[int]
+) -> None:
+    from dpd_router.routing.blocks import block_hashes
+
+    body = {"messages": [{"role": role, "content": content} for role, content in turns]}
+    request = parse_request("chat", orjson.dumps(body))
+
+    async def read() -> None:
+        reader = await deciding.reader(request)
+        assert reader is not None
+        for wanted in steps:
+            prompt = await reader.more(wanted)
+            for block_size in (16, 64):
+                hashes = RoutingRequest(prompt).block_hashes(block_size)
+                assert hashes == block_hashes(prompt.token_ids, block_size)
+            if prompt.at_most is None:
+                break
+
+    asyncio.run(read())

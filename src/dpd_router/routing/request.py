@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dpd_router.routing.blocks import block_hashes
+from dpd_router.routing.blocks import ROOT_SEED, block_hashes
 from dpd_router.tokenizer import Prompt
 
 T = TypeVar("T")
@@ -37,8 +37,23 @@ class RoutingRequest:
     def block_hashes(self, block_size: int) -> list[int]:
         hashes = self._blocks.get(block_size)
         if hashes is None:
-            hashes = self._blocks[block_size] = block_hashes(self.prompt.token_ids, block_size)
+            hashes = self._blocks[block_size] = self._hashes_of_prompt(block_size)
         return hashes
+
+    def _hashes_of_prompt(self, block_size: int) -> list[int]:
+        """The prompt's block hashes: those its reader hashed already (Prompt.blocks) carried on with the
+        blocks read since, or all of them."""
+        ids = self.prompt.token_ids
+        memo = self.prompt.blocks
+        if memo is None:
+            return block_hashes(ids, block_size)
+        full = len(ids) // block_size
+        done = memo.get(block_size, [])
+        if len(done) < full:
+            seed = done[-1] if done else ROOT_SEED
+            done = done + block_hashes(ids[len(done) * block_size : full * block_size], block_size, seed=seed)
+            memo[block_size] = done
+        return done[:full]
 
     def memo(self, owner: object, compute: Callable[[RoutingRequest], T]) -> T:
         """`compute(self)`, once per `owner` (an index) for this request."""
