@@ -1,5 +1,6 @@
-"""mkdocs hooks: the configuration reference generated from the Settings model, and the pages kept
-beside the code (deploy/README.md, benchmarks/results/) published with the site.
+"""mkdocs hooks: the configuration reference generated from the Settings model, the metric reference from
+RouterMetrics, and the pages kept beside the code (deploy/README.md, benchmarks/results/) published with
+the site.
 
 The reference is rendered from this checkout's sources (src/ first on the path), so the docs
 describe the code they are built with.
@@ -16,6 +17,7 @@ from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- settings-reference -->"
+METRICS_MARKER = "<!-- metrics-reference -->"
 # Directories and files outside docs/ that the site publishes under the same relative paths.
 PUBLISHED = ("deploy/README.md", "benchmarks/results")
 SUFFIXES = {".md", ".png"}
@@ -33,11 +35,13 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> str:
-    if MARKER not in markdown:
+    if MARKER not in markdown and METRICS_MARKER not in markdown:
         return markdown
     sys.path.insert(0, str(ROOT / "src"))
     try:
+        from dpd_router import metrics_reference
         from dpd_router.settings_reference import render_markdown
     finally:
         sys.path.remove(str(ROOT / "src"))
-    return markdown.replace(MARKER, render_markdown(heading_level=2))
+    markdown = markdown.replace(MARKER, render_markdown(heading_level=2))
+    return markdown.replace(METRICS_MARKER, metrics_reference.render_markdown())

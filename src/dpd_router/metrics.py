@@ -141,72 +141,58 @@ class RouterMetrics:
         )
         self.ttft_by_prompt = Histogram(
             f"{PREFIX}_ttft_by_prompt_length_seconds",
-            "Time to first token by arm, path and prompt-length bucket (the label is the bucket's upper bound in "
-            "tokens): the evidence for choosing the routing threshold.",
+            "Time to first token by arm, path and prompt-length bucket (its upper bound in tokens).",
             ["arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e_by_prompt = Histogram(
             f"{PREFIX}_e2e_by_prompt_length_seconds",
-            "Time from arrival to the last byte by arm, path and prompt-length bucket (the label is the bucket's "
-            "upper bound in tokens): with TTFT and ITL by prompt length, what compares arms and the shadow.",
+            "Time from arrival to the last byte by arm, path and prompt-length bucket (its upper bound in tokens).",
             ["arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl_by_prompt = Histogram(
             f"{PREFIX}_itl_by_prompt_length_seconds",
-            "Gaps between consecutive output chunks relayed to streaming clients, by arm, path and the stream's "
-            "prompt-length bucket (the label is the bucket's upper bound in tokens).",
+            "Gaps between output chunks relayed to streams, by arm, path and prompt-length bucket.",
             ["arm", "path", "prompt_tokens"],
             buckets=TOKEN_GAP_BUCKETS,
             registry=r,
         )
         self.phase = Histogram(
             f"{PREFIX}_phase_seconds",
-            "Where the time to first token went, by arm, path and phase: queue (admission wait), tokenize, "
-            "prefill (the KV-staging call), first_token (decode call start to the first token relayed), "
-            "router (the rest: parsing, planning, waiting for the event loop). A request's phases add up to its TTFT.",
+            "Where the time to first token went, by arm, path and phase; a request's phases add up to its TTFT.",
             ["arm", "path", "phase"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.uncached_prompt_tokens = Counter(
             f"{PREFIX}_uncached_prompt_tokens",
-            "Prompt tokens the serving engines had to compute (the prompt minus the prefix already cached on "
-            "the chosen decoder, as the router estimates it), by arm and path: the prefill work each pool does.",
+            "Prompt tokens the serving engines had to compute (not cached on the chosen decoder), by arm and path.",
             ["arm", "path"],
             registry=r,
         )
         self.kv_transfer_ineffective = Counter(
             f"{PREFIX}_kv_transfer_ineffective",
-            "Disaggregated requests whose decoder recomputed the prompt anyway (it reported far fewer cached "
-            "prompt tokens than the prefiller staged, or could not load the KV and was asked to compute the "
-            "prompt): a KV connector misconfiguration.",
+            "Disaggregated requests whose decoder computed the prompt anyway: a KV connector misconfiguration.",
             registry=r,
         )
         self.orphaned_prefills = Counter(
             f"{PREFIX}_orphaned_prefills",
-            "Prefill calls whose client left while they ran, by what became of them: released (answered "
-            "within the grace, its KV released), cut (no answer within the grace: the call was cut, and KV "
-            "the engine staged meanwhile waits out its lease), failed (the call failed).",
+            "Prefill calls whose client left while they ran, by outcome (released, cut, failed).",
             ["outcome"],
             registry=r,
         )
         self.kv_released = Counter(
             f"{PREFIX}_kv_released",
-            "Staged KV that no decoder answered a call for (its client left before, or its decoder was "
-            "replaced), released by the router instead of waiting out the engine's hold on it, by connector "
-            "(nixl: a decoder refuses the parameters and frees the prefiller's blocks; lmcache: the pushed KV "
-            "is drained).",
+            "Staged KV no decoder answered a call for, released by the router, by connector.",
             ["connector"],
             registry=r,
         )
         self.config_reloads = Counter(
             f"{PREFIX}_config_reloads",
-            "Live configuration changes, by source (file, sighup, admin, peer: another worker's admin change) and "
-            "outcome (applied, unchanged, rejected).",
+            "Live configuration changes, by source (file, sighup, admin, peer) and outcome.",
             ["source", "outcome"],
             registry=r,
         )
@@ -289,8 +275,7 @@ class RouterMetrics:
         )
         self.background_encodes_skipped = Counter(
             f"{PREFIX}_background_encodes_skipped",
-            "Prompts planned on their first tokens that were not encoded whole because the background "
-            "encoder had tokenize_background_max_chars waiting: their tail blocks go unindexed.",
+            "Prompts read in part not encoded whole: the background encoder's backlog was full.",
             registry=r,
         )
         self.last_resort_routes = Counter(
@@ -319,8 +304,7 @@ class RouterMetrics:
         )
         self.admission_rejected = Counter(
             f"{PREFIX}_admission_rejected",
-            "Requests refused for capacity, by reason (queue_full, queue_timeout) and the admission budget "
-            "that refused them (pool: shared, or a tenant's).",
+            "Requests refused for capacity, by reason and the admission budget that refused them.",
             ["reason", "pool"],
             registry=r,
         )
@@ -332,14 +316,12 @@ class RouterMetrics:
         )
         self.limits_store_errors = Counter(
             f"{PREFIX}_limits_store_errors",
-            "Per-key limit checks the shared limits store (limits_store) failed or was too slow to answer; "
-            "the process decided on its own share of the limit instead.",
+            "Per-key limit checks the shared limits store failed or answered too slowly.",
             registry=r,
         )
         self.responses_store_errors = Counter(
             f"{PREFIX}_responses_store_errors",
-            "Calls to the Responses store (responses_store) that failed: responses not kept (the client had its "
-            "answer; a follow-up naming one gets 404), kept not for their size, and reads answered 503.",
+            "Calls to the Responses store that failed, by operation.",
             registry=r,
         )
         self.auth_failures = Counter(
@@ -359,8 +341,7 @@ class RouterMetrics:
         )
         self.endpoint_load = Gauge(
             f"{PREFIX}_endpoint_load",
-            "Engine load from the endpoint's last good /metrics scrape, by signal: running and waiting "
-            "(requests), kv_cache_usage and prefix_cache_hit_rate (0..1), age_seconds (since that scrape).",
+            "Engine load from the endpoint's last good /metrics scrape, by signal.",
             ["endpoint", "role", "signal"],
             registry=r,
             multiprocess_mode="livemostrecent",
@@ -393,23 +374,19 @@ class RouterMetrics:
 
         self.discovery_events = Counter(
             f"{PREFIX}_discovery_events",
-            "Kubernetes discovery, by role and event: added, draining, restored (ready again while draining), "
-            "removed (drained), conflict (a pod the pool cannot take), relisted, watch_gone (410: relisted), "
-            "watch_error (reconnected after a back-off).",
+            "Kubernetes discovery events, by role and event.",
             ["role", "event"],
             registry=r,
         )
         self.shadow_requests = Counter(
             f"{PREFIX}_shadow_requests",
-            "Shadow copies sent, by outcome (ok, timeout, error, status_4xx, status_5xx); their latencies are "
-            'in the request metrics under arm="shadow".',
+            'Shadow copies sent, by outcome; their latencies are in the request metrics under arm="shadow".',
             ["outcome"],
             registry=r,
         )
         self.shadow_dropped = Counter(
             f"{PREFIX}_shadow_dropped",
-            "Shadow copies dropped unsent, by reason (queue_full: every shadow call busy and the queue full; "
-            "closed: still queued when the shadow stopped, with the router or replaced by a live change).",
+            "Shadow copies dropped unsent, by reason (queue_full, closed).",
             ["reason"],
             registry=r,
         )
