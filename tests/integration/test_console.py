@@ -116,3 +116,42 @@ async def test_the_state_is_open_without_keys_and_needs_an_admin_key_with_them(
         assert (await client.get("/admin/state")).status_code == 401
         answer = await client.get("/admin/state", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert answer.status_code == 200
+
+
+async def test_the_transfer_wait_alarm_waits_for_a_minute_of_enough_streams(chromium: str, tokenizer_dir: Path) -> None:
+    """A cold start's first streams (a prefill that compiled for seconds) set no alarm: only a minute of
+    ALARM_MIN_STREAMS disaggregated streams or more is judged against the 15% line."""
+    import re
+
+    from playwright.async_api import async_playwright, expect
+
+    async def streams(client: httpx.AsyncClient, count: int, start: int) -> None:
+        for i in range(start, start + count):
+            body = chat_body(f"{i} {LONG}", stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+                assert answer.status_code == 200
+                await answer.aread()
+
+    async with (
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+        async_playwright() as playwright,
+    ):
+        browser = await playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = await browser.new_page(viewport={"width": 1400, "height": 1100})
+        await page.goto(f"{base_url}/ui")
+        share = page.locator("#transfer-share")
+        await expect(share).to_contain_text("no disaggregated streams", timeout=15_000)
+        await streams(client, 3, 0)
+        await expect(share).to_contain_text("3 so far", timeout=15_000)
+        # The simulated prefill is most of a long prompt's TTFT: over the line, and yet no alarm.
+        early = float(re.search(r"([\d.]+)% of disaggregated TTFT", await share.inner_text()).group(1))  # type: ignore[union-attr]
+        assert early > 15
+        await expect(share.locator(".alarm")).to_have_count(0)
+        await streams(client, 20, 3)
+        await expect(share).not_to_contain_text("so far", timeout=15_000)
+        text = await share.inner_text()
+        percent = float(re.search(r"([\d.]+)% of disaggregated TTFT", text).group(1))  # type: ignore[union-attr]
+        await expect(share.locator(".alarm")).to_have_count(1 if percent > 15 else 0)
+        await browser.close()
