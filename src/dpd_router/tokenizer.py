@@ -145,7 +145,7 @@ class LocalTokenizer:
         # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
         # messages only. Only where the startup check shows a text encodes as its pieces do.
         if self._backend is not None and self._added_specials is not None and piece_cache_chars > 0:
-            pieces = PieceCache(self._backend, max_chars=piece_cache_chars, encode=lambda texts: self._plain(texts))
+            pieces = PieceCache(self._backend, max_chars=piece_cache_chars, encode=lambda text: self._plain(text))
             if pieces.splits and self._pieces_agree(pieces, _piece_probe(pieces)):
                 self._pieces = pieces
         # Whether a prompt read in part is encoded whole as well, after its plan (see PromptReader.rest).
@@ -258,18 +258,18 @@ class LocalTokenizer:
         if not special:
             if self._pieces is not None:
                 return self._pieces.head(text, cut, after)
-            ids = self._plain([text[:cut]])[0]
+            ids = self._plain(text[:cut])
             return Head(ids, cut, len(ids))
         ids, offsets = self._ids_and_offsets(text[:cut], special)
         known = kept_tokens(offsets, head_cut(text, cut - 1))
         end = max((token_end for _, token_end in offsets[:known]), default=0)
         return Head(ids[:known], end, len(ids))
 
-    def _plain(self, texts: list[str]) -> list[list[int]]:
-        """The texts' ids without special tokens or offsets, in one call of the Rust core (which releases the
-        GIL)."""
+    def _plain(self, text: str) -> list[int]:
+        """The text's ids without special tokens or offsets, from the Rust core (which releases the GIL).
+        One text a call: a batch call would spread over every core (see BackgroundEncoder)."""
         assert self._encode_batch is not None
-        return [list(encoding.ids) for encoding in self._encode_batch(texts, add_special_tokens=False)]
+        return list(self._encode_batch([text], add_special_tokens=False)[0].ids)
 
     async def encode_whole(self, text: str, *, special: bool) -> list[int]:
         """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
@@ -420,7 +420,7 @@ class PieceCache:
         backend: Any,
         *,
         max_chars: int,
-        encode: Callable[[list[str]], list[list[int]]],
+        encode: Callable[[str], list[int]],
     ) -> None:
         spec = orjson.loads(backend.to_str())
         self._ids = {str(token["content"]): int(token["id"]) for token in spec.get("added_tokens") or []}
@@ -467,20 +467,16 @@ class PieceCache:
             return Head(ids, end, len(ids), len(ids), end)
         assert self._split is not None  # `end` short of the cut: a text with an added token in it
         after_piece = self._split.search(text, cut)
-        piece_end = len(text) if after_piece is None else after_piece.start()
-        with self._lock:
-            kept = self._kept.get(text[end:piece_end])
-            if kept is not None:
-                self._kept.move_to_end(text[end:piece_end])
+        piece = text[end : len(text) if after_piece is None else after_piece.start()]
+        kept = self._kept_ids([piece]).get(piece)
         if kept is not None:
-            self.hits += 1
             ids.extend(kept)
             if after_piece is not None:
                 ids.append(self._ids[after_piece.group()])
             end = len(text) if after_piece is None else after_piece.end()
             return Head(ids, end, len(ids), len(ids), end)
         whole_ids = len(ids)
-        ids += self._encode([text[end:cut]])[0]
+        ids += self._encode(text[end:cut])
         return Head(ids, cut, len(ids), whole_ids, end)
 
     def _parts(self, text: str, stop: int, start: int = 0) -> tuple[list[str | int], int]:
@@ -497,8 +493,8 @@ class PieceCache:
                 end = match.end()
         return parts, end
 
-    def _ids_of(self, parts: Sequence[str | int]) -> list[int]:
-        """The parts' ids in turn: a piece's from the kept ones, or encoded (all those missing in one call)."""
+    def _kept_ids(self, parts: Sequence[str | int]) -> dict[str, array[int]]:
+        """The ids kept of the parts that are pieces, each marked as used just now."""
         found: dict[str, array[int]] = {}
         with self._lock:
             kept = self._kept
@@ -506,12 +502,16 @@ class PieceCache:
                 if isinstance(part, str) and part not in found and (seen := kept.get(part)) is not None:
                     kept.move_to_end(part)
                     found[part] = seen
-        missing = list({part: None for part in parts if isinstance(part, str) and part not in found})
         self.hits += len(found)
+        return found
+
+    def _ids_of(self, parts: Sequence[str | int]) -> list[int]:
+        """The parts' ids in turn: a piece's from the kept ones, or encoded (and kept)."""
+        found = self._kept_ids(parts)
+        missing = list({part: None for part in parts if isinstance(part, str) and part not in found})
         self.misses += len(missing)
         if missing:
-            encoded = self._encode(missing)
-            fresh = {piece: array("I", ids) for piece, ids in zip(missing, encoded, strict=True)}
+            fresh = {piece: array("I", self._encode(piece)) for piece in missing}
             found.update(fresh)
             self._keep(fresh)
         ids: list[int] = []

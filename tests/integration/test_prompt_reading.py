@@ -112,9 +112,9 @@ async def test_under_a_static_threshold_a_long_prompt_is_never_encoded_whole_by_
     read: list[int] = []
     plain = LocalTokenizer._plain
 
-    def spy(self: LocalTokenizer, texts: list[str]) -> list[list[int]]:
-        read.extend(len(text) for text in texts)  # heads, and pieces (the chat template's and the message's)
-        return plain(self, texts)
+    def spy(self: LocalTokenizer, text: str) -> list[int]:
+        read.append(len(text))  # heads, and pieces (the chat template's and the message's)
+        return plain(self, text)
 
     monkeypatch.setattr(LocalTokenizer, "_plain", spy)
     if ids_in_answer == "none":
