@@ -105,27 +105,23 @@ class CompletionsLane:
 def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
     """Each family of routes, given the parts it uses and nothing else; the OpenAI API is returned for
     the completions lane."""
-    access, routing, serving, live = components.access, components.routing, components.serving, components.live
-    every_engine, metrics, model = components.engines.every, components.metrics, components.model
+    access, serving, live = components.access, components.serving, components.live
+    every_engine, metrics, models = components.every_engine, components.metrics, serving.models
+    routing = components.default.routing
     openai = OpenAIApi(
         gatekeeper=access.gatekeeper,
         admission=access.admission,
-        gateway=serving.gateway,
-        model=model,
+        models=models,
         live=live,
         metrics=metrics,
         responses=serving.responses,
     )
     app.include_router(openai.routes())
     tokenize = TokenizeApi(
-        gatekeeper=access.gatekeeper,
-        pools=components.engines.by_tenant,
-        client=components.client,
-        live=live,
-        metrics=metrics,
+        gatekeeper=access.gatekeeper, models=models, client=components.client, live=live, metrics=metrics
     )
     app.include_router(tokenize.routes())
-    app.include_router(OpsApi(pool=every_engine, model=model, metrics=metrics).routes())
+    app.include_router(OpsApi(pool=every_engine, models=models, metrics=metrics).routes())
     admin = AdminApi(
         gatekeeper=access.gatekeeper,
         live=live,
@@ -138,7 +134,7 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
         gatekeeper=access.gatekeeper,
         live=live,
         metrics=metrics,
-        model=model,
+        model=models.default.model,
         pool=every_engine,
         planner=routing.planner,
         observer=serving.observer,

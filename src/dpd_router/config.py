@@ -289,6 +289,8 @@ class Settings(BaseSettings):
     )
     # What the settings were built from (flags), so a reload re-reads env and file under them.
     _overrides: dict[str, Any] = PrivateAttr(default_factory=dict)
+    # The settings of each entry of `models` (validated with the rest).
+    _per_model: dict[str, Settings] = PrivateAttr(default_factory=dict)
 
     host: str = Field(default="127.0.0.1", description="The address to listen on.", json_schema_extra=_meta("server"))
     port: int = Field(
@@ -340,6 +342,17 @@ class Settings(BaseSettings):
         description="A local directory holding the model's Hugging Face tokenizer (only its tokenizer files "
         "are read; nothing is downloaded). Unset: the decoders' `POST /tokenize` counts the tokens.",
         json_schema_extra=_meta("engines"),
+    )
+    models: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Several models behind one router: `{served model name: {settings}}`. Each entry may set "
+        "what belongs to one model (its engines and tokenizer, routing, adaptive, connector and per-request "
+        "reliability settings: `prefill_urls`, `decode_urls`, `tokenizer`, `routing_threshold`, "
+        "`prefill_strategy`, `kv_connector`, `prefill_timeout` ...) and takes the top level's value for the "
+        "rest. Requests go to the engines of the model (or LoRA adapter) they name; one that names none goes "
+        "to the first entry. Unset: one model, the top level's. Live for an entry's live settings: adding or "
+        "removing a model, or changing its engines, needs a restart.",
+        json_schema_extra=_meta("engines", live=True),
     )
 
     routing_threshold: int = Field(
@@ -1172,6 +1185,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_pools(self) -> Settings:
+        if self.models:
+            self._per_model = self._each_model()
+            return self
         if self.discovery == "static" and not self.decode_urls:
             raise ValueError("decode_urls: at least one decoder URL is required (or discovery: kubernetes)")
         if self.discovery == "kubernetes" and self.prefill_urls and self.decode_urls:
@@ -1201,6 +1217,48 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} names {sorted(unknown)}, which are not in prefill_urls or decode_urls")
         return self
 
+    def _each_model(self) -> dict[str, Settings]:
+        """The settings of each entry of `models`: the top level's, with the entry's own on top, checked
+        as a whole (so an entry's pools are checked as a one-model router's are) and apart from each other."""
+        if self.tenants:
+            raise ValueError("tenants: engines reserved for tenants are not yet supported beside `models`")
+        if self.discovery != "static":
+            raise ValueError(
+                "discovery: Kubernetes discovery is not yet supported beside `models`; list each model's URLs"
+            )
+        shared = {name: getattr(self, name) for name in Settings.model_fields if name not in ("config", "models")}
+        each: dict[str, Settings] = {}
+        owners: dict[str, str] = {}
+        for name, entry in self.models.items():
+            if not name or len(name) > 256:
+                raise ValueError("models: a model's name is 1 to 256 characters")
+            unknown = sorted(set(entry) - MODEL_SETTINGS)
+            if unknown:
+                raise ValueError(
+                    f"models.{name}: {', '.join(unknown)} cannot be set for one model "
+                    f"(a model may set: {', '.join(sorted(MODEL_SETTINGS))})"
+                )
+            try:
+                settings = Settings(**{**shared, **entry, "model": name})
+            except ValidationError as exc:
+                raise ValueError(f"models.{name}: {describe_validation_error(exc, prefix=False)}") from None
+            for url in (*settings.prefill_urls, *settings.decode_urls):
+                if url in owners:
+                    raise ValueError(
+                        f"models.{name}: {url} is already an engine of model {owners[url]}; "
+                        "an engine serves one model (its LoRA adapters are found on it)"
+                    )
+                owners[url] = name
+            each[name] = settings
+        return each
+
+    def each_model(self) -> dict[str | None, Settings]:
+        """Each served model's settings by its name: the entries of `models`, or the one model of the top
+        level (under its configured name, None when it is learnt from the engines)."""
+        if not self.models:
+            return {self.model: self}
+        return {name: settings for name, settings in self._per_model.items()}
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -1215,6 +1273,40 @@ class Settings(BaseSettings):
         if config_file is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
         return tuple(sources)
+
+
+# What one entry of `models` may set: its pools, tokenizer, routing and transfer, and the timeouts and
+# retries of its requests. Process-wide parts (health probes and load scrapes, which watch every engine,
+# the engines' credentials, listeners, keys, admission, stores) are set once, at the top level.
+MODEL_SETTINGS = frozenset(
+    name
+    for name, field in Settings.model_fields.items()
+    if isinstance(field.json_schema_extra, dict)
+    and field.json_schema_extra.get("group") in ("engines", "connectors", "routing", "adaptive", "reliability")
+) - {
+    "model",
+    "models",
+    "engine_api_key",
+    "load_scrape_interval",
+    "health_interval",
+    "health_timeout",
+    "health_unhealthy_threshold",
+    "health_healthy_threshold",
+}
+
+
+def models_restart_needed(current: Settings, new: Settings) -> list[str]:
+    """What differs between the models of `current` and `new` that cannot change while the router runs:
+    a model added or removed, or an entry's setting that is not live (`models.NAME.SETTING`)."""
+    old_models, new_models = current.each_model(), new.each_model()
+    if set(old_models) != set(new_models):
+        return ["models (the served models)"]
+    return [
+        f"models.{name}.{field}"
+        for name, settings in new_models.items()
+        for field in sorted(MODEL_SETTINGS)
+        if not is_live(field) and getattr(settings, field) != getattr(old_models[name], field)
+    ]
 
 
 def setting_group(name: str) -> str:
@@ -1270,7 +1362,7 @@ def updated_settings(current: Settings, changes: dict[str, Any]) -> Settings:
     return settings
 
 
-def describe_validation_error(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError, *, prefix: bool = True) -> str:
     lines = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "settings"
@@ -1278,4 +1370,4 @@ def describe_validation_error(exc: ValidationError) -> str:
         if error["type"] == "extra_forbidden":
             message = "unknown setting"
         lines.append(f"{where}: {message}")
-    return "invalid configuration: " + "; ".join(lines)
+    return ("invalid configuration: " if prefix else "") + "; ".join(lines)

@@ -28,6 +28,7 @@ from dpd_router.config import (
     SettingsError,
     live_settings,
     load_settings,
+    models_restart_needed,
     updated_settings,
     without_password,
 )
@@ -167,10 +168,15 @@ class LiveConfig:
             self._count(source, "rejected")
             raise ConfigRejected(f"{', '.join(restart)} cannot change while the router runs; restart it")
         try:
-            return updated_settings(self.settings, changes)
+            new = updated_settings(self.settings, changes)
         except SettingsError as exc:
             self._count(source, "rejected")
             raise ConfigRejected(str(exc)) from None
+        restart = models_restart_needed(self.settings, new)
+        if restart:
+            self._count(source, "rejected")
+            raise ConfigRejected(f"{', '.join(restart)} cannot change while the router runs; restart it")
+        return new
 
     async def reload(self, source: str) -> dict[str, Any]:
         """Re-read flags, env and the config file; apply what may change live, report the rest."""
@@ -189,9 +195,14 @@ class LiveConfig:
                 for name in Settings.model_fields
                 if name not in LIVE_SETTINGS and getattr(new, name) != getattr(self.settings, name)
             )
+            live = {name: getattr(new, name) for name in LIVE_SETTINGS}
+            # The models' entries change live as a whole, or (some change needing a restart) not at all.
+            models_pending = models_restart_needed(self.settings, updated_settings(self.settings, live))
+            if models_pending:
+                pending += models_pending
+                live["models"] = self.settings.models
             if pending:
                 log.warning("config reload (%s): %s changed but need a restart to apply", source, ", ".join(pending))
-            live = {name: getattr(new, name) for name in LIVE_SETTINGS}
             changed = self._apply(updated_settings(self.settings, live), source)
             if self._change_log is not None:
                 try:

@@ -34,6 +34,8 @@ class RequestTrace:
     queue_seconds: float = 0.0
     decode_started: float | None = None
     tenant: str | None = None
+    # The served model whose engines serve the request (None: a lone model not yet named).
+    model: str | None = None
     # The caller's API key id (the first 12 hex digits of its hash; "anonymous" with auth off).
     key_id: str | None = None
     # The experiment arm whose routing settings served the request (DEFAULT_ARM without experiments).
@@ -117,6 +119,7 @@ def outcome_of(trace: RequestTrace) -> Outcome:
         first_token_seconds=first_token,
         token_gaps=max(trace.token_chunks - 1, 0),
         arm=trace.arm,
+        model=trace.model,
     )
 
 
@@ -274,6 +277,7 @@ class Observer:
     def _log(self, trace: RequestTrace, now: float) -> None:
         fields: dict[str, Any] = {
             "request_id": trace.request_id,
+            "model": trace.model,
             "tenant": trace.tenant,
             "key_id": trace.key_id,
             "kind": trace.kind,

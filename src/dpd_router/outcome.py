@@ -34,3 +34,5 @@ class Outcome:
     token_gaps: int
     # The experiment arm whose routing settings planned it: its arm's adaptive model learns from it.
     arm: str
+    # The served model it was a request of: that model's learner learns from it.
+    model: str | None = None

@@ -25,6 +25,7 @@ from dpd_router.api.responses import http_response
 from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
+from dpd_router.gateway.models import Models, ServingModel
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.pool.pool import Pool
@@ -290,9 +291,8 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
             KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[]), metrics, failures_per_minute=0
         ),
         admission=Admissions(metrics, load_settings(decode_urls=["http://127.0.0.1:9"], max_queued=10)),
-        model=cast(Any, SimpleNamespace(name="m")),
+        models=Models([ServingModel(ServedModel("m"), cast(Any, StubbornGateway()), {})]),
         metrics=metrics,
-        gateway=cast(Any, StubbornGateway()),
         responses=ResponsesHistory(None, metrics),
     )
     messages = [

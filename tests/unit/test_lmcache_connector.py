@@ -627,7 +627,7 @@ async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_
 async def test_a_notification_address_taken_stops_the_router_before_anything_else_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dpd_router.startup import components
+    from dpd_router.startup import components, model_stack
 
     address = f"tcp://127.0.0.1:{free_port()}"
     context = zmq.asyncio.Context()
@@ -644,7 +644,7 @@ async def test_a_notification_address_taken_stops_the_router_before_anything_els
     async def no_tokenizer(*args: Any) -> Any:
         raise AssertionError("nothing else is started once the notification socket cannot be bound")
 
-    monkeypatch.setattr(components, "load_tokenizers", no_tokenizer)
+    monkeypatch.setattr(model_stack, "load_tokenizers", no_tokenizer)
     settings = load_settings(decode_urls=["http://127.0.0.1:1"], kv_connector="lmcache", lmcache_notify_address=address)
     try:
         with pytest.raises(zmq.ZMQError):

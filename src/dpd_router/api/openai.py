@@ -32,7 +32,6 @@ from dpd_router.client_request import (
 from dpd_router.errors import (
     AdmissionRejected,
     InvalidRequest,
-    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     RateLimited,
@@ -44,10 +43,9 @@ from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 if TYPE_CHECKING:
     from dpd_router.api.admission import Admissions
     from dpd_router.api.auth import Gatekeeper
-    from dpd_router.gateway import Gateway
+    from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
-    from dpd_router.pool.served_model import ServedModel
     from dpd_router.responses_history import ResponsesHistory
 
 
@@ -59,8 +57,7 @@ class OpenAIApi:
         *,
         gatekeeper: Gatekeeper,
         admission: Admissions,
-        gateway: Gateway,
-        model: ServedModel,
+        models: Models,
         live: LiveConfig,
         metrics: RouterMetrics,
         responses: ResponsesHistory,
@@ -68,8 +65,7 @@ class OpenAIApi:
         self._responses = responses
         self._gatekeeper = gatekeeper
         self._admission = admission
-        self._gateway = gateway
-        self._model = model
+        self._models = models
         self._live = live
         self._metrics = metrics
 
@@ -102,7 +98,7 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, self._live.settings.max_body_bytes)
             client_request = await self._parse(raw, "messages", counting=True)
-            tokenizer = self._gateway.tokenizer_for(principal.tenant)
+            tokenizer = self._models.resolve(client_request).gateway.tokenizer_for(principal.tenant)
             prompt = await tokenizer.tokenize(client_request)
         except RouterError as exc:
             return self._error(exc, request_id, "messages")
@@ -114,7 +110,7 @@ class OpenAIApi:
         _, refusal = self._caller(request)
         if refusal is not None:
             return refusal
-        return Response(orjson.dumps(self._model.models_listing()), media_type="application/json")
+        return Response(orjson.dumps(self._models.listing()), media_type="application/json")
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, "responses")
@@ -163,6 +159,7 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
             client_request = await self._parse(raw, kind)
+            gateway = self._models.resolve(client_request).gateway
             if kind == "responses":
                 await self._responses.begin(client_request, principal.key_id)
         except RouterError as exc:
@@ -174,7 +171,7 @@ class OpenAIApi:
         except AdmissionRejected as exc:
             return self._error(exc, request_id, kind)
         serving = asyncio.ensure_future(
-            self._gateway.handle(
+            gateway.handle(
                 client_request,
                 request_id,
                 request.headers,
@@ -206,7 +203,7 @@ class OpenAIApi:
             return self._error(exc, request_id, kind)
 
     async def _parse(self, raw: bytes, kind: RequestKind, *, counting: bool = False) -> ClientRequest:
-        """The body parsed and checked, the served model filled in; megabytes of JSON on another thread
+        """The body parsed and checked; megabytes of JSON on another thread
         (parsed there, they would hold up every other request)."""
         trusted = self._live.settings.trust_request_chat_template
         if len(raw) > LARGE_REQUEST_BYTES:
@@ -215,7 +212,6 @@ class OpenAIApi:
             )
         else:
             client_request = parse_request(kind, raw, trust_chat_template=trusted, counting=counting)
-        _resolve_model(client_request, self._model.name)
         return client_request
 
     def _error(self, exc: RouterError, request_id: str, kind: RequestKind = "chat") -> Response:
@@ -271,23 +267,6 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
     return bytes(body)
-
-
-def _resolve_model(request: ClientRequest, served: str | None) -> None:
-    """Fill in the served model when the client named none; refuse a model we do not serve."""
-    asked = request.body.get("model")
-    if served is None:
-        return
-    if asked is None:
-        request.body["model"] = served
-        request.body_changed = True
-    elif asked != served:
-        raise ModelNotFound(f"The model `{shortened(asked)}` does not exist.", param="model")
-
-
-def shortened(text: str, limit: int = 200) -> str:
-    """A client's string fit to be echoed in an error: at most `limit` characters."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _listing(request: Request) -> tuple[int, str, str | None]:

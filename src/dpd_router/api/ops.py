@@ -10,17 +10,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 if TYPE_CHECKING:
+    from dpd_router.gateway.models import Models
     from dpd_router.metrics import RouterMetrics
     from dpd_router.pool.pool import Pool
-    from dpd_router.pool.served_model import ServedModel
 
 
 class OpsApi:
     """The operator routes, over every engine, the served model and the metrics."""
 
-    def __init__(self, *, pool: Pool, model: ServedModel, metrics: RouterMetrics) -> None:
+    def __init__(self, *, pool: Pool, models: Models, metrics: RouterMetrics) -> None:
         self._pool = pool
-        self._model = model
+        self._models = models
         self._metrics = metrics
 
     def routes(self) -> APIRouter:
@@ -32,11 +32,12 @@ class OpsApi:
         return routes
 
     async def ready(self) -> Response:
-        """Ready when at least one decoder answers its health probe; lists every endpoint's state."""
+        """Ready when at least one decoder answers its health probe; lists every endpoint's state and, with
+        several models, whether each has a decoder up (a router with one model down still serves the others)."""
         is_ready = self._pool.ready()
-        body = {
+        body: dict[str, object] = {
             "ready": is_ready,
-            "model": self._model.name,
+            "model": self._models.default.name,
             "endpoints": [
                 {
                     "url": endpoint.url,
@@ -48,6 +49,8 @@ class OpsApi:
                 for endpoint in self._pool.endpoints()
             ],
         }
+        if len(self._models) > 1:
+            body["models"] = {served.name: served.pools[None].ready() for served in self._models}
         return Response(orjson.dumps(body), status_code=200 if is_ready else 503, media_type="application/json")
 
     async def metrics(self) -> Response:

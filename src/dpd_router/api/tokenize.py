@@ -10,20 +10,23 @@ it gives (a 400 included) is the caller's.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import httpx
+import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from dpd_router.api.openai import error_response, read_body, request_id_of
 from dpd_router.errors import NoHealthyDecoder, RouterError, UpstreamError
+from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
+    from dpd_router.gateway.models import Models, ServingModel
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
     from dpd_router.pool.endpoint import Endpoint
@@ -33,19 +36,19 @@ log = logging.getLogger("dpd_router.tokenize")
 
 
 class TokenizeApi:
-    """`/tokenize` and `/detokenize`, relayed to the engines of the caller's pool."""
+    """`/tokenize` and `/detokenize`, relayed to the engines of the caller's pool of the model the body names."""
 
     def __init__(
         self,
         *,
         gatekeeper: Gatekeeper,
-        pools: Mapping[str | None, Pool],
+        models: Models,
         client: httpx.AsyncClient,
         live: LiveConfig,
         metrics: RouterMetrics,
     ) -> None:
         self._gatekeeper = gatekeeper
-        self._pools = pools
+        self._models = models
         self._client = client
         self._live = live
         self._metrics = metrics
@@ -70,10 +73,19 @@ class TokenizeApi:
             principal = self._gatekeeper.caller(request)
             await principal.limits.take_request()
             raw = await read_body(request, self._live.settings.max_body_bytes)
-            pool = self._pools.get(principal.tenant) or self._pools[None]
+            pools = (await self._model_of(raw)).pools
+            pool = pools.get(principal.tenant) or pools[None]
             return await self._ask(pool, path, raw, request, request_id)
         except RouterError as exc:
             return error_response(exc, request_id, self._metrics)
+
+    async def _model_of(self, raw: bytes) -> ServingModel:
+        """The model whose engines answer: the one the body names, when the router serves several (a large
+        body parsed on another thread); a lone model's engines judge the body themselves."""
+        if len(self._models) == 1:
+            return self._models.default
+        named = await asyncio.to_thread(_model_named, raw) if len(raw) > LARGE_REQUEST_BYTES else _model_named(raw)
+        return self._models.named(named)
 
     async def _ask(self, pool: Pool, path: str, raw: bytes, request: Request, request_id: str) -> Response:
         engines = _in_turn(pool.healthy("decode"), next(self._turn)) + pool.healthy("prefill")
@@ -101,6 +113,16 @@ class TokenizeApi:
                 headers={"X-Request-Id": request_id},
             )
         raise UpstreamError(f"No engine answered {path}: {'; '.join(failures)}")
+
+
+def _model_named(raw: bytes) -> str | None:
+    """The model a tokenize body names (None: none, or a body the engine will refuse as it reads it)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def _in_turn(endpoints: list[Endpoint], turn: int) -> list[Endpoint]:

@@ -148,6 +148,7 @@ class Gateway:
             trace.started = arrived
         trace.queue_seconds = queued
         trace.tenant = principal.tenant
+        trace.model = self._model.name
         trace.key_id = principal.key_id
         done = Completion(trace, self._observer, self._metrics, on_finish)
         phase = "tokenize"

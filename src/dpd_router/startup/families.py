@@ -7,8 +7,7 @@ which starts Kubernetes discovery when configured (closed by `Components.close`)
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,8 +17,10 @@ from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import ClientAddresses, Gatekeeper, KeyRing
 from dpd_router.config import Settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
+from dpd_router.gateway.models import Models
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
+from dpd_router.outcome import Outcome
 from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.discovery import Discovery
 from dpd_router.pool.health import HealthChecker
@@ -92,10 +93,10 @@ class Access:
 
 @dataclass(frozen=True)
 class Serving:
-    """The request path: the gateway, the observer that records what each request did, and the shadow
-    in force (which gets copies of some requests, when one is configured)."""
+    """What serves the requests of every model: each model's gateway (`models`), the observer that records
+    what each request did, and the shadow in force (which gets copies of some requests, when one is configured)."""
 
-    gateway: Gateway
+    models: Models
     observer: Observer
     shadow: LiveShadow
     # The Responses API's stored responses and the conversations continued from them.
@@ -183,13 +184,6 @@ def build_routing(
         for tenant, pool in engines.by_tenant.items()
     }
     shared = planners[None]
-    metrics.watch_adaptive(
-        lambda: [
-            (entry["decoder"], math.inf if entry["threshold_tokens"] is None else entry["threshold_tokens"])
-            for entry in shared.adaptive_view()
-        ],
-        adaptive.cost_rows,
-    )
     experiments = ExperimentArms(settings, shared, adaptive)
     return Routing(planners, adaptive, kv_events, lmcache, experiments)
 
@@ -225,7 +219,7 @@ def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -
     )
 
 
-def build_serving(
+def build_gateway(
     settings: Settings,
     *,
     engine_calls: EngineCalls,
@@ -234,11 +228,11 @@ def build_serving(
     model: ServedModel,
     tokenizers: Mapping[str | None, TokenCounter],
     routing: Routing,
-) -> Serving:
-    learn = routing.adaptive.learn_from if routing.experiments is None else routing.experiments.learn_from
-    observer = Observer(metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[learn])
-    shadow = LiveShadow(settings, observer, metrics)
-    gateway = Gateway(
+    observer: Observer,
+    shadow: LiveShadow,
+) -> Gateway:
+    """One model's gateway, over its engines, token counters and planners."""
+    return Gateway(
         engines=engine_calls,
         tokenizers=tokenizers,
         planners=routing.planners,
@@ -251,26 +245,35 @@ def build_serving(
         experiments=routing.experiments,
         shadow=shadow,
     )
+
+
+def build_observer(settings: Settings, metrics: RouterMetrics, learn: Callable[[Outcome], None]) -> Observer:
+    """The observer every request is recorded by; each finished request teaches its model's learner (`learn`)."""
+    return Observer(metrics, SpanExporter.create() if settings.otel_tracing else None, listeners=[learn])
+
+
+def build_responses(settings: Settings, metrics: RouterMetrics) -> ResponsesHistory:
     where = settings.responses_store or str(default_store_path())
     store = open_store(where, ttl=settings.responses_ttl, max_bytes=int(settings.responses_store_max_mb * 1024 * 1024))
-    return Serving(gateway, observer, shadow, ResponsesHistory(store, metrics))
+    return ResponsesHistory(store, metrics)
 
 
 def build_upkeep(
     settings: Settings,
-    engines: Engines,
+    engines: Pool,
     *,
     client: httpx.AsyncClient,
     metrics: RouterMetrics,
-    model: ServedModel,
-    lmcache: LMCacheController | None,
+    models: Sequence[tuple[ServedModel, Pool]],
+    lmcache: Sequence[tuple[LMCacheController, Pool]],
 ) -> Upkeep:
+    """Health and load over every engine (`engines`); each model learnt from its own decoders."""
     return Upkeep(
-        engines.every,
+        engines,
         client,
         metrics=metrics,
         health=HealthChecker(
-            engines.every,
+            engines,
             client,
             metrics,
             timeout=settings.health_timeout,
@@ -278,9 +281,9 @@ def build_upkeep(
             healthy_after=settings.health_healthy_threshold,
         ),
         scraper=LoadScraper(
-            engines.every, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
+            engines, client, metrics, interval=settings.load_scrape_interval, timeout=settings.health_timeout
         ),
-        model=model,
+        models=models,
         lmcache=lmcache,
         interval=settings.health_interval,
         probe_timeout=settings.health_timeout,

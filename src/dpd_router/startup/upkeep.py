@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import httpx
 
@@ -32,8 +33,8 @@ class Upkeep:
         metrics: RouterMetrics,
         health: HealthChecker,
         scraper: LoadScraper,
-        model: ServedModel,
-        lmcache: LMCacheController | None,
+        models: Sequence[tuple[ServedModel, Pool]],
+        lmcache: Sequence[tuple[LMCacheController, Pool]],
         interval: float,
         probe_timeout: float,
         memory: MemoryReturn | None = None,
@@ -43,8 +44,9 @@ class Upkeep:
         self.scraper = scraper
         self._client = client
         self._metrics = metrics
-        self._model = model
-        self._lmcache = lmcache
+        # Each model, learnt from its own decoders; each LMCache controller, told its own engines.
+        self._models = tuple(models)
+        self._lmcache = tuple(lmcache)
         self._interval = interval
         self._probe_timeout = probe_timeout
         self._memory = memory
@@ -64,10 +66,11 @@ class Upkeep:
 
     async def maintain_once(self) -> None:
         await self.health.probe_all()
-        if self._model.listing is None:
-            await self._model.discover(self._client, self.pool, probe_timeout=self._probe_timeout)
-        if self._lmcache is not None:
-            await self._lmcache.learn_instances(self.pool.endpoints())
+        for model, pool in self._models:
+            if model.listing is None:
+                await model.discover(self._client, pool, probe_timeout=self._probe_timeout)
+        for controller, pool in self._lmcache:
+            await controller.learn_instances(pool.endpoints())
 
     async def _maintain(self) -> None:
         while True:

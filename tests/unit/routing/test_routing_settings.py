@@ -103,12 +103,12 @@ async def test_the_router_starts_and_stops_its_scraper_and_kv_subscriber() -> No
         health_timeout=0.5,
     )
     components = await Components.start(settings)
-    routing = components.routing
+    routing = components.default.routing
     try:
         assert routing.kv_events is not None and isinstance(routing.lmcache, LMCacheController)
         assert routing.planner.prefill_strategy.name == "kvaware"
         assert routing.planner.decode_strategy.name == "kvaware"
         await components.upkeep.scraper.scrape_all()
-        assert all(endpoint.load is None for endpoint in components.engines.every.endpoints())
+        assert all(endpoint.load is None for endpoint in components.every_engine.endpoints())
     finally:
         await components.close()

@@ -1,0 +1,220 @@
+"""Several models behind one router, each through its own prefill and decode pools: the official clients
+against two simulated models, each with its own threshold and strategy."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from dpd_router.api.auth import hash_key
+from dpd_sim.cluster import SimCluster
+
+from .conftest import engine_stats, fresh, kinds_seen, openai_client, rid, running_router
+
+ALPHA, BETA = "alpha-7b", "beta-70b"
+# Alpha disaggregates prompts from 40 tokens; beta's threshold keeps everything on its decoder.
+ALPHA_THRESHOLD, BETA_THRESHOLD = 40, 100_000
+LONG = "The quarterly report shows steady growth across every region and product line. " * 12
+ADMIN = {"Authorization": "Bearer ops-secret"}
+
+
+@pytest.fixture(scope="module")
+async def alpha(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
+    async with SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=ALPHA) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+async def beta(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
+    async with SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=BETA) as engines:
+        yield engines
+
+
+def two_models(alpha: SimCluster, beta: SimCluster, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "tokenizer": str(tokenizer_dir),
+        "threshold_mode": "static",
+        "models": {
+            ALPHA: {
+                "prefill_urls": alpha.prefill_urls,
+                "decode_urls": alpha.decode_urls,
+                "routing_threshold": ALPHA_THRESHOLD,
+            },
+            BETA: {
+                "prefill_urls": beta.prefill_urls,
+                "decode_urls": beta.decode_urls,
+                "routing_threshold": BETA_THRESHOLD,
+                "prefill_strategy": "roundrobin",
+            },
+        },
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+async def router(alpha: SimCluster, beta: SimCluster, tokenizer_dir: Path) -> AsyncIterator[str]:
+    async with running_router(**two_models(alpha, beta, tokenizer_dir)) as base_url:
+        yield base_url
+
+
+def engines_of(cluster: SimCluster) -> list[str]:
+    return [*cluster.prefill_urls, *cluster.decode_urls]
+
+
+async def requests_on(clusters: list[SimCluster]) -> int:
+    return sum([(await engine_stats(url))["requests_total"] for c in clusters for url in engines_of(c)])
+
+
+async def test_each_models_prompts_use_only_its_own_engines_under_its_own_threshold(
+    router: str, alpha: SimCluster, beta: SimCluster
+) -> None:
+    client = openai_client(router)
+    long = fresh(LONG)
+    first, second = rid(), rid()
+    to_alpha = await client.chat.completions.create(
+        model=ALPHA, messages=[{"role": "user", "content": long}], max_tokens=5, extra_headers={"X-Request-Id": first}
+    )
+    assert to_alpha.model == ALPHA and to_alpha.choices[0].message.content
+    assert await kinds_seen(alpha.prefill_urls, first) == ["remote_prefill"]
+    assert await kinds_seen(alpha.decode_urls, first) == ["kv_decode"]
+    assert await kinds_seen(engines_of(beta), first) == []
+
+    to_beta = await client.chat.completions.create(
+        model=BETA, messages=[{"role": "user", "content": long}], max_tokens=5, extra_headers={"X-Request-Id": second}
+    )
+    assert to_beta.model == BETA
+    assert to_beta.usage is not None and to_beta.usage.prompt_tokens > ALPHA_THRESHOLD
+    assert await kinds_seen(beta.decode_urls, second) == ["local"], "beta's threshold keeps it on its decoder"
+    assert await kinds_seen([*beta.prefill_urls, *engines_of(alpha)], second) == []
+
+
+async def test_a_streamed_completion_and_a_request_naming_no_model(
+    router: str, alpha: SimCluster, beta: SimCluster
+) -> None:
+    client = openai_client(router)
+    streamed, unnamed = rid(), rid()
+    stream = await client.completions.create(
+        model=BETA, prompt=fresh(LONG), max_tokens=6, stream=True, extra_headers={"X-Request-Id": streamed}
+    )
+    text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert text
+    assert await kinds_seen(engines_of(beta), streamed) == ["local"]
+    assert await kinds_seen(engines_of(alpha), streamed) == []
+
+    async with httpx.AsyncClient(base_url=router, timeout=30) as http:
+        answer = await http.post(
+            "/v1/completions", json={"prompt": fresh(LONG), "max_tokens": 3}, headers={"X-Request-Id": unnamed}
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == ALPHA, "a request naming no model goes to the first one configured"
+    assert await kinds_seen(engines_of(alpha), unnamed) == ["remote_prefill", "kv_decode"]
+
+
+async def test_a_responses_follow_up_and_a_messages_request_stay_on_their_models_engines(
+    router: str, alpha: SimCluster, beta: SimCluster
+) -> None:
+    client = openai_client(router)
+    first, follow_id, message_id = rid(), rid(), rid()
+    started = await client.responses.create(
+        model=BETA, input=fresh(LONG), max_output_tokens=4, extra_headers={"X-Request-Id": first}
+    )
+    follow = await client.responses.create(
+        model=BETA,
+        input="And next quarter?",
+        previous_response_id=started.id,
+        max_output_tokens=4,
+        extra_headers={"X-Request-Id": follow_id},
+    )
+    assert follow.output_text and follow.previous_response_id == started.id
+    assert follow.usage is not None and follow.usage.input_tokens > ALPHA_THRESHOLD, "the history went with it"
+    for request_id in (first, follow_id):
+        assert await kinds_seen(beta.decode_urls, request_id) == ["local"]
+        assert await kinds_seen([*beta.prefill_urls, *engines_of(alpha)], request_id) == []
+
+    messages = anthropic.AsyncAnthropic(base_url=router, api_key="unused", max_retries=0)
+    answer = await messages.messages.create(
+        model=ALPHA,
+        max_tokens=4,
+        messages=[{"role": "user", "content": fresh(LONG)}],
+        extra_headers={"X-Request-Id": message_id},
+    )
+    assert answer.model == ALPHA and answer.content
+    assert await kinds_seen(engines_of(alpha), message_id) == ["remote_prefill", "kv_decode"]
+    assert await kinds_seen(engines_of(beta), message_id) == []
+
+
+async def test_an_unknown_model_is_vllms_404_and_no_engine_is_asked(
+    router: str, alpha: SimCluster, beta: SimCluster
+) -> None:
+    before = await requests_on([alpha, beta])
+    client = openai_client(router)
+    with pytest.raises(openai.NotFoundError) as refused:
+        await client.chat.completions.create(model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert (error["message"], error["type"], error["param"]) == (
+        "The model `gamma` does not exist.",
+        "NotFoundError",
+        "model",
+    )
+    async with httpx.AsyncClient(base_url=router, timeout=30) as http:
+        counted = await http.post("/v1/messages/count_tokens", json={"model": "gamma", "messages": []})
+        tokenized = await http.post("/tokenize", json={"model": "gamma", "prompt": "hi"})
+    assert counted.status_code == tokenized.status_code == 404
+    assert await requests_on([alpha, beta]) == before
+
+
+async def test_models_lists_every_model_and_tokenize_reaches_the_named_models_engines(
+    router: str, alpha: SimCluster, beta: SimCluster
+) -> None:
+    listed = await openai_client(router).models.list()
+    assert [(model.id, getattr(model, "max_model_len", None)) for model in listed.data] == [
+        (ALPHA, 32768),
+        (BETA, 32768),
+    ]
+    async with httpx.AsyncClient(base_url=router, timeout=30) as http:
+        before = (await engine_stats(beta.decode_urls[0]))["tokenize_requests"]
+        answer = await http.post("/tokenize", json={"model": BETA, "prompt": "count these words"})
+        assert answer.status_code == 200 and answer.json()["count"] > 0
+        assert (await engine_stats(beta.decode_urls[0]))["tokenize_requests"] == before + 1
+        ready = (await http.get("/ready")).json()
+    assert ready["ready"] is True and ready["models"] == {ALPHA: True, BETA: True}
+
+
+async def test_one_models_settings_change_live_without_touching_the_others(
+    alpha: SimCluster, beta: SimCluster, tokenizer_dir: Path
+) -> None:
+    settings = two_models(alpha, beta, tokenizer_dir, admin_key_hashes=[hash_key("ops-secret")])
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        models = settings["models"]
+        raised = {**models, ALPHA: {**models[ALPHA], "routing_threshold": BETA_THRESHOLD}}
+        answer = await http.put("/admin/config", json={"models": raised}, headers=ADMIN)
+        assert answer.status_code == 200, answer.text
+        request_id = rid()
+        body = {"model": ALPHA, "messages": [{"role": "user", "content": fresh(LONG)}], "max_tokens": 3}
+        assert (
+            await http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+        ).status_code == 200
+        assert await kinds_seen(engines_of(alpha), request_id) == ["local"], "alpha's new threshold holds"
+
+        lowered = {**raised, BETA: {**models[BETA], "routing_threshold": ALPHA_THRESHOLD}}
+        assert (await http.put("/admin/config", json={"models": lowered}, headers=ADMIN)).status_code == 200
+        request_id = rid()
+        body["model"] = BETA
+        assert (
+            await http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+        ).status_code == 200
+        assert await kinds_seen(engines_of(beta), request_id) == ["remote_prefill", "kv_decode"]
+
+        moved = {**lowered, BETA: {**lowered[BETA], "decode_urls": alpha.decode_urls}}
+        refused = await http.put("/admin/config", json={"models": moved}, headers=ADMIN)
+        assert refused.status_code == 400
+        renamed = {ALPHA: lowered[ALPHA]}
+        refused = await http.put("/admin/config", json={"models": renamed}, headers=ADMIN)
+        assert refused.status_code == 400 and "restart" in refused.json()["error"]["message"]
