@@ -36,6 +36,8 @@ class RequestTrace:
     tenant: str | None = None
     # The served model whose engines serve the request (None: a lone model not yet named).
     model: str | None = None
+    # The LoRA adapter of that model it named, if any.
+    adapter: str | None = None
     # The caller's API key id (the first 12 hex digits of its hash; "anonymous" with auth off).
     key_id: str | None = None
     # The experiment arm whose routing settings served the request (DEFAULT_ARM without experiments).
@@ -278,6 +280,7 @@ class Observer:
         fields: dict[str, Any] = {
             "request_id": trace.request_id,
             "model": trace.model,
+            "adapter": trace.adapter,
             "tenant": trace.tenant,
             "key_id": trace.key_id,
             "kind": trace.kind,

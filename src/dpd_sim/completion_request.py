@@ -68,6 +68,8 @@ class GenerationRequest:
     n: int = 1
     # vLLM's return_token_ids: a non-streamed answer carries the prompt's ids and each choice's.
     return_token_ids: bool = False
+    # The LoRA adapter the body names (None: the base model): it changes what is generated.
+    adapter: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,9 +79,18 @@ class GenerationRequest:
 class RequestParser:
     """Turns request bodies into token ids with the engine's tokenizer and limits."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, model: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model: str,
+        max_model_len: int,
+        adapters: dict[str, str] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        # The LoRA adapters loaded (name -> path), changed by the engine's load and unload endpoints.
+        self.adapters = {} if adapters is None else adapters
         self.max_model_len = max_model_len
         self._backend = tokenizer.backend_tokenizer
         self._vocab_size = self._backend.get_vocab_size()
@@ -137,6 +148,7 @@ class RequestParser:
             continuous_usage=continuous_usage,
             n=n,
             return_token_ids=_optional_bool(body, "return_token_ids", default=False),
+            adapter=body["model"] if body.get("model") in self.adapters else None,
         )
 
     def tokenize(self, raw: bytes) -> tuple[list[int], list[str] | None]:
@@ -168,7 +180,7 @@ class RequestParser:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model is not None and model != self.model:
+        if model is not None and model != self.model and model not in self.adapters:
             raise ModelNotFound(f"The model `{model}` does not exist.")
 
     def _text_prompts(self, body: dict[str, Any]) -> list[list[int]]:

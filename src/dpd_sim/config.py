@@ -23,6 +23,8 @@ class SimConfig:
     tokenizer: Path
     host: str = "127.0.0.1"
     model: str = "sim-model"
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served from the start, as vLLM's `--lora-modules name=path`: (name, path) pairs."""
     max_model_len: int = 32768
     timing: TimingModel = field(default_factory=TimingModel)
     lease_seconds: float = 30.0

@@ -31,7 +31,12 @@ class EngineCore:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer), local_files_only=True)
-        self.parser = RequestParser(self.tokenizer, model=config.model, max_model_len=config.max_model_len)
+        self.parser = RequestParser(
+            self.tokenizer,
+            model=config.model,
+            max_model_len=config.max_model_len,
+            adapters=dict(config.lora_modules),
+        )
         self.sampler = Sampler(self.tokenizer.backend_tokenizer, engine_seed=config.seed)
         self.scheduler = Scheduler(config.timing, max_batch_size=config.max_batch_size)
         self.kv_events: KvEventPublisher | None = None

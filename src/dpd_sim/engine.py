@@ -65,7 +65,49 @@ def create_app(config: SimConfig) -> FastAPI:
             "max_model_len": config.max_model_len,
             "permission": [],
         }
-        return _json({"object": "list", "data": [card]})
+        # As vLLM lists a LoRA adapter: its path as root, the base model as parent, no max_model_len.
+        adapters: list[dict[str, Any]] = [
+            {
+                "id": name,
+                "object": "model",
+                "created": started,
+                "owned_by": "vllm",
+                "root": path,
+                "parent": config.model,
+                "max_model_len": None,
+                "permission": [],
+            }
+            for name, path in core.parser.adapters.items()
+        ]
+        return _json({"object": "list", "data": [card, *adapters]})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter serves from now on."""
+        try:
+            body = load_object(await request.body())
+        except InvalidRequest as exc:
+            return _error(exc)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _error(InvalidRequest("Both 'lora_name' and 'lora_path' must be provided."))
+        if name in core.parser.adapters:
+            return _error(InvalidRequest(f"The lora adapter '{name}' has already been loaded."))
+        core.parser.adapters[name] = path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        try:
+            body = load_object(await request.body())
+        except InvalidRequest as exc:
+            return _error(exc)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in core.parser.adapters:
+            missing = error_body(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+            return Response(missing, status_code=404, media_type="application/json")
+        del core.parser.adapters[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -169,6 +211,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--model", default="sim-model")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start, as vLLM's --lora-modules",
+    )
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: built-in)")
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="how long prefilled KV is held")
@@ -242,6 +292,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError("must be NAME=PATH")
+    return name, path
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -259,6 +316,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         host=args.host,
         port=args.port,
         model=args.model,
+        lora_modules=tuple(args.lora_modules),
         tokenizer=ensure_tokenizer(args.tokenizer),
         max_model_len=args.max_model_len,
         timing=replace(timing, **overrides),

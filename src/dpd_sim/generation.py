@@ -74,7 +74,8 @@ class Generation:
         self._sink: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         # As vLLM's children of a seeded request: child j samples with seed + j.
         self._streams = [
-            core.sampler.stream(prompt, request.seed + choice % request.n) for choice, prompt in enumerate(self.prompts)
+            core.sampler.stream(prompt, request.seed + choice % request.n, request.adapter)
+            for choice, prompt in enumerate(self.prompts)
         ]
         self._hashes: list[list[bytes]] = [[] for _ in self.prompts]
         # Prompt tokens of each choice whose KV came from elsewhere (all of them for NIXL and SGLang).
@@ -89,7 +90,9 @@ class Generation:
         self._first_token_seen = False
 
     def __enter__(self) -> Generation:
-        self.record = self.core.stats.open(self.request_id, self.kind, self.request.prompt_tokens)
+        self.record = self.core.stats.open(
+            self.request_id, self.kind, self.request.prompt_tokens, model=self.request.adapter
+        )
         self.core.in_flight += 1
         return self
 

@@ -40,9 +40,9 @@ class Sampler:
         self.candidates: list[int] = sorted(self.token_text)
         self.token_json: dict[int, bytes] = {t: orjson.dumps(text) for t, text in self.token_text.items()}
 
-    def stream(self, prompt_ids: Sequence[int], seed: int) -> TokenStream:
-        """The output tokens of one prompt, in order."""
-        return TokenStream(self, prompt_ids, seed)
+    def stream(self, prompt_ids: Sequence[int], seed: int, adapter: str | None = None) -> TokenStream:
+        """The output tokens of one prompt, in order (another text under a LoRA adapter)."""
+        return TokenStream(self, prompt_ids, seed, adapter)
 
     def pick(self, digest: bytes, banned: Collection[int] = ()) -> int:
         """The candidate the digest points at, or the next one not `banned` (a masked logit)."""
@@ -66,9 +66,11 @@ class TokenStream:
 
     __slots__ = ("_hash", "_sampler", "position")
 
-    def __init__(self, sampler: Sampler, prompt_ids: Sequence[int], seed: int) -> None:
+    def __init__(self, sampler: Sampler, prompt_ids: Sequence[int], seed: int, adapter: str | None = None) -> None:
         self._sampler = sampler
         material = f"{seed}|{sampler.engine_seed}".encode()
+        if adapter is not None:  # another adapter's weights: another text
+            material += f"|{adapter}".encode()
         self._hash = blake2b(digest_size=8, key=material[:64])
         self._hash.update(token_bytes(prompt_ids))
         self.position = 0

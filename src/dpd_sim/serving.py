@@ -78,7 +78,10 @@ class CompletionsEndpoint:
             withhold_bootstrap=fault == "no_bootstrap",
         )
         response = ResponseFormat(
-            self.api, response_id=self.id_prefix + request_id, model=core.config.model, created=int(time.time())
+            self.api,
+            response_id=self.id_prefix + request_id,
+            model=request.adapter or core.config.model,
+            created=int(time.time()),
         )
         if fault == "hang":
             work = _hang(generation)

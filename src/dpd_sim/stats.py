@@ -17,6 +17,8 @@ class RequestRecord:
     prompt_tokens: int
     cached_tokens: int = 0
     status: RequestStatus = "running"
+    # The LoRA adapter it ran with (None: the base model).
+    adapter: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,8 +37,10 @@ class RequestLog:
         self.tokenize_requests = 0
         self.recent: deque[RequestRecord] = deque(maxlen=recent_size)
 
-    def open(self, request_id: str, kind: RequestKind, prompt_tokens: int) -> RequestRecord:
-        record = RequestRecord(request_id=request_id, kind=kind, prompt_tokens=prompt_tokens)
+    def open(
+        self, request_id: str, kind: RequestKind, prompt_tokens: int, *, model: str | None = None
+    ) -> RequestRecord:
+        record = RequestRecord(request_id=request_id, kind=kind, prompt_tokens=prompt_tokens, adapter=model)
         self.requests_total += 1
         self.recent.append(record)
         return record

@@ -1,8 +1,11 @@
 """Several models behind one router, each through its own prefill and decode pools: the official clients
-against two simulated models, each with its own threshold and strategy."""
+against two simulated models, each with its own threshold and strategy, and LoRA adapters of the first
+loaded on some of its engines only."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,21 @@ LONG = "The quarterly report shows steady growth across every region and product
 ADMIN = {"Authorization": "Bearer ops-secret"}
 
 
+# Alpha's LoRA adapters: SQL on one prefiller and one decoder, CHAT on a decoder alone, DRAFT on a prefiller alone.
+SQL, CHAT, DRAFT = "alpha-sql", "alpha-chat", "alpha-draft"
+
+
 @pytest.fixture(scope="module")
 async def alpha(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
-    async with SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=ALPHA) as engines:
+    adapters = {
+        "prefill-0": ["--lora-modules", f"{DRAFT}=/adapters/draft"],
+        "prefill-1": ["--lora-modules", f"{SQL}=/adapters/sql"],
+        "decode-0": ["--lora-modules", f"{CHAT}=/adapters/chat"],
+        "decode-1": ["--lora-modules", f"{SQL}=/adapters/sql"],
+    }
+    async with SimCluster(
+        in_process=True, prefill=2, decode=2, tokenizer=tokenizer_dir, model=ALPHA, engine_args=adapters
+    ) as engines:
         yield engines
 
 
@@ -45,6 +60,7 @@ def two_models(alpha: SimCluster, beta: SimCluster, tokenizer_dir: Path, **extra
                 "prefill_urls": alpha.prefill_urls,
                 "decode_urls": alpha.decode_urls,
                 "routing_threshold": ALPHA_THRESHOLD,
+                "threshold_mode": "cache_aware",
             },
             BETA: {
                 "prefill_urls": beta.prefill_urls,
@@ -174,10 +190,14 @@ async def test_models_lists_every_model_and_tokenize_reaches_the_named_models_en
     router: str, alpha: SimCluster, beta: SimCluster
 ) -> None:
     listed = await openai_client(router).models.list()
-    assert [(model.id, getattr(model, "max_model_len", None)) for model in listed.data] == [
-        (ALPHA, 32768),
-        (BETA, 32768),
+    assert [(model.id, getattr(model, "parent", None)) for model in listed.data] == [
+        (ALPHA, None),
+        (DRAFT, ALPHA),
+        (SQL, ALPHA),
+        (CHAT, ALPHA),
+        (BETA, None),
     ]
+    assert [getattr(model, "max_model_len", None) for model in listed.data][::4] == [32768, 32768]
     async with httpx.AsyncClient(base_url=router, timeout=30) as http:
         before = (await engine_stats(beta.decode_urls[0]))["tokenize_requests"]
         answer = await http.post("/tokenize", json={"model": BETA, "prompt": "count these words"})
@@ -218,3 +238,113 @@ async def test_one_models_settings_change_live_without_touching_the_others(
         renamed = {ALPHA: lowered[ALPHA]}
         refused = await http.put("/admin/config", json={"models": renamed}, headers=ADMIN)
         assert refused.status_code == 400 and "restart" in refused.json()["error"]["message"]
+
+
+async def answer(client: openai.AsyncOpenAI, model: str, content: str, request_id: str) -> str:
+    completion = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        temperature=0,
+        extra_headers={"X-Request-Id": request_id},
+    )
+    assert completion.model == model
+    return completion.choices[0].message.content or ""
+
+
+async def adapters_seen(urls: list[str], request_id: str) -> list[tuple[str, str | None]]:
+    return [(entry["kind"], entry["adapter"]) for url in urls for entry in await requests_on_engine(url, request_id)]
+
+
+async def requests_on_engine(url: str, request_id: str) -> list[dict[str, Any]]:
+    return [entry for entry in (await engine_stats(url))["recent"] if entry["request_id"] == request_id]
+
+
+async def test_an_adapters_long_prompts_run_both_hops_on_the_engines_that_hold_it(
+    router: str, alpha: SimCluster
+) -> None:
+    client = openai_client(router)
+    prefill_sql, decode_sql = alpha.prefill_urls[1], alpha.decode_urls[1]
+    for _ in range(3):
+        content, request_id = fresh(LONG), rid()
+        text = await answer(client, SQL, content, request_id)
+        assert await adapters_seen([prefill_sql], request_id) == [("remote_prefill", SQL)]
+        assert await adapters_seen([decode_sql], request_id) == [("kv_decode", SQL)]
+        assert await adapters_seen([alpha.prefill_urls[0], alpha.decode_urls[0]], request_id) == []
+        alone = await answer(openai_client(decode_sql), SQL, content, rid())
+        assert text == alone, "greedy: as the decoder alone answers with the adapter"
+        assert text != await answer(openai_client(decode_sql), ALPHA, content, rid()), "not the base model's answer"
+
+
+async def test_an_adapters_prefix_index_never_matches_the_base_models(router: str, alpha: SimCluster) -> None:
+    """The base model's prompt cached on the adapter's decoder: the adapter's own prompt is not cached there."""
+    client = openai_client(router)
+    content = fresh(LONG)
+    other_decoder, decode_sql = alpha.decode_urls
+    async with engine_fault(router, other_decoder, "unhealthy"):  # the base model's prompt goes to decode_sql
+        await answer(client, ALPHA, content, rid())
+        again = rid()
+        await answer(client, ALPHA, content, again)
+        assert await kinds_seen([decode_sql], again) == ["local"], "cached on the decoder the adapter uses too"
+        request_id = rid()
+        await answer(client, SQL, content, request_id)
+        assert await adapters_seen(engines_of(alpha), request_id) == [("remote_prefill", SQL), ("kv_decode", SQL)]
+
+
+@contextlib.asynccontextmanager
+async def engine_fault(router: str, url: str, mode: str) -> AsyncIterator[None]:
+    """The engine at `url` in fault `mode` until the router sees it unavailable; cleared, until it sees it back."""
+
+    async def state() -> str:
+        async with httpx.AsyncClient(base_url=router) as http:
+            ready = (await http.get("/ready")).json()
+        return next(endpoint["state"] for endpoint in ready["endpoints"] if endpoint["url"] == url)
+
+    async with httpx.AsyncClient(timeout=10) as http:
+        await http.post(f"{url}/sim/fault", json={"mode": mode})
+        try:
+            async with asyncio.timeout(15):
+                while await state() == "healthy":  # noqa: ASYNC110 - polling the router's view
+                    await asyncio.sleep(0.1)
+            yield
+        finally:
+            await http.post(f"{url}/sim/fault", json={"mode": "none"})
+            async with asyncio.timeout(15):
+                while await state() != "healthy":  # noqa: ASYNC110 - polling the router's view
+                    await asyncio.sleep(0.1)
+
+
+async def test_an_adapter_without_a_prefiller_decodes_alone_and_one_without_a_decoder_is_a_404(
+    router: str, alpha: SimCluster
+) -> None:
+    client = openai_client(router)
+    request_id = rid()
+    await answer(client, CHAT, fresh(LONG), request_id)
+    assert await adapters_seen(engines_of(alpha), request_id) == [("local", CHAT)]
+
+    before = await requests_on([alpha])
+    with pytest.raises(openai.NotFoundError) as refused:
+        await answer(client, DRAFT, fresh(LONG), rid())
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["message"] == f"The model `{DRAFT}` does not exist."
+    assert await requests_on([alpha]) == before
+
+
+async def test_an_adapter_loaded_at_runtime_is_served_after_the_next_health_round(
+    router: str, alpha: SimCluster
+) -> None:
+    name = f"late-{rid()}"
+    async with httpx.AsyncClient(timeout=10) as http:
+        loaded = await http.post(
+            f"{alpha.decode_urls[0]}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/adapters/late"}
+        )
+        assert loaded.status_code == 200, loaded.text
+        try:
+            async with asyncio.timeout(10):
+                while name not in [model.id for model in (await openai_client(router).models.list()).data]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+            request_id = rid()
+            await answer(openai_client(router), name, "Hi.", request_id)
+            assert await adapters_seen(alpha.decode_urls, request_id) == [("local", name)]
+        finally:
+            await http.post(f"{alpha.decode_urls[0]}/v1/unload_lora_adapter", json={"lora_name": name})

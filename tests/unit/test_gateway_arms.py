@@ -52,7 +52,7 @@ def routers(experiments: dict[str, Any] | None) -> tuple[Gateway, Planner, Plann
 def planned(gateway: Gateway, principal: Principal, headers: dict[str, str] | None = None) -> tuple[Planner, str]:
     request = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
     trace = RequestTrace(request_id="r-1", kind="chat", stream=False)
-    planner = gateway._planner_of(request, principal, headers or {}, trace)
+    planner = gateway._planner_of(request, principal, headers or {}, trace, None)
     return planner, trace.arm
 
 

@@ -98,7 +98,7 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, self._live.settings.max_body_bytes)
             client_request = await self._parse(raw, "messages", counting=True)
-            tokenizer = self._models.resolve(client_request).gateway.tokenizer_for(principal.tenant)
+            tokenizer = self._models.resolve(client_request)[0].gateway.tokenizer_for(principal.tenant)
             prompt = await tokenizer.tokenize(client_request)
         except RouterError as exc:
             return self._error(exc, request_id, "messages")
@@ -159,7 +159,7 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
             client_request = await self._parse(raw, kind)
-            gateway = self._models.resolve(client_request).gateway
+            served, adapter = self._models.resolve(client_request)
             if kind == "responses":
                 await self._responses.begin(client_request, principal.key_id)
         except RouterError as exc:
@@ -171,7 +171,7 @@ class OpenAIApi:
         except AdmissionRejected as exc:
             return self._error(exc, request_id, kind)
         serving = asyncio.ensure_future(
-            gateway.handle(
+            served.gateway.handle(
                 client_request,
                 request_id,
                 request.headers,
@@ -179,6 +179,7 @@ class OpenAIApi:
                 on_finish=admission.leave,
                 arrived=arrived,
                 queued=time.perf_counter() - admission_started,
+                adapter=adapter,
             )
         )
         watching = asyncio.ensure_future(_client_gone(request))

@@ -40,6 +40,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
 from dpd_router.shadow import LiveShadow, Shadow
@@ -67,10 +68,12 @@ class Gateway:
         retries: RetryPolicy,
         experiments: ExperimentArms | None = None,
         shadow: LiveShadow | None = None,
+        adapters: AdapterPlanners | None = None,
     ) -> None:
         self._tokenizers = tokenizers
         self._planners = planners
         self._experiments = experiments
+        self._adapters = adapters
         self._connector = connector
         self._observer = observer
         self._metrics = metrics
@@ -103,12 +106,20 @@ class Gateway:
         return self._planners.get(tenant) or self._planners[None]
 
     def _planner_of(
-        self, request: ClientRequest, principal: Principal, headers: Mapping[str, str], trace: RequestTrace
+        self,
+        request: ClientRequest,
+        principal: Principal,
+        headers: Mapping[str, str],
+        trace: RequestTrace,
+        adapter: str | None,
     ) -> Planner:
-        """The tenant's planner; on the shared pool, the planner of the experiment arm the request falls
-        in, if any (named on the trace). Arms split the shared pool's traffic only: a tenant's reserved
-        engines keep their own settings."""
+        """The tenant's planner; for a LoRA adapter, the one over the tenant's engines that list it; on the
+        shared pool, the planner of the experiment arm the request falls in, if any (named on the trace).
+        Arms split the shared pool's base-model traffic only: a tenant's reserved engines keep their own
+        settings."""
         planner = self.planner_for(principal.tenant)
+        if adapter is not None and self._adapters is not None:
+            return self._adapters.planner_for(planner, adapter)
         experiments = self._experiments
         if experiments is None or not experiments.active or planner is not self._planners[None]:
             return planner
@@ -137,11 +148,13 @@ class Gateway:
         on_finish: Callable[[], None] | None = None,
         arrived: float | None = None,
         queued: float = 0.0,
+        adapter: str | None = None,
     ) -> Answer:
         """Serve the request; `on_finish` runs once when it is over (after the last byte, if streamed).
 
         `arrived` (a perf_counter reading) and `queued` (seconds waited for admission) let TTFT
-        count from the moment the request reached the router.
+        count from the moment the request reached the router. `adapter`: the LoRA adapter the request
+        names, served only by engines that list it.
         """
         trace = RequestTrace(request_id=request_id, kind=request.kind, stream=request.stream)
         if arrived is not None:
@@ -149,11 +162,12 @@ class Gateway:
         trace.queue_seconds = queued
         trace.tenant = principal.tenant
         trace.model = self._model.name
+        trace.adapter = adapter
         trace.key_id = principal.key_id
         done = Completion(trace, self._observer, self._metrics, on_finish)
         phase = "tokenize"
         try:
-            planner = self._planner_of(request, principal, headers or {}, trace)
+            planner = self._planner_of(request, principal, headers or {}, trace, adapter)
             prompt = await self._prepare(request, principal, trace, planner)
             if prompt.later is not None:
                 # However the request ends (a plan refused, a prefill answer without ids), the whole count comes.

@@ -3,6 +3,10 @@
 Each served model has its own gateway (its pools, tokenizer, planners, connector and learned deadlines);
 nothing of one model's state decides for another's. A request naming no model goes to the first; one
 naming a model the router does not serve gets vLLM's own 404 before any engine is asked.
+
+A LoRA adapter is a name some of a model's engines list in their `/v1/models` (learnt each health
+round): its requests go to that model's gateway, which serves them on engines that list it alone. An
+adapter no decoder lists is refused as its decoders would refuse it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import ModelNotFound
 from dpd_router.gateway.handler import Gateway
+from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 
@@ -29,6 +34,22 @@ class ServingModel:
     @property
     def name(self) -> str | None:
         return self.model.name
+
+    def engines(self) -> Iterator[Endpoint]:
+        for pool in self.pools.values():
+            yield from pool.endpoints()
+
+    def serves_adapter(self, name: str) -> bool:
+        """Whether a decoder of this model lists the LoRA adapter `name`."""
+        return any(endpoint.role == "decode" and name in endpoint.adapters for endpoint in self.engines())
+
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        """The adapters its engines list, as they list them (one card each)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for endpoint in self.engines():
+            for name, card in endpoint.adapters.items():
+                cards.setdefault(name, card)
+        return list(cards.values())
 
 
 class Models:
@@ -47,31 +68,44 @@ class Models:
         return len(self._models)
 
     def named(self, name: str | None) -> ServingModel:
-        """The model called `name` (None: the default); ModelNotFound, as vLLM words it, for any other.
+        """The model called `name`, or whose LoRA adapter it is (None: the default); ModelNotFound, as
+        vLLM words it, for any other.
 
         A lone model whose name is neither configured nor learnt yet takes every name: its engines judge it.
         """
+        return self.route(name)[0]
+
+    def route(self, name: str | None) -> tuple[ServingModel, str | None]:
+        """The model `name` names and, when it is a LoRA adapter of it, the adapter."""
         if name is None:
-            return self.default
+            return self.default, None
         for served in self._models:
             if served.model.name == name:
-                return served
+                return served, None
+        for served in self._models:
+            if served.serves_adapter(name):
+                return served, name
         if len(self._models) == 1 and self.default.model.name is None:
-            return self.default
+            return self.default, None
         raise ModelNotFound(f"The model `{shortened(name)}` does not exist.", param="model")
 
-    def resolve(self, request: ClientRequest) -> ServingModel:
-        """The model `request` names, filling in the default's name when it names none."""
+    def resolve(self, request: ClientRequest) -> tuple[ServingModel, str | None]:
+        """The model `request` names (and its adapter, if it names one), filling in the default's name when
+        it names none."""
         asked = request.body.get("model")
-        served = self.named(asked if isinstance(asked, str) else None)
+        served, adapter = self.route(asked if isinstance(asked, str) else None)
         if asked is None and served.model.name is not None:
             request.body["model"] = served.model.name
             request.body_changed = True
-        return served
+        return served, adapter
 
     def listing(self) -> dict[str, Any]:
-        """`/v1/models`: every model, with the fields its engines list it with."""
-        data = [entry for served in self._models for entry in served.model.models_listing()["data"]]
+        """`/v1/models`: every model, then its adapters, with the fields their engines list them with."""
+        data = [
+            entry
+            for served in self._models
+            for entry in [*served.model.models_listing()["data"], *served.adapter_cards()]
+        ]
         return {"object": "list", "data": data}
 
 

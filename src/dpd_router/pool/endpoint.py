@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dpd_router.pool.breaker import CLOSED, CircuitBreaker
 
@@ -59,6 +59,8 @@ class Endpoint:
     # Loop time this engine last produced something for any call of this router: a streamed chunk, a
     # whole answer. What tells a busy engine (its other calls move) from a hung one (gateway/watch.py).
     last_moved: float = field(default=float("-inf"), repr=False)
+    # The LoRA adapters the engine lists in its `/v1/models` (name -> its card there), learnt each health round.
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _idle: asyncio.Event | None = field(default=None, repr=False)
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dpd_router.pool.breaker import HALF_OPEN, BreakerPolicy, CircuitBreaker
 from dpd_router.pool.endpoint import Endpoint, Role
@@ -33,6 +33,8 @@ class Pool:
             "decode": [self._endpoint(url, "decode") for url in decode_urls],
         }
         self._parts: tuple[Pool, ...] = ()
+        # A view's test of which of its parts' members it shows (None: all of them).
+        self._shows: Callable[[Endpoint], bool] | None = None
 
     @classmethod
     def union(cls, pools: Iterable[Pool]) -> Pool:
@@ -41,6 +43,15 @@ class Pool:
         merged = cls((), (), name="all")
         merged._parts = tuple(pools)
         return merged
+
+    @classmethod
+    def where(cls, pool: Pool, shows: Callable[[Endpoint], bool], *, name: str) -> Pool:
+        """The members of `pool` that `shows` passes, read through to it (a LoRA adapter's engines: those
+        that list it, as each health round finds them)."""
+        view = cls((), (), name=name)
+        view._parts = (pool,)
+        view._shows = shows
+        return view
 
     @property
     def parts(self) -> tuple[Pool, ...]:
@@ -61,7 +72,10 @@ class Pool:
     def members(self, role: Role) -> list[Endpoint]:
         """The endpoints of `role`, draining ones included (they still have calls open)."""
         if self._parts:
-            return [endpoint for part in self._parts for endpoint in part.members(role)]
+            shows = self._shows
+            return [
+                endpoint for part in self._parts for endpoint in part.members(role) if shows is None or shows(endpoint)
+            ]
         return self._members[role]
 
     def healthy(self, role: Role) -> list[Endpoint]:

@@ -40,7 +40,11 @@ class ServedModel:
         return False
 
     def _learn(self, listing: dict[str, Any], models: list[dict[str, Any]]) -> None:
-        entry = next((m for m in models if m.get("id") == self.name), None) if self.configured else models[0]
+        # Not an adapter (vLLM lists those after the base model, with a `parent`).
+        bases = [m for m in models if isinstance(m, dict) and m.get("parent") is None]
+        entry = (
+            next((m for m in bases if m.get("id") == self.name), None) if self.configured else next(iter(bases), None)
+        )
         if entry is None:
             log.warning("the decoders serve %s, not the configured model %s", [m.get("id") for m in models], self.name)
             return

@@ -147,6 +147,22 @@ class Planner:
             serves_direct=self.serves_direct,
         )
 
+    def for_adapter(self, adapter: str, settings: Settings) -> Planner:
+        """A planner with `settings` over the engines of this pool that list the LoRA adapter `adapter` (as
+        each health round finds them), on both hops, with a prefix index of its own: an adapter's KV is not
+        the base model's (vLLM's block hashes carry the adapter), so no base-model prefix decides for it, nor
+        the engines' KV events, whose hashes for an adapter this router does not compute."""
+        index = PrefixIndex(block_size=settings.block_size, capacity=adapter_index_capacity(settings))
+        cache = CacheLocator(index, [])
+        return planner_with_cache(
+            settings,
+            Pool.where(self.pool, lambda endpoint: adapter in endpoint.adapters, name=f"{self.pool.name}/{adapter}"),
+            cache,
+            adaptive=self.adaptive,
+            batches=self.batches,
+            serves_direct=self.serves_direct,
+        )
+
     def _follow(self, rules: RoutingRules) -> None:
         self.threshold = rules.threshold
         self._threshold = Threshold(rules.threshold, rules.threshold_mode)
@@ -440,7 +456,28 @@ def build_planner(
     if kvaware and not kv_sources and kv_lookup is None:
         log.warning("prefill_strategy kvaware has no KV source configured: it routes as prefixaware")
     sources: list[CacheSource] = [KVHintSource(), *kv_sources] if kvaware else []
-    cache = CacheLocator(index, sources)
+    return planner_with_cache(
+        settings,
+        pool,
+        CacheLocator(index, sources),
+        kv_lookup=kv_lookup if kvaware else None,
+        adaptive=adaptive,
+        batches=batches,
+        serves_direct=serves_direct,
+    )
+
+
+def planner_with_cache(
+    settings: Settings,
+    pool: Pool,
+    cache: CacheLocator,
+    *,
+    kv_lookup: KVLookup | None = None,
+    adaptive: AdaptiveModel | None = None,
+    batches: bool = False,
+    serves_direct: bool = True,
+) -> Planner:
+    """The planner `settings` describe over `pool`, its strategies following `cache`."""
     rules = routing_rules(settings, cache)
     assert rules.prefill is not None and rules.decode is not None  # a cache gives every strategy
     return Planner(
@@ -451,7 +488,7 @@ def build_planner(
         threshold_mode=rules.threshold_mode,
         cache=cache,
         busy_gate=rules.busy_gate,
-        kv_lookup=kv_lookup if kvaware else None,
+        kv_lookup=kv_lookup,
         session_header=rules.session_header,
         adaptive=adaptive,
         batches=batches,
@@ -491,6 +528,15 @@ def routing_rules(settings: Settings, cache: CacheLocator | None) -> RoutingRule
         prefill=prefill,
         decode=decode,
     )
+
+
+# An adapter's prefix index holds this share of the model's (`prefix_index_capacity`): adapters are many, and
+# each sees a part of the traffic.
+ADAPTER_INDEX_SHARE = 16
+
+
+def adapter_index_capacity(settings: Settings) -> int:
+    return max(settings.prefix_index_capacity // ADAPTER_INDEX_SHARE, 1)
 
 
 def busy_gate(settings: Settings) -> PrefillBusyGate:

@@ -29,6 +29,7 @@ from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.responses_history import ResponsesHistory, default_store_path
 from dpd_router.responses_store import open_store
+from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
@@ -71,6 +72,8 @@ class Routing:
 
     planners: Mapping[str | None, Planner]
     adaptive: AdaptiveModel
+    # The LoRA adapters' planners over those pools, made on each adapter's first request.
+    adapters: AdapterPlanners
     kv_events: KVEventSubscriber | None = None
     lmcache: LMCacheController | None = None
     # A/B arms over the shared pool's planner; also what routes each finished request to its arm's learner.
@@ -185,7 +188,7 @@ def build_routing(
     }
     shared = planners[None]
     experiments = ExperimentArms(settings, shared, adaptive)
-    return Routing(planners, adaptive, kv_events, lmcache, experiments)
+    return Routing(planners, adaptive, AdapterPlanners(settings), kv_events, lmcache, experiments)
 
 
 def build_access(settings: Settings, engines: Engines, metrics: RouterMetrics) -> Access:
@@ -244,6 +247,7 @@ def build_gateway(
         retries=RetryPolicy.from_settings(settings),
         experiments=routing.experiments,
         shadow=shadow,
+        adapters=routing.adapters,
     )
 
 

@@ -43,7 +43,7 @@ class ModelStack:
 
     def live_parts(self) -> Reconfigurable:
         """What a live change reaches in this model, given this model's settings in force."""
-        parts: list[Reconfigurable] = [*self.routing.planners.values()]
+        parts: list[Reconfigurable] = [*self.routing.planners.values(), self.routing.adapters]
         if self.routing.experiments is not None:
             parts.append(self.routing.experiments)
         parts.append(self.serving.gateway)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import httpx
 
 from dpd_router.metrics import RouterMetrics
+from dpd_router.pool.adapters import learn_adapters
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
@@ -66,6 +67,7 @@ class Upkeep:
 
     async def maintain_once(self) -> None:
         await self.health.probe_all()
+        await learn_adapters(self._client, self.pool, probe_timeout=self._probe_timeout)
         for model, pool in self._models:
             if model.listing is None:
                 await model.discover(self._client, pool, probe_timeout=self._probe_timeout)

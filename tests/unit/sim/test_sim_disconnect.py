@@ -41,6 +41,7 @@ async def test_closing_a_stream_cancels_the_request(live_engine: EngineFactory) 
         "prompt_tokens": 2,
         "cached_tokens": 0,
         "status": "cancelled",
+        "adapter": None,
     }
 
 
