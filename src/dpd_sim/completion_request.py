@@ -148,7 +148,7 @@ class RequestParser:
             continuous_usage=continuous_usage,
             n=n,
             return_token_ids=_optional_bool(body, "return_token_ids", default=False),
-            adapter=body["model"] if body.get("model") in self.adapters else None,
+            adapter=model if isinstance(model := body.get("model"), str) and model in self.adapters else None,
         )
 
     def tokenize(self, raw: bytes) -> tuple[list[int], list[str] | None]:
@@ -180,7 +180,7 @@ class RequestParser:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model is not None and model != self.model and model not in self.adapters:
+        if model is not None and model != self.model and not (isinstance(model, str) and model in self.adapters):
             raise ModelNotFound(f"The model `{model}` does not exist.")
 
     def _text_prompts(self, body: dict[str, Any]) -> list[list[int]]:
