@@ -257,6 +257,54 @@ def model_config(vocab_size: int, bos_id: int | None, eos_id: int | None) -> dic
     }
 
 
+def write_lora_adapter(directory: Path, model_dir: Path, *, rank: int = 8, seed: int = 0) -> Path:
+    """A LoRA adapter for the tiny model, as PEFT saves one (adapter_config.json and adapter_model.safetensors):
+    random low-rank updates of every layer's attention and MLP projections, large beside the dummy weights
+    (about 1e-3) so that they change what greedy decoding picks. Returns `directory`."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, mlp = config.get("head_dim") or hidden // heads, config["intermediate_size"]
+    # (block, module) -> (in features, out features)
+    shapes = {
+        ("self_attn", "q_proj"): (hidden, heads * head_dim),
+        ("self_attn", "k_proj"): (hidden, kv_heads * head_dim),
+        ("self_attn", "v_proj"): (hidden, kv_heads * head_dim),
+        ("self_attn", "o_proj"): (heads * head_dim, hidden),
+        ("mlp", "gate_proj"): (hidden, mlp),
+        ("mlp", "up_proj"): (hidden, mlp),
+        ("mlp", "down_proj"): (mlp, hidden),
+    }
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for (block, module), (in_features, out_features) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 1, (rank, in_features)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 1, (out_features, rank)).astype(np.float32)
+    outputs = {module for _, module in shapes}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(outputs),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return directory
+
+
 def ensure_model(layout: Layout | None = None, tokenizer_dir: Path | None = None) -> tuple[Path, Path]:
     """Write the model directory (config.json) for the router's tokenizer; return (model dir, tokenizer dir)."""
     layout = layout or Layout()

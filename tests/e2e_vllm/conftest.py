@@ -134,7 +134,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # The engines run eagerly: these tests are about what crosses the wire between the router and the engines,
 # not the engines' compiled kernels, and an eager engine is healthy in about 60 s instead of 100 and never
 # stops mid-test for a new batch size to compile (the prefiller restarted in test_prefill_failure too).
-ENGINE_ARGS = ("--enforce-eager",)
+ENGINE_ARGS = ("--enforce-eager", "--enable-lora", "--max-lora-rank", "8")
+# LoRA adapters are loaded while the engines run (test_lora), as a router's users load theirs.
+ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 class Engines:
@@ -152,7 +154,9 @@ class Engines:
                 return self.current
             await self.stop()
             check_memory()
-            pair = VllmPair(mode, layout=self.layout, log_dir=self.log_dir, extra_args=ENGINE_ARGS)
+            pair = VllmPair(
+                mode, layout=self.layout, log_dir=self.log_dir, extra_args=ENGINE_ARGS, extra_env=ENGINE_ENV
+            )
             started = time.monotonic()
             _say(f"starting the {mode} pair (logs in {self.log_dir}) ...")
             await pair.start()
@@ -291,6 +295,7 @@ _MODULE_ORDER = (
     "test_nixl_leases",
     "test_messages",
     "test_responses",
+    "test_lora",
     "test_prefill_failure",
     "test_shared_storage",
 )
