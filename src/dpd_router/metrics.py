@@ -81,8 +81,14 @@ PUBLISH_INTERVAL = 1.0
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def prompt_length_bucket(tokens: int) -> str:
-    """The `prompt_tokens` label of a prompt: the smallest bound it fits under, or +Inf."""
+# The `prompt_tokens` label of a request whose prompt nobody counted (the engine's usage did not say).
+UNKNOWN_LENGTH = ""
+
+
+def prompt_length_bucket(tokens: int | None) -> str:
+    """The `prompt_tokens` label of a prompt: the smallest bound it fits under, or +Inf (UNKNOWN_LENGTH: None)."""
+    if tokens is None:
+        return UNKNOWN_LENGTH
     for bound in PROMPT_LENGTH_BOUNDS:
         if tokens <= bound:
             return str(bound)
@@ -127,35 +133,14 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
-            "Time from a streamed request's arrival to its first generated token relayed, by arm and path.",
-            ["arm", "path"],
+            "Time from a streamed request's arrival to its first token relayed, by arm, path and prompt-length bucket.",
+            ["arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             f"{PREFIX}_inter_token_latency_seconds",
-            "Gaps between consecutive output chunks relayed to streaming clients, by arm and path.",
-            ["arm", "path"],
-            buckets=TOKEN_GAP_BUCKETS,
-            registry=r,
-        )
-        self.ttft_by_prompt = Histogram(
-            f"{PREFIX}_ttft_by_prompt_length_seconds",
-            "Time to first token by arm, path and prompt-length bucket (its upper bound in tokens).",
-            ["arm", "path", "prompt_tokens"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e_by_prompt = Histogram(
-            f"{PREFIX}_e2e_by_prompt_length_seconds",
-            "Time from arrival to the last byte by arm, path and prompt-length bucket (its upper bound in tokens).",
-            ["arm", "path", "prompt_tokens"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl_by_prompt = Histogram(
-            f"{PREFIX}_itl_by_prompt_length_seconds",
-            "Gaps between output chunks relayed to streams, by arm, path and prompt-length bucket.",
+            "Gaps between output chunks relayed to streaming clients, by arm, path and prompt-length bucket.",
             ["arm", "path", "prompt_tokens"],
             buckets=TOKEN_GAP_BUCKETS,
             registry=r,
@@ -196,17 +181,10 @@ class RouterMetrics:
             ["source", "outcome"],
             registry=r,
         )
-        self.tpot = Histogram(
-            f"{PREFIX}_time_per_output_token_seconds",
-            "Mean time between output chunks after the first, per streamed request, by arm and path.",
-            ["arm", "path"],
-            buckets=TOKEN_GAP_BUCKETS,
-            registry=r,
-        )
         self.e2e = Histogram(
             f"{PREFIX}_e2e_latency_seconds",
-            "Time from the request's arrival to its last byte, by arm and path.",
-            ["arm", "path"],
+            "Time from the request's arrival to its last byte, by arm, path and prompt-length bucket.",
+            ["arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -12,17 +12,18 @@ from dpd_router.metrics import RouterMetrics
 
 # The longer account of a family, by its name, for the reference.
 DETAILS: dict[str, str] = {
-    "dpd_router_ttft_by_prompt_length_seconds": (
-        "Time to first token by arm, path and prompt-length bucket (the label is the bucket's upper bound in "
-        "tokens): the evidence for choosing the routing threshold."
+    "dpd_router_time_to_first_token_seconds": (
+        "Time from a streamed request's arrival to its first token relayed, by arm, path and prompt-length "
+        "bucket (`prompt_tokens`, the bucket's upper bound in tokens; empty when no count came back): the "
+        "evidence for choosing the routing threshold. Sum over `prompt_tokens` for TTFT by path."
     ),
-    "dpd_router_e2e_by_prompt_length_seconds": (
-        "Time from arrival to the last byte by arm, path and prompt-length bucket (the label is the bucket's "
-        "upper bound in tokens): with TTFT and ITL by prompt length, what compares arms and the shadow."
+    "dpd_router_e2e_latency_seconds": (
+        "Time from arrival to the last byte by arm, path and prompt-length bucket (`prompt_tokens`, as for "
+        "TTFT): with TTFT and ITL by prompt length, what compares arms and the shadow."
     ),
-    "dpd_router_itl_by_prompt_length_seconds": (
+    "dpd_router_inter_token_latency_seconds": (
         "Gaps between consecutive output chunks relayed to streaming clients, by arm, path and the stream's "
-        "prompt-length bucket (the label is the bucket's upper bound in tokens)."
+        "prompt-length bucket (`prompt_tokens`, as for TTFT). A stream's chunk holds one token or more."
     ),
     "dpd_router_phase_seconds": (
         "Where the time to first token went, by arm, path and phase: queue (admission wait), tokenize, "

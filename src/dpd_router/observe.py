@@ -135,10 +135,6 @@ class _Series:
     def __init__(self, metrics: RouterMetrics, arm: str, path: str) -> None:
         self._metrics = metrics
         self._labels = (arm, path)
-        self.e2e = metrics.e2e.labels(arm, path)
-        self.ttft = metrics.ttft.labels(arm, path)
-        self.tpot = metrics.tpot.labels(arm, path)
-        self.itl = metrics.itl.labels(arm, path)
         self.prompt_tokens = metrics.prompt_tokens.labels(arm, path)
         self.output_tokens = metrics.output_tokens.labels(arm, path)
         self.uncached_prompt_tokens = metrics.uncached_prompt_tokens.labels(arm, path)
@@ -220,25 +216,16 @@ class Observer:
         series.requests(trace.outcome).inc()
         self._api_requests(trace.kind, trace.outcome).inc()
         e2e = now - trace.started
-        series.e2e.observe(e2e)
-        bucket = None if trace.prompt_tokens is None else prompt_length_bucket(trace.prompt_tokens)
-        if bucket is not None:
-            series.child(self.metrics.e2e_by_prompt, bucket).observe(e2e)
+        bucket = prompt_length_bucket(trace.prompt_tokens)
+        series.child(self.metrics.e2e, bucket).observe(e2e)
         if trace.uncached_tokens is not None:
             series.uncached_prompt_tokens.inc(trace.uncached_tokens)
         # A whole (non-streamed) answer has no first token to time: TTFT and its phases are for streams.
         if trace.stream and trace.first_token_at is not None:
-            ttft = trace.first_token_at - trace.started
-            series.ttft.observe(ttft)
-            if bucket is not None:
-                series.child(self.metrics.ttft_by_prompt, bucket).observe(ttft)
+            series.child(self.metrics.ttft, bucket).observe(trace.first_token_at - trace.started)
             self._observe_phases(trace, series)
-            if trace.token_chunks > 1 and trace.last_chunk_at is not None:
-                series.tpot.observe((trace.last_chunk_at - trace.first_token_at) / (trace.token_chunks - 1))
             if trace.gaps:
-                observe_each(series.itl, trace.gaps)
-                if bucket is not None:
-                    observe_each(series.child(self.metrics.itl_by_prompt, bucket), trace.gaps)
+                observe_each(series.child(self.metrics.itl, bucket), trace.gaps)
         if trace.prompt_tokens is not None:
             series.prompt_tokens.observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:

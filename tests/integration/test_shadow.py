@@ -106,10 +106,10 @@ async def test_only_prompts_of_at_least_min_prompt_tokens_reach_the_shadow_and_a
         shadow_labels = {"arm": "shadow", "path": "monolithic"}
         assert await metric(base_url, "dpd_router_requests_total", {**shadow_labels, "outcome": "ok"}) == 6
         # Non-streamed clients' copies are streams too: every copy has a first token to time.
-        ttft = await metric(base_url, "dpd_router_ttft_by_prompt_length_seconds_count", shadow_labels)
+        ttft = await metric(base_url, "dpd_router_time_to_first_token_seconds_count", shadow_labels)
         assert ttft == len(long_ids)
-        assert await metric(base_url, "dpd_router_itl_by_prompt_length_seconds_count", shadow_labels) > 0
-        assert await metric(base_url, "dpd_router_e2e_by_prompt_length_seconds_count", shadow_labels) == 6
+        assert await metric(base_url, "dpd_router_inter_token_latency_seconds_count", shadow_labels) > 0
+        assert await metric(base_url, "dpd_router_e2e_latency_seconds_count", shadow_labels) == 6
         # The live path's metrics count the clients' requests alone.
         assert await metric(base_url, "dpd_router_requests_total", {"arm": "live"}) == 12
         assert await metric(base_url, "dpd_router_shadow_dropped_total") == 0
@@ -144,7 +144,7 @@ async def test_messages_and_responses_requests_are_copied_in_their_own_api(
         await copies_finished(base_url, 3)
         assert await metric(base_url, "dpd_router_shadow_requests_total", {"outcome": "ok"}) == 3
         ttft = await metric(
-            base_url, "dpd_router_ttft_by_prompt_length_seconds_count", {"arm": "shadow", "path": "monolithic"}
+            base_url, "dpd_router_time_to_first_token_seconds_count", {"arm": "shadow", "path": "monolithic"}
         )
         assert ttft == 3, "each copy's stream was read in its own API, its first token seen"
     assert sorted(await shadow_saw(engines, "apis-")) == ["apis-messages-1", "apis-responses-1", "apis-responses-2"]
@@ -192,7 +192,7 @@ async def test_a_staging_dpd_router_as_shadow_gets_marked_copies_it_does_not_cop
                 assert await ask(client, f"staging-{number}", LONG, stream=number % 2 == 0)
             await copies_finished(base_url, 4, "ok")
             dpd_labels = {"arm": "shadow", "path": "dpd"}
-            assert await metric(base_url, "dpd_router_ttft_by_prompt_length_seconds_count", dpd_labels) == 4
+            assert await metric(base_url, "dpd_router_time_to_first_token_seconds_count", dpd_labels) == 4
         await settled(staging)
         # The staging router served the copies as its own live traffic, and sent none to its own shadow.
         assert await metric(staging, "dpd_router_requests_total", {"arm": "live", "outcome": "ok"}) == 4

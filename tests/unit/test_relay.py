@@ -173,11 +173,15 @@ def test_observer_records_metrics_once() -> None:
     value = metrics.registry.get_sample_value
     live = {"arm": "live", "path": "disaggregated"}
     assert value("dpd_router_requests_total", {**live, "outcome": "ok"}) == 1
-    assert value("dpd_router_time_to_first_token_seconds_count", live) == 1
-    assert value("dpd_router_time_to_first_token_seconds_sum", live) == 0.5
-    # by prompt length too (500 tokens: the 512 bucket), once, under the same arm
-    assert value("dpd_router_ttft_by_prompt_length_seconds_count", {**live, "prompt_tokens": "512"}) == 1
-    assert value("dpd_router_e2e_by_prompt_length_seconds_count", {**live, "prompt_tokens": "512"}) == 1
+    # under its prompt-length bucket (500 tokens: the 512 bucket), once, under the same arm
+    in_bucket = {**live, "prompt_tokens": "512"}
+    assert value("dpd_router_time_to_first_token_seconds_count", in_bucket) == 1
+    assert value("dpd_router_time_to_first_token_seconds_sum", in_bucket) == 0.5
+    assert value("dpd_router_e2e_latency_seconds_count", in_bucket) == 1
+    # a request whose prompt nobody counted: the empty bucket
+    uncounted = RequestTrace(request_id="u", kind="chat", stream=False, path="direct")
+    observer.finish(uncounted)
+    assert value("dpd_router_e2e_latency_seconds_count", {"arm": "live", "path": "direct", "prompt_tokens": ""}) == 1
 
 
 def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tuple[EventStream, RequestTrace, Chunks]:

@@ -12,7 +12,7 @@ earlier scrape so that only the traffic in between counts) and answers the playb
    more than T tokens (exact when T is a bucket bound, interpolated otherwise) and the share of
    prompt tokens they carry (estimated: each bucket's requests at the bucket's midpoint, scaled so
    the total matches the exact `_sum`).
-3. **TTFT by prompt length and path** (`dpd_router_ttft_by_prompt_length_seconds{path,prompt_tokens}`,
+3. **TTFT by prompt length and path** (`dpd_router_time_to_first_token_seconds{path,prompt_tokens}`,
    whose label is the bucket's upper bound in tokens): per bucket and path the request count, the
    mean (exact) and p50/p90 (estimated from the latency buckets).
 4. **Recommended threshold**, the crossover where the disaggregated path's TTFT stops losing to the

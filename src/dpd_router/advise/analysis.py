@@ -70,8 +70,8 @@ def analyse(scrape: Scrape, options: Options | None = None, sources: Sequence[st
         warnings.append("no requests in the scrape (or between the scrapes): nothing to advise on yet")
     elif not rows:
         warnings.append(
-            f"no {PREFIX}_ttft_by_prompt_length_seconds samples (a router older than this advise?): TTFT by prompt "
-            "length, and so the threshold, cannot be judged"
+            f"no {PREFIX}_time_to_first_token_seconds samples by prompt_tokens (a router older than this advise?): "
+            "TTFT by prompt length, and so the threshold, cannot be judged"
         )
     ineffective = sum(scrape.counters(f"{PREFIX}_kv_transfer_ineffective_total", ()).values())
     disaggregated = requests.get("disaggregated", 0.0)
@@ -185,7 +185,7 @@ def _path_stats(hist: Histogram | None) -> PathStats:
 
 
 def _length_buckets(scrape: Scrape, opts: Options) -> list[LengthBucket]:
-    by = scrape.histograms(f"{PREFIX}_ttft_by_prompt_length_seconds", ("path", "prompt_tokens"))
+    by = scrape.by_prompt_length("time_to_first_token_seconds", ("path", "prompt_tokens"))
     labels = {label for (_, label) in by}
     finite = sorted({int(parse_bound(label)) for label in labels if label != "+Inf"} | set(PROMPT_LENGTH_BOUNDS))
     rows = []

@@ -19,12 +19,12 @@ from dpd_router.advise.histogram import Histogram, combined, parse_bound
 from dpd_router.advise.render import seconds_text
 from dpd_router.advise.report import LONG_PROMPT_TOKENS, ArmClassStats, ArmsReport, Comparison, Options
 from dpd_router.advise.scrape import SHADOW_ARM, Scrape, arm_of
-from dpd_router.metrics import PREFIX, PROMPT_LENGTH_BOUNDS
+from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
 
 ALL_PATHS = "all"
-TTFT_FAMILY = "ttft_by_prompt_length_seconds"
-ITL_FAMILY = "itl_by_prompt_length_seconds"
-E2E_FAMILY = "e2e_by_prompt_length_seconds"
+TTFT_FAMILY = "time_to_first_token_seconds"
+ITL_FAMILY = "inter_token_latency_seconds"
+E2E_FAMILY = "e2e_latency_seconds"
 # (name, histogram by prompt length, quantile): what is compared per class.
 METRICS = (
     ("ttft_p50", TTFT_FAMILY, 0.5),
@@ -81,7 +81,7 @@ class Breakdown:
         self.arm_paths: set[tuple[str, str]] = set()
         for family in FAMILIES:
             grouped: dict[tuple[str, str, int], list[Histogram]] = defaultdict(list)
-            by = scrape.histograms(f"{PREFIX}_{family}", ("arm", "path", "prompt_tokens"))
+            by = scrape.by_prompt_length(family, ("arm", "path", "prompt_tokens"))
             for (arm, path, label), hist in by.items():
                 index = next((i for i, c in enumerate(self.classes) if c.holds(label)), None)
                 if index is None or hist.count <= 0:

@@ -73,7 +73,7 @@ def plot(report: Report, out: Path) -> None:
     dist.xaxis.set_major_locator(FixedLocator(ticks))
     dist.xaxis.set_minor_locator(NullLocator())
     dist.set_xticklabels([f"{t / 1024:g}k" if t >= 1024 else f"{t:g}" for t in ticks])
-    dist.set_xlabel("prompt tokens (prompt-length buckets of dpd_router_ttft_by_prompt_length_seconds)")
+    dist.set_xlabel("prompt tokens (the prompt_tokens buckets of dpd_router_time_to_first_token_seconds)")
     ax.set_ylabel("time to first token (s)")
     dist.set_ylabel("requests")
     verdict = rec.verdict.replace("_", " ")

@@ -103,7 +103,7 @@ def render_text(report: Report) -> str:
             ],
         )
         if report.ttft
-        else "  (no dpd_router_ttft_by_prompt_length_seconds samples)"
+        else "  (no dpd_router_time_to_first_token_seconds samples by prompt_tokens)"
     )
 
     if report.phases:

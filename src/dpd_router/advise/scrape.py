@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.advise.histogram import Histogram, parse_bound
-from dpd_router.metrics import PREFIX
+from dpd_router.metrics import PREFIX, UNKNOWN_LENGTH
+
+# The families by prompt length of routers before each latency became one family with a `prompt_tokens` label.
+LEGACY_BY_PROMPT_LENGTH = {
+    "time_to_first_token_seconds": "ttft_by_prompt_length_seconds",
+    "inter_token_latency_seconds": "itl_by_prompt_length_seconds",
+    "e2e_latency_seconds": "e2e_by_prompt_length_seconds",
+}
 
 
 class AdviseError(Exception):
@@ -133,6 +140,19 @@ class Scrape:
             bounds = sorted(by_bound)
             out[group] = Histogram(bounds, [by_bound[b] for b in bounds], sums.get(group, 0.0))
         return out
+
+    def by_prompt_length(self, name: str, by: Sequence[str]) -> dict[tuple[str, ...], Histogram]:
+        """The latency family `name` (without the prefix) by `by`, whose last label is `prompt_tokens`, over the
+        prompts of a known length; from a router that kept them in a family apart, that family
+        (LEGACY_BY_PROMPT_LENGTH), so the scrapes of either read alike."""
+        assert by and by[-1] == "prompt_tokens"
+        found = {
+            key: hist for key, hist in self.histograms(f"{PREFIX}_{name}", by).items() if key[-1] != UNKNOWN_LENGTH
+        }
+        legacy = LEGACY_BY_PROMPT_LENGTH.get(name)
+        if found or legacy is None:
+            return found
+        return self.histograms(f"{PREFIX}_{legacy}", by)
 
     def histogram(self, name: str) -> Histogram:
         return self.histograms(name).get((), Histogram([math.inf], [0.0], 0.0))
