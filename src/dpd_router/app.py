@@ -138,6 +138,7 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
         pool=every_engine,
         planner=routing.planner,
         observer=serving.observer,
+        history=components.upkeep.history,
     )
     app.include_router(console.routes())
     return openai

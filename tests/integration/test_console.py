@@ -155,3 +155,48 @@ async def test_the_transfer_wait_alarm_waits_for_a_minute_of_enough_streams(chro
         percent = float(re.search(r"([\d.]+)% of disaggregated TTFT", text).group(1))  # type: ignore[union-attr]
         await expect(share.locator(".alarm")).to_have_count(1 if percent > 15 else 0)
         await browser.close()
+
+
+async def test_a_console_opened_on_a_busy_router_starts_with_its_last_minutes(
+    chromium: str, tokenizer_dir: Path
+) -> None:
+    """The charts of a page opened after the traffic are full at once, from the router's own history (with no
+    request after the page opened, a page that kept only its own polls would show "no data yet" forever);
+    the page fits 1,400 px, and a router without keys says how to get the key its settings need."""
+    import asyncio
+
+    from playwright.async_api import async_playwright, expect
+
+    async with (
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+        async_playwright() as playwright,
+    ):
+        for i in range(6):
+            body = chat_body(f"{i} {LONG if i % 2 else SHORT}", stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+                assert answer.status_code == 200
+                await answer.aread()
+
+        async def sampled() -> int:
+            state = (await client.get("/admin/state", params={"history": "1"})).json()
+            return max(sum(row["count"] for row in s["counters"]["route_decisions_total"]) for s in state["history"])
+
+        async with asyncio.timeout(20):
+            while await sampled() < 6:  # noqa: ASYNC110 - waiting for the router's next sample
+                await asyncio.sleep(0.5)
+
+        browser = await playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = await browser.new_page(viewport={"width": 1400, "height": 1100})
+        await page.goto(f"{base_url}/ui")
+        for chart in ("#rate-chart", "#ttft-chart", "#itl-chart"):
+            await expect(page.locator(f"{chart} polyline").first).to_be_attached(timeout=10_000)
+            await expect(page.locator(chart)).not_to_contain_text("no data yet")
+        await expect(page.locator("#recent-table tbody tr")).to_have_count(6)
+        fits = "(el => el.scrollWidth <= el.clientWidth)"
+        assert await page.locator("#recent .scroll").evaluate(fits), "the recent requests fit without scrolling"
+        assert await page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+        await expect(page.locator("#apply")).to_be_disabled()
+        await expect(page.locator("#change-outcome")).to_contain_text("dpd-router hash-key")
+        await browser.close()

@@ -3,10 +3,17 @@
 The state is read from what the router records anyway (its metrics registry, its endpoints, the
 last log lines' fields), only when asked: the console costs the request path nothing. Counters and
 histograms are sent cumulative; the page differences consecutive polls into rates and percentiles.
+
+So that a page opened on a busy router shows its last minutes at once, not "no data yet", the router
+keeps the charts' counters and histograms of the last HISTORY_SECONDS, one sample every
+HISTORY_INTERVAL seconds (`ConsoleHistory`), and sends them with the first poll (`?history=1`). Each
+worker samples /metrics as it renders (every worker's sum), so whichever worker answers has them all.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import os
 import time
 from importlib.resources import files
@@ -20,12 +27,11 @@ from dpd_router import __version__
 from dpd_router.advise.analysis import analyse
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.api.admin import authorize
-from dpd_router.metrics import PREFIX
+from dpd_router.metrics import PREFIX, RouterMetrics
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
     from dpd_router.live import LiveConfig
-    from dpd_router.metrics import RouterMetrics
     from dpd_router.observe import Observer
     from dpd_router.pool.endpoint import Endpoint
     from dpd_router.pool.pool import Pool
@@ -47,6 +53,31 @@ COUNTERS = {
 }
 
 
+# The history a page opened now starts with: as much as the page itself keeps (its KEEP polls).
+HISTORY_SECONDS = 300.0
+HISTORY_INTERVAL = 5.0
+
+
+class ConsoleHistory:
+    """The charts' counters and histograms of the last `keep` seconds, sampled every `interval` seconds."""
+
+    def __init__(self, metrics: RouterMetrics, *, interval: float = HISTORY_INTERVAL, keep: float = HISTORY_SECONDS):
+        self._metrics = metrics
+        self._interval = interval
+        self._samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, round(keep / interval)))
+
+    def sample(self) -> None:
+        self._samples.append({"time": time.time(), **charted(Scrape.parse(self._metrics.render().decode()))})
+
+    def samples(self) -> list[dict[str, Any]]:
+        return list(self._samples)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            self.sample()
+
+
 class ConsoleApi:
     """The console's routes, over what the page shows: endpoints, metrics, settings, the adaptive view
     of the shared pool's planner and the last requests."""
@@ -61,6 +92,7 @@ class ConsoleApi:
         pool: Pool,
         planner: Planner,
         observer: Observer,
+        history: ConsoleHistory | None = None,
     ) -> None:
         self._gatekeeper = gatekeeper
         self._live = live
@@ -69,6 +101,7 @@ class ConsoleApi:
         self._pool = pool
         self._planner = planner
         self._observer = observer
+        self._history = history
 
     def routes(self) -> APIRouter:
         routes = APIRouter()
@@ -82,7 +115,10 @@ class ConsoleApi:
         refusal = authorize(request, self._gatekeeper, open_without_keys=True)
         if refusal is not None:
             return refusal
-        return Response(orjson.dumps(self.snapshot(), default=str), media_type="application/json")
+        state = self.snapshot()
+        if request.query_params.get("history") == "1":
+            state["history"] = [] if self._history is None else self._history.samples()
+        return Response(orjson.dumps(state, default=str), media_type="application/json")
 
     def snapshot(self) -> dict[str, Any]:
         settings = self._live.effective()
@@ -105,8 +141,7 @@ class ConsoleApi:
             "pools": [
                 {"name": pool.name, "endpoints": [_endpoint(e) for e in pool.endpoints()]} for pool in self._pool.parts
             ],
-            "counters": {name: _counter_rows(scrape, name, labels) for name, labels in COUNTERS.items()},
-            "histograms": {name: _histogram_rows(scrape, name, labels) for name, labels in HISTOGRAMS.items()},
+            **charted(scrape),
             "adaptive": self._planner.adaptive_view(),
             "adaptive_costs": _adaptive_costs(scrape) if settings["threshold_mode"] == "adaptive" else [],
             "advice": _advice(scrape),
@@ -135,6 +170,14 @@ def _endpoint(endpoint: Endpoint) -> dict[str, Any]:
         "waiting": None if load is None else load.waiting,
         "kv_cache_usage": None if load is None else load.kv_cache_usage,
         "last_error": endpoint.last_error,
+    }
+
+
+def charted(scrape: Scrape) -> dict[str, Any]:
+    """The counters and histograms the page charts, cumulative."""
+    return {
+        "counters": {name: _counter_rows(scrape, name, labels) for name, labels in COUNTERS.items()},
+        "histograms": {name: _histogram_rows(scrape, name, labels) for name, labels in HISTOGRAMS.items()},
     }
 
 

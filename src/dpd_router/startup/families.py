@@ -15,6 +15,7 @@ import httpx
 
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import ClientAddresses, Gatekeeper, KeyRing
+from dpd_router.api.console import ConsoleHistory
 from dpd_router.config import Settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.models import Models
@@ -292,4 +293,5 @@ def build_upkeep(
         interval=settings.health_interval,
         probe_timeout=settings.health_timeout,
         memory=MemoryReturn.for_this_process(),
+        history=ConsoleHistory(metrics),
     )

@@ -1,5 +1,5 @@
-"""What runs beside the requests: health rounds (probes, model discovery, LMCache instances), load scraping and
-giving freed memory back to the system."""
+"""What runs beside the requests: health rounds (probes, model and adapter discovery, LMCache instances), load
+scraping, the console's history and giving freed memory back to the system."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from dpd_router.api.console import ConsoleHistory
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.adapters import learn_adapters
 from dpd_router.pool.health import HealthChecker
@@ -39,6 +40,7 @@ class Upkeep:
         interval: float,
         probe_timeout: float,
         memory: MemoryReturn | None = None,
+        history: ConsoleHistory | None = None,
     ) -> None:
         self.pool = pool
         self.health = health
@@ -51,6 +53,8 @@ class Upkeep:
         self._interval = interval
         self._probe_timeout = probe_timeout
         self._memory = memory
+        # The console's charts over the last minutes, for a page opened now.
+        self.history = history
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -60,6 +64,9 @@ class Upkeep:
             asyncio.create_task(self._maintain(), name="router-maintenance"),
             asyncio.create_task(self.scraper.run(), name="load-scraper"),
         ]
+        if self.history is not None:
+            self.history.sample()
+            self._tasks.append(asyncio.create_task(self.history.run(), name="console-history"))
         if self._memory is not None:
             self._tasks.append(asyncio.create_task(self._memory.run(), name="memory-return"))
         if self._metrics.multiprocess:  # a worker's scrape-time gauges, copied to the shared files

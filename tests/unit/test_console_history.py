@@ -1,0 +1,22 @@
+"""The console's history: the charts' counters and histograms, sampled and bounded."""
+
+from __future__ import annotations
+
+from dpd_router.api.console import ConsoleHistory
+from dpd_router.metrics import RouterMetrics
+
+
+def test_the_history_keeps_the_last_samples_of_the_charted_series() -> None:
+    metrics = RouterMetrics()
+    history = ConsoleHistory(metrics, interval=5.0, keep=20.0)
+    for i in range(6):
+        metrics.route_decisions.labels("live", "direct", "below_threshold").inc()
+        metrics.ttft.labels("live", "direct", "512").observe(0.01 * (i + 1))
+        history.sample()
+    samples = history.samples()
+    assert len(samples) == 4, "20 s of 5 s samples"
+    counts = [sum(row["count"] for row in s["counters"]["route_decisions_total"]) for s in samples]
+    assert counts == [3, 4, 5, 6]
+    ttft = samples[-1]["histograms"]["time_to_first_token_seconds"]
+    assert [(row["path"], row["count"]) for row in ttft] == [("direct", 6)]
+    assert [s["time"] for s in samples] == sorted(s["time"] for s in samples)
