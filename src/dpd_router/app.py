@@ -134,7 +134,7 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
         gatekeeper=access.gatekeeper,
         live=live,
         metrics=metrics,
-        model=models.default.model,
+        models=models,
         pool=every_engine,
         planner=routing.planner,
         observer=serving.observer,

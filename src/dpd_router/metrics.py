@@ -81,6 +81,12 @@ PUBLISH_INTERVAL = 1.0
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+def model_label(model: str | None) -> str:
+    """The `model` label of a request: its served model's name (configured, or learnt from the engines: never a
+    name a client sent), empty while a lone model's name is not known yet."""
+    return model or ""
+
+
 # The `prompt_tokens` label of a request whose prompt nobody counted (the engine's usage did not say).
 UNKNOWN_LENGTH = ""
 
@@ -111,7 +117,10 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            f"{PREFIX}_requests", "Requests finished, by arm, path and outcome.", ["arm", "path", "outcome"], registry=r
+            f"{PREFIX}_requests",
+            "Requests finished, by model, arm, path and outcome.",
+            ["model", "arm", "path", "outcome"],
+            registry=r,
         )
         self.api_requests = Counter(
             f"{PREFIX}_api_requests",
@@ -121,41 +130,41 @@ class RouterMetrics:
         )
         self.route_decisions = Counter(
             f"{PREFIX}_route_decisions",
-            "Routing decisions by arm, the path taken and the reason for it.",
-            ["arm", "path", "reason"],
+            "Routing decisions by model, arm, the path taken and the reason for it.",
+            ["model", "arm", "path", "reason"],
             registry=r,
         )
         self.prefill_fallbacks = Counter(
             f"{PREFIX}_prefill_fallbacks",
-            "Disaggregated requests served on the decoder alone because the prefill hop failed.",
-            ["reason"],
+            "Disaggregated requests served on the decoder alone because the prefill hop failed, by model and reason.",
+            ["model", "reason"],
             registry=r,
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
-            "Time from a streamed request's arrival to its first token relayed, by arm, path and prompt-length bucket.",
-            ["arm", "path", "prompt_tokens"],
+            "Time from a streamed request's arrival to its first token relayed, by model, arm, path and prompt length.",
+            ["model", "arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             f"{PREFIX}_inter_token_latency_seconds",
-            "Gaps between output chunks relayed to streaming clients, by arm, path and prompt-length bucket.",
-            ["arm", "path", "prompt_tokens"],
+            "Gaps between output chunks relayed to streaming clients, by model, arm, path and prompt length.",
+            ["model", "arm", "path", "prompt_tokens"],
             buckets=TOKEN_GAP_BUCKETS,
             registry=r,
         )
         self.phase = Histogram(
             f"{PREFIX}_phase_seconds",
-            "Where the time to first token went, by arm, path and phase; a request's phases add up to its TTFT.",
-            ["arm", "path", "phase"],
+            "Where the time to first token went, by model, arm, path and phase; a request's phases add up to its TTFT.",
+            ["model", "arm", "path", "phase"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.uncached_prompt_tokens = Counter(
             f"{PREFIX}_uncached_prompt_tokens",
-            "Prompt tokens the serving engines had to compute (not cached on the chosen decoder), by arm and path.",
-            ["arm", "path"],
+            "Prompt tokens the serving engines computed (not cached on the chosen decoder), by model, arm and path.",
+            ["model", "arm", "path"],
             registry=r,
         )
         self.kv_transfer_ineffective = Counter(
@@ -183,8 +192,8 @@ class RouterMetrics:
         )
         self.e2e = Histogram(
             f"{PREFIX}_e2e_latency_seconds",
-            "Time from the request's arrival to its last byte, by arm, path and prompt-length bucket.",
-            ["arm", "path", "prompt_tokens"],
+            "Time from the request's arrival to its last byte, by model, arm, path and prompt length.",
+            ["model", "arm", "path", "prompt_tokens"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -196,22 +205,22 @@ class RouterMetrics:
         )
         self.prefill = Histogram(
             f"{PREFIX}_prefill_seconds",
-            "Duration of the prefill hop (the KV-staging call to a prefiller), by outcome.",
-            ["outcome"],
+            "Duration of the prefill hop (the KV-staging call to a prefiller), by model and outcome.",
+            ["model", "outcome"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Histogram(
             f"{PREFIX}_prompt_tokens",
-            "Prompt tokens per request, by arm and path.",
-            ["arm", "path"],
+            "Prompt tokens per request, by model, arm and path.",
+            ["model", "arm", "path"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
         self.output_tokens = Histogram(
             f"{PREFIX}_output_tokens",
-            "Output tokens per request as the decoder reported them, by arm and path.",
-            ["arm", "path"],
+            "Output tokens per request as the decoder reported them, by model, arm and path.",
+            ["model", "arm", "path"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
@@ -220,7 +229,8 @@ class RouterMetrics:
         )
         self.routing_threshold = Gauge(
             f"{PREFIX}_routing_threshold_tokens",
-            "Prompt tokens at or above which a request is disaggregated.",
+            "Prompt tokens at or above which a request of the model is disaggregated.",
+            ["model"],
             registry=r,
             multiprocess_mode="livemostrecent",
         )

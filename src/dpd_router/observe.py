@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from dpd_router.metrics import RouterMetrics, observe_each, prompt_length_bucket
+from dpd_router.metrics import RouterMetrics, model_label, observe_each, prompt_length_bucket
 from dpd_router.outcome import Outcome
 
 log = logging.getLogger("dpd_router.request")
@@ -130,14 +130,14 @@ class SpanSink(Protocol):
 
 
 class _Series:
-    """One arm and path's metric children, bound once: a request's metrics cost no label lookups."""
+    """One model, arm and path's metric children, bound once: a request's metrics cost no label lookups."""
 
-    def __init__(self, metrics: RouterMetrics, arm: str, path: str) -> None:
+    def __init__(self, metrics: RouterMetrics, model: str, arm: str, path: str) -> None:
         self._metrics = metrics
-        self._labels = (arm, path)
-        self.prompt_tokens = metrics.prompt_tokens.labels(arm, path)
-        self.output_tokens = metrics.output_tokens.labels(arm, path)
-        self.uncached_prompt_tokens = metrics.uncached_prompt_tokens.labels(arm, path)
+        self._labels = (model, arm, path)
+        self.prompt_tokens = metrics.prompt_tokens.labels(*self._labels)
+        self.output_tokens = metrics.output_tokens.labels(*self._labels)
+        self.uncached_prompt_tokens = metrics.uncached_prompt_tokens.labels(*self._labels)
         self._requests: dict[str, Counter] = {}
         self._histograms: dict[tuple[int, str], Histogram] = {}
 
@@ -151,7 +151,7 @@ class _Series:
         return self.child(self._metrics.phase, name)
 
     def child(self, histogram: Histogram, label: str) -> Histogram:
-        """`histogram`'s child for this arm and path and its third label (a prompt-length bucket, a phase)."""
+        """`histogram`'s child for this model, arm and path and its last label (a prompt-length bucket, a phase)."""
         key = (id(histogram), label)
         child = self._histograms.get(key)
         if child is None:
@@ -178,7 +178,7 @@ class Observer:
         self.listeners = list(listeners)
         # (wall-clock end, the log line's fields) of the last requests.
         self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
-        self._series: dict[tuple[str, str], _Series] = {}
+        self._series: dict[tuple[str, str, str], _Series] = {}
         self._by_api: dict[tuple[str, str], Counter] = {}
 
     def finish(self, trace: RequestTrace, *, ended: float | None = None) -> None:
@@ -212,7 +212,7 @@ class Observer:
 
     def record(self, trace: RequestTrace, now: float) -> None:
         """The request's latency and size metrics, under its arm and path (a shadow copy's too)."""
-        series = self._series_of(trace.arm, trace.path)
+        series = self._series_of(model_label(trace.model), trace.arm, trace.path)
         series.requests(trace.outcome).inc()
         self._api_requests(trace.kind, trace.outcome).inc()
         e2e = now - trace.started
@@ -237,10 +237,10 @@ class Observer:
             child = self._by_api[(api, outcome)] = self.metrics.api_requests.labels(api, outcome)
         return child
 
-    def _series_of(self, arm: str, path: str) -> _Series:
-        series = self._series.get((arm, path))
+    def _series_of(self, model: str, arm: str, path: str) -> _Series:
+        series = self._series.get((model, arm, path))
         if series is None:
-            series = self._series[(arm, path)] = _Series(self.metrics, arm, path)
+            series = self._series[(model, arm, path)] = _Series(self.metrics, model, arm, path)
         return series
 
     @staticmethod

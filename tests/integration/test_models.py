@@ -14,11 +14,12 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 
-from .conftest import engine_stats, fresh, kinds_seen, openai_client, rid, running_router
+from .conftest import engine_stats, fresh, kinds_seen, metric, openai_client, rid, running_router, settled
 
 ALPHA, BETA = "alpha-7b", "beta-70b"
 # Alpha disaggregates prompts from 40 tokens; beta's threshold keeps everything on its decoder.
@@ -204,7 +205,10 @@ async def test_models_lists_every_model_and_tokenize_reaches_the_named_models_en
         assert answer.status_code == 200 and answer.json()["count"] > 0
         assert (await engine_stats(beta.decode_urls[0]))["tokenize_requests"] == before + 1
         ready = (await http.get("/ready")).json()
+        console = (await http.get("/admin/state")).json()
     assert ready["ready"] is True and ready["models"] == {ALPHA: True, BETA: True}
+    assert [(pool["name"], len(pool["endpoints"])) for pool in console["pools"]] == [(ALPHA, 4), (BETA, 2)]
+    assert console["router"]["model"] == f"{ALPHA} · {BETA}"
 
 
 async def test_one_models_settings_change_live_without_touching_the_others(
@@ -348,3 +352,30 @@ async def test_an_adapter_loaded_at_runtime_is_served_after_the_next_health_roun
             assert await adapters_seen(alpha.decode_urls, request_id) == [("local", name)]
         finally:
             await http.post(f"{alpha.decode_urls[0]}/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+async def test_the_metrics_say_which_model_each_request_and_threshold_is_of(
+    router: str, alpha: SimCluster, beta: SimCluster
+) -> None:
+    client = openai_client(router)
+    for model in (ALPHA, BETA, SQL):
+        await answer(client, model, fresh(LONG), rid())
+    with pytest.raises(openai.NotFoundError):
+        await answer(client, "made-up", "hi", rid())
+    await settled(router)
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{router}/metrics")).text
+    labelled = {
+        sample.labels["model"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if "model" in sample.labels and family.name != "dpd_router_adaptive_cost"
+    }
+    assert labelled == {ALPHA, BETA}, "only served models (an adapter's requests are its base model's)"
+    decisions = "dpd_router_route_decisions_total"
+    assert await metric(router, decisions, {"model": ALPHA, "path": "disaggregated"}) >= 2
+    assert await metric(router, decisions, {"model": BETA, "path": "direct"}) >= 1
+    assert await metric(router, decisions, {"model": BETA, "path": "disaggregated"}) == 0
+    threshold = "dpd_router_routing_threshold_tokens"
+    assert await metric(router, threshold, {"model": ALPHA}) == ALPHA_THRESHOLD
+    assert await metric(router, threshold, {"model": BETA}) == BETA_THRESHOLD

@@ -65,15 +65,16 @@ async def test_metric_names_labels_and_the_ttft_breakdown_adds_up(cluster: SimCl
         families = await scrape(base_url)
 
     expected_labels = {
-        "dpd_router_requests": {"arm", "path", "outcome"},
-        "dpd_router_route_decisions": {"arm", "path", "reason"},
-        "dpd_router_time_to_first_token_seconds": {"arm", "path", "prompt_tokens"},
-        "dpd_router_inter_token_latency_seconds": {"arm", "path", "prompt_tokens"},
-        "dpd_router_e2e_latency_seconds": {"arm", "path", "prompt_tokens"},
-        "dpd_router_phase_seconds": {"arm", "path", "phase"},
-        "dpd_router_prompt_tokens": {"arm", "path"},
-        "dpd_router_output_tokens": {"arm", "path"},
-        "dpd_router_prefill_seconds": {"outcome"},
+        "dpd_router_requests": {"model", "arm", "path", "outcome"},
+        "dpd_router_route_decisions": {"model", "arm", "path", "reason"},
+        "dpd_router_time_to_first_token_seconds": {"model", "arm", "path", "prompt_tokens"},
+        "dpd_router_inter_token_latency_seconds": {"model", "arm", "path", "prompt_tokens"},
+        "dpd_router_e2e_latency_seconds": {"model", "arm", "path", "prompt_tokens"},
+        "dpd_router_phase_seconds": {"model", "arm", "path", "phase"},
+        "dpd_router_prompt_tokens": {"model", "arm", "path"},
+        "dpd_router_output_tokens": {"model", "arm", "path"},
+        "dpd_router_prefill_seconds": {"model", "outcome"},
+        "dpd_router_routing_threshold_tokens": {"model"},
         "dpd_router_endpoint_in_flight_requests": {"endpoint", "role"},
         "dpd_router_endpoint_healthy": {"endpoint", "role"},
         "dpd_router_endpoint_circuit_open": {"endpoint", "role"},
@@ -84,6 +85,8 @@ async def test_metric_names_labels_and_the_ttft_breakdown_adds_up(cluster: SimCl
         assert sample_labels == labels, name
         arms = {sample.labels["arm"] for sample in families[name] if "arm" in sample.labels}
         assert arms <= {"live"}, (name, arms)  # no experiments configured: every request is arm "live"
+        models = {sample.labels["model"] for sample in families[name] if "model" in sample.labels}
+        assert models <= {MODEL}, (name, models)  # the served model, learnt from the decoders
 
     for path in ("direct", "disaggregated"):
         requests = total(

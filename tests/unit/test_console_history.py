@@ -10,8 +10,8 @@ def test_the_history_keeps_the_last_samples_of_the_charted_series() -> None:
     metrics = RouterMetrics()
     history = ConsoleHistory(metrics, interval=5.0, keep=20.0)
     for i in range(6):
-        metrics.route_decisions.labels("live", "direct", "below_threshold").inc()
-        metrics.ttft.labels("live", "direct", "512").observe(0.01 * (i + 1))
+        metrics.route_decisions.labels("m", "live", "direct", "below_threshold").inc()
+        metrics.ttft.labels("m", "live", "direct", "512").observe(0.01 * (i + 1))
         history.sample()
     samples = history.samples()
     assert len(samples) == 4, "20 s of 5 s samples"

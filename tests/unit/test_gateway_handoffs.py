@@ -196,7 +196,9 @@ async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_b
     events = [event for event in (await play(response)).split(b"\n\n") if event]
     assert b'"content":" river"' in events[1], "the prefiller's token went first"
     assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
-    assert sample(metrics, "dpd_router_requests_total", arm="live", path="disaggregated", outcome="error") == 1
+    assert (
+        sample(metrics, "dpd_router_requests_total", model="m", arm="live", path="disaggregated", outcome="error") == 1
+    )
     assert sample(metrics, "dpd_router_client_disconnects_total", phase="serve") == 0
 
 
@@ -215,7 +217,15 @@ async def test_a_client_leaving_before_the_continuation_answers_is_counted_and_t
     assert drain["prompt"] == [*PROMPT_IDS, 42] and drain["max_tokens"] == 1
     assert sample(metrics, "dpd_router_client_disconnects_total", phase="serve") == 1
     assert (
-        sample(metrics, "dpd_router_requests_total", arm="live", path="disaggregated", outcome="client_disconnect") == 1
+        sample(
+            metrics,
+            "dpd_router_requests_total",
+            model="m",
+            arm="live",
+            path="disaggregated",
+            outcome="client_disconnect",
+        )
+        == 1
     )
 
 

@@ -171,7 +171,7 @@ def test_observer_records_metrics_once() -> None:
     observer.finish(trace)
     observer.finish(trace)
     value = metrics.registry.get_sample_value
-    live = {"arm": "live", "path": "disaggregated"}
+    live = {"model": "", "arm": "live", "path": "disaggregated"}
     assert value("dpd_router_requests_total", {**live, "outcome": "ok"}) == 1
     # under its prompt-length bucket (500 tokens: the 512 bucket), once, under the same arm
     in_bucket = {**live, "prompt_tokens": "512"}
@@ -181,7 +181,12 @@ def test_observer_records_metrics_once() -> None:
     # a request whose prompt nobody counted: the empty bucket
     uncounted = RequestTrace(request_id="u", kind="chat", stream=False, path="direct")
     observer.finish(uncounted)
-    assert value("dpd_router_e2e_latency_seconds_count", {"arm": "live", "path": "direct", "prompt_tokens": ""}) == 1
+    assert (
+        value(
+            "dpd_router_e2e_latency_seconds_count", {"model": "", "arm": "live", "path": "direct", "prompt_tokens": ""}
+        )
+        == 1
+    )
 
 
 def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tuple[EventStream, RequestTrace, Chunks]:

@@ -31,11 +31,11 @@ from dpd_router.metrics import PREFIX, RouterMetrics
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
+    from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
     from dpd_router.observe import Observer
     from dpd_router.pool.endpoint import Endpoint
     from dpd_router.pool.pool import Pool
-    from dpd_router.pool.served_model import ServedModel
     from dpd_router.routing.planner import Planner
 
 # Histograms the page charts, by their name without the prefix, and the label it splits them by.
@@ -88,7 +88,7 @@ class ConsoleApi:
         gatekeeper: Gatekeeper,
         live: LiveConfig,
         metrics: RouterMetrics,
-        model: ServedModel,
+        models: Models,
         pool: Pool,
         planner: Planner,
         observer: Observer,
@@ -97,7 +97,7 @@ class ConsoleApi:
         self._gatekeeper = gatekeeper
         self._live = live
         self._metrics = metrics
-        self._model = model
+        self._models = models
         self._pool = pool
         self._planner = planner
         self._observer = observer
@@ -127,7 +127,8 @@ class ConsoleApi:
             "time": time.time(),
             "router": {
                 "version": __version__,
-                "model": self._model.name,
+                # Every model served, by name; their pools are listed apart (each named after its model).
+                "model": " · ".join(served.name or "(not yet known)" for served in self._models),
                 "routing_threshold": settings["routing_threshold"],
                 "threshold_mode": settings["threshold_mode"],
                 "prefill_strategy": settings["prefill_strategy"],

@@ -36,7 +36,7 @@ from dpd_router.gateway.head_first import HeadFirst
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.gateway.watch import EngineProbe
-from dpd_router.metrics import RouterMetrics
+from dpd_router.metrics import RouterMetrics, model_label
 from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
@@ -418,7 +418,9 @@ class Gateway:
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
         finally:
             if trace.decode_started is not None:
-                self._metrics.route_decisions.labels(trace.arm, trace.path, trace.reason).inc()
+                self._metrics.route_decisions.labels(
+                    model_label(trace.model), trace.arm, trace.path, trace.reason
+                ).inc()
 
     async def _stage(
         self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]

@@ -21,7 +21,7 @@ from dpd_router.gateway.completion import HeldKV
 from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
-from dpd_router.metrics import RouterMetrics
+from dpd_router.metrics import RouterMetrics, model_label
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.routing.planner import PREFILL_FAILED, Plan
@@ -91,7 +91,7 @@ class PrefillHop:
                 return replace(plan, prefiller=alternative)
         if retries.prefill_failure_policy == "fail" or not self._connector.serves_direct:
             raise PrefillUnavailable(f"The prefill pool could not serve this request ({failure.reason}).")
-        self._metrics.prefill_fallbacks.labels(failure.reason).inc()
+        self._metrics.prefill_fallbacks.labels(model_label(exchange.trace.model), failure.reason).inc()
         return plan.direct(PREFILL_FAILED)
 
     async def _finished_even_if_left(self, hop: Coroutine[Any, Any, StagedKV], handoff: Handoff) -> StagedKV:
@@ -217,7 +217,7 @@ class PrefillHop:
             prefiller.finish()
             dequeue()
             trace.prefill_seconds = time.perf_counter() - started
-            self._metrics.prefill.labels(outcome).observe(trace.prefill_seconds)
+            self._metrics.prefill.labels(model_label(trace.model), outcome).observe(trace.prefill_seconds)
 
 
 def _settled(task: asyncio.Task[StagedKV], trace: RequestTrace) -> None:

@@ -90,6 +90,7 @@ class Components:
                     client=client,
                     metrics=metrics,
                     build=ModelServices(observer, shadow),
+                    pool_name=key if settings.models and key is not None else "shared",
                 )
                 stacks.append(stack)
                 learners[key] = stack.learn_from
@@ -110,8 +111,8 @@ class Components:
         observer: Observer,
         shadow: LiveShadow,
     ) -> Components:
-        every = Pool.union(stack.engines.every for stack in stacks)
-        ThresholdGauge(metrics).reconfigure(stacks[0].settings)
+        # Every model's pools side by side (the console lists them by name).
+        every = Pool.union(pool for stack in stacks for pool in stack.engines.every.parts)
         watch_adaptive(metrics, stacks)
         access = build_access(settings, stacks[0].engines, metrics)
         serving = Serving(
@@ -133,7 +134,9 @@ class Components:
         components = cls(settings, client, metrics, stacks, every, access, serving, upkeep, live)
         await live.replay_changes()
         live.start()
-        await upkeep.start()
+        await upkeep.start()  # its first health round learns the names of models not configured
+        for stack in stacks:
+            ThresholdGauge(metrics, stack.model).reconfigure(stack.settings)
         serving.shadow.start()
         for stack in stacks:
             if stack.routing.kv_events is not None:
@@ -177,11 +180,11 @@ def live_parts(
 ) -> list[Reconfigurable]:
     """What a live change reaches, in this order: each model's planners (and the adaptive model they share),
     experiment arms and gateway (timeouts and retries), given that model's settings; the shadow, admission,
-    the threshold gauge (the first model's threshold), the log level."""
+    each model's threshold gauge, the log level."""
     return [
         *(stack.live_parts() for stack in stacks),
         serving.shadow,
         access.admission,
-        ModelParts(stacks[0].key, [ThresholdGauge(metrics)]),
+        *(ModelParts(stack.key, [ThresholdGauge(metrics, stack.model)]) for stack in stacks),
         LogLevel(),
     ]

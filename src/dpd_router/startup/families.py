@@ -136,9 +136,11 @@ def engine_headers(settings: Settings) -> dict[str, str]:
     return {"Authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
 
 
-async def build_engines(settings: Settings, metrics: RouterMetrics) -> Engines:
+async def build_engines(settings: Settings, metrics: RouterMetrics, *, pool_name: str = "shared") -> Engines:
+    """A model's pools: the one its requests share (`pool_name`: a model of several is named after itself) and
+    its tenants' reserved ones."""
     breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_cooldown, settings.breaker_max_cooldown)
-    shared = Pool(settings.prefill_urls, settings.decode_urls, breaker=breaker)
+    shared = Pool(settings.prefill_urls, settings.decode_urls, breaker=breaker, name=pool_name)
     tenants = {
         tenant: Pool(pools.prefill_urls, pools.decode_urls, breaker=breaker, name=tenant)
         for tenant, pools in settings.tenants.items()

@@ -86,13 +86,14 @@ async def build_model_stack(
     client: httpx.AsyncClient,
     metrics: RouterMetrics,
     build: ModelServices,
+    pool_name: str = "shared",
 ) -> ModelStack:
     """The model's parts; its connector started (a notification address that cannot be bound stops here)."""
     warn_about_connector(settings)
     connector = build_connector(settings, engine_calls)
     await connector.start()
     try:
-        engines = await build_engines(settings, metrics)
+        engines = await build_engines(settings, metrics, pool_name=pool_name)
         model = ServedModel(settings.model)
         tokenizers = await load_tokenizers(settings, client, engines.by_tenant, model, metrics)
         routing = build_routing(settings, engines, metrics, client, connector)
