@@ -7,8 +7,12 @@ A. RSS of the dpd-router process while it relays 1,000 concurrent streams (a pac
 B. The prefix index after a million distinct prompts: a fresh process builds the router's own
    `PrefixIndex` (default capacity, 1,000,000 blocks) from a million distinct prompts and reports
    its RSS growth and the cost per recorded prompt.
+C. What a hostile round leaves: fuzzed bodies, a burst of streams and streams dropped mid-way, in turn on one
+   router, its RSS after each against its settled size (`benchmarks/memory_probes.py`); with `--trace`, the
+   lines of code that hold what each left, from a second run under tracemalloc.
 
-    python -m benchmarks.memory             # about 3 minutes here
+    python -m benchmarks.memory                    # about 5 minutes here
+    python -m benchmarks.memory --parts probes --trace
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import loadgen, report, stack
+from benchmarks import loadgen, memory_probes, report, stack
 from benchmarks.workload import PromptFactory
 from dpd_router.startup.allocator import TRIM_INTERVAL
 from dpd_sim.gpu import TimingModel
@@ -43,6 +47,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--settle", type=float, default=TRIM_INTERVAL + 2.0,
         help="seconds after the streams before the size after them is read: a round of giving memory back",
     )  # fmt: skip
+    parser.add_argument("--disconnects", type=int, default=200, help="streams the client drops mid-way (part C)")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["streams", "index", "probes"], default=["streams", "index", "probes"]
+    )
+    parser.add_argument("--probes", nargs="+", choices=memory_probes.PROBES, default=list(memory_probes.PROBES))
+    parser.add_argument("--rounds", type=int, default=10, help="identical rounds of the probes (part C)")
+    parser.add_argument("--trace", action="store_true", help="part C again under tracemalloc: what holds the memory")
+    parser.add_argument("--trace-rounds", type=int, default=3, help="rounds under tracemalloc (slow: a few)")
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
@@ -50,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.streams, args.tokens, args.step, args.prompts, args.max_seconds = 50, 6, 0.05, 20_000, 30.0
-        args.settle = 2.0
+        args.settle, args.disconnects, args.rounds, args.trace_rounds = 2.0, 20, 2, 2
     return args
 
 
@@ -221,10 +233,158 @@ def write(results: dict[str, Any], args: argparse.Namespace) -> str:
         ]
     elif p:
         md += ["## B. The prefix index", "", "```", p["error"], "```", ""]
+    md += probes_section(results, args)
     md += [f"![{name}]({name})" for name in results.get("plots", [])]
     text = "\n".join(md) + "\n"
     (args.out / "results.md").write_text(text)
     return text
+
+
+def probes_section(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    c = results.get("probes")
+    if not c:
+        return []
+    settled = c["settled_rss"]
+    rows = []
+    for row in c["probes"]:
+        what = ", ".join(f"{key}: {value}" for key, value in row["what"].items() if key != "server_errors")
+        rows.append([
+            str(row.get("round", 1)), row["probe"], what, f"{row['seconds']:.1f}", f"{row['router_cpu_s']:.1f}",
+            mib(row["peak_rss"]), mib(row["after_rss"]), f"{row['after_rss'] / settled:.2f}x",
+            "yes" if row["after_rss"] <= settle_bound(c) * settled else "**no**",
+        ])  # fmt: skip
+    rounds = max((row.get("round", 1) for row in c["probes"]), default=1)
+    md = [
+        f"## C. {rounds} hostile rounds: fuzzed bodies, a burst, dropped streams",
+        "",
+        f"Settled before the probes (after 20 warm-up requests and {args.settle:.0f} s): {mib(settled)} MiB. "
+        f"Each probe's size after is read {args.settle:.0f} s after it ended.",
+        "",
+        *growth_lines(c),
+        "",
+        report.table(
+            [
+                "round",
+                "probe",
+                "what",
+                "seconds",
+                "router CPU s",
+                "peak MiB",
+                "after MiB",
+                "after / settled",
+                f"within {round((settle_bound(c) - 1) * 100)}%",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    md += where_table(c)
+    errors = [e for row in c["probes"] for e in row["what"].get("server_errors", [])]
+    if errors:
+        md += ["5xx or unanswered fuzz bodies:", "", *[f"- {e}" for e in errors], ""]
+    t = results.get("probes_traced")
+    if t:
+        md += [
+            "What is still allocated after each probe beyond the settled router (a second run, under tracemalloc; "
+            "the largest lines of code by what they allocated that lives on):",
+            "",
+        ]
+        for row in t["probes"]:
+            md += [
+                f"After {row['probe']} (round {row.get('round', 1)}): {row['python_alive_mib']:+.2f} MiB of Python "
+                "objects in all.",
+                "",
+            ]
+            md += [
+                report.table(
+                    ["allocated at", "KiB", "blocks"],
+                    [[f"`{top['where']}`", f"{top['kib']:,.1f}", f"{top['blocks']:+,}"] for top in row["top"]],
+                ),
+                "",
+            ]
+    return md
+
+
+# Growth of the size after a round, per round from the second on, beyond which the rounds show a leak.
+LEAK_MIB_PER_ROUND = 1.0
+
+
+def round_growth(c: dict[str, Any]) -> tuple[list[float], float | None]:
+    """The size after each round's last probe (MiB), and its least-squares growth per round from round 2 on
+    (the first round may raise a high-water mark; a leak goes on climbing after it). None: too few rounds."""
+    last: dict[int, int] = {}
+    for row in c["probes"]:
+        last[row.get("round", 1)] = row["after_rss"]
+    sizes = [last[r] / memory_probes.MIB for r in sorted(last)]
+    later = sizes[1:]
+    if len(later) < 3:
+        return sizes, None
+    xs = range(len(later))
+    mean_x, mean_y = sum(xs) / len(later), sum(later) / len(later)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, later, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return sizes, slope
+
+
+def growth_lines(c: dict[str, Any]) -> list[str]:
+    sizes, slope = round_growth(c)
+    line = "Size after each round (MiB): " + ", ".join(f"{size:.1f}" for size in sizes) + "."
+    if slope is None:
+        return [line]
+    verdict = (
+        f"**It grows {slope:.2f} MiB a round from round 2 on: a leak.**"
+        if slope > LEAK_MIB_PER_ROUND
+        else f"From round 2 on it moves {slope:+.2f} MiB a round (a leak would be above {LEAK_MIB_PER_ROUND:g}): "
+        "what stays after the first round is a high-water mark, not a leak."
+    )
+    return [line, "", verdict]
+
+
+def where_table(c: dict[str, Any]) -> list[str]:
+    """Where the router's resident memory was, settled and after each probe (MiB)."""
+    stages = [("settled", c.get("settled_where"))] + [
+        (f"after {row['probe']} (round {row.get('round', 1)})", row.get("where")) for row in c["probes"]
+    ]
+    rows = []
+    for stage, where in stages:
+        if not where:
+            continue
+        resident, heaps, py = where.get("resident", {}), where.get("glibc", {}), where.get("pymalloc", {})
+        arena = 1024 * 1024  # CPython's arena size
+        cells = [
+            resident.get("Rss"), resident.get("Anonymous"),
+            (resident.get("Private_Clean") or 0) + (resident.get("Shared_Clean") or 0),
+            heaps.get("heaps"), heaps.get("heaps_in_use"), heaps.get("heaps_free"), heaps.get("mmapped"),
+            None if "arenas_now" not in py else py["arenas_now"] * arena, py.get("bytes_in_blocks"),
+        ]  # fmt: skip
+        rows.append([stage, *("-" if cell is None else mib(cell) for cell in cells)])
+    if not rows:
+        return []
+    return [
+        "Where the memory was (the router's /proc smaps_rollup, glibc's mallinfo2, CPython's allocator; MiB):",
+        "",
+        report.table(
+            [
+                "when",
+                "resident",
+                "anonymous",
+                "file-backed",
+                "glibc heaps",
+                "in use",
+                "free",
+                "glibc mmapped",
+                "Python arenas",
+                "Python objects",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def settle_bound(c: dict[str, Any]) -> float:
+    return float(c.get("bound", memory_probes.BOUND))
 
 
 def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -257,7 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results: dict[str, Any] = {"streams": stack.run_async(streams(args)), "prefix_index": prefix_index(args)}
+    results: dict[str, Any] = {}
+    if "streams" in args.parts:
+        results["streams"] = stack.run_async(streams(args))
+    if "index" in args.parts:
+        results["prefix_index"] = prefix_index(args)
+    if "probes" in args.parts:
+        results["probes"] = stack.run_async(memory_probes.measured(args))
+        if args.trace:
+            results["probes_traced"] = stack.run_async(memory_probes.traced(args))
     report.finish(results, args, started=started, plot=lambda: plot(results, args), write=lambda: write(results, args))
     return 0
 

@@ -106,6 +106,13 @@ def test_memory_samples_router_rss_and_sizes_the_prefix_index(tmp_path: Path) ->
     index = results["prefix_index"]
     assert "error" not in index, index.get("error")
     assert 0 < index["blocks_held"] <= index["capacity_blocks"]
+    probes = results["probes"]
+    assert [(row["round"], row["probe"]) for row in probes["probes"]] == [
+        (round_, probe) for round_ in (1, 2) for probe in ("fuzz", "burst", "disconnects")
+    ]
+    assert all(row["after_rss"] > 0 and row["peak_rss"] > 0 for row in probes["probes"])
+    assert not [e for row in probes["probes"] for e in row["what"].get("server_errors", [])], "no 5xx on the fuzz"
+    assert "Size after each round" in (tmp_path / "results.md").read_text()
     assert_plots(results, tmp_path)
 
 

@@ -30,7 +30,10 @@ TRIM_STEP = 4 * 1024 * 1024
 TRIM_INTERVAL = 10.0
 
 
-class _Mallinfo2(ctypes.Structure):
+class Mallinfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (malloc.h): arena is the heaps' size, uordblks what is in use, fordblks and
+    fsmblks what is free, hblkhd what is mmapped."""
+
     _fields_ = [
         (name, ctypes.c_size_t)
         for name in (
@@ -70,7 +73,7 @@ class Glibc:
         mallinfo2 = getattr(libc, "mallinfo2", None)
         if mallinfo2 is None:
             return cls(mallopt=mallopt, malloc_trim=malloc_trim)
-        mallinfo2.argtypes, mallinfo2.restype = [], _Mallinfo2
+        mallinfo2.argtypes, mallinfo2.restype = [], Mallinfo2
 
         def free_bytes() -> int:
             info = mallinfo2()
