@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true", help="part C again under tracemalloc: what holds the memory")
     parser.add_argument("--trace-rounds", type=int, default=3, help="rounds under tracemalloc (slow: a few)")
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
+    parser.add_argument("--render", action="store_true", help="write results.md again from --out's results.json")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--index-only", action="store_true", help=argparse.SUPPRESS)
@@ -305,38 +306,40 @@ def probes_section(results: dict[str, Any], args: argparse.Namespace) -> list[st
     return md
 
 
-# Growth of the size after a round, per round from the second on, beyond which the rounds show a leak.
+# Growth of the size after a round, per round over the later half of the rounds, beyond which they show a leak.
 LEAK_MIB_PER_ROUND = 1.0
 
 
-def round_growth(c: dict[str, Any]) -> tuple[list[float], float | None]:
-    """The size after each round's last probe (MiB), and its least-squares growth per round from round 2 on
-    (the first round may raise a high-water mark; a leak goes on climbing after it). None: too few rounds."""
+def round_growth(c: dict[str, Any]) -> tuple[list[float], float | None, int]:
+    """The size after each round's last probe (MiB), and its least-squares growth per round over the later
+    half of the rounds, and how many rounds that is: a high-water mark (caches filling, the allocators' free
+    lists and fragments) climbs at first and levels off; a leak goes on climbing. None: too few rounds."""
     last: dict[int, int] = {}
     for row in c["probes"]:
         last[row.get("round", 1)] = row["after_rss"]
     sizes = [last[r] / memory_probes.MIB for r in sorted(last)]
-    later = sizes[1:]
+    later = sizes[len(sizes) // 2 :]
     if len(later) < 3:
-        return sizes, None
+        return sizes, None, len(later)
     xs = range(len(later))
     mean_x, mean_y = sum(xs) / len(later), sum(later) / len(later)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, later, strict=True)) / sum(
         (x - mean_x) ** 2 for x in xs
     )
-    return sizes, slope
+    return sizes, slope, len(later)
 
 
 def growth_lines(c: dict[str, Any]) -> list[str]:
-    sizes, slope = round_growth(c)
+    sizes, slope, rounds = round_growth(c)
     line = "Size after each round (MiB): " + ", ".join(f"{size:.1f}" for size in sizes) + "."
     if slope is None:
         return [line]
     verdict = (
-        f"**It grows {slope:.2f} MiB a round from round 2 on: a leak.**"
+        f"**Over the last {rounds} rounds it still grows {slope:.2f} MiB a round: not level yet** (a leak, or a "
+        "high-water mark still being reached: the table of where the memory is tells which)."
         if slope > LEAK_MIB_PER_ROUND
-        else f"From round 2 on it moves {slope:+.2f} MiB a round (a leak would be above {LEAK_MIB_PER_ROUND:g}): "
-        "what stays after the first round is a high-water mark, not a leak."
+        else f"Over the last {rounds} rounds it moves {slope:+.2f} MiB a round (a leak would go on above "
+        f"{LEAK_MIB_PER_ROUND:g}): a high-water mark, reached in the first rounds, not a leak."
     )
     return [line, "", verdict]
 
@@ -412,6 +415,10 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:  # the report again from a run's results.json (a change to how it is written)
+        results = json.loads((args.out / "results.json").read_text())
+        print(write(results, argparse.Namespace(**{**vars(args), **results["args"], "out": args.out})))
+        return 0
     if args.index_only:
         print(json.dumps(index_child(args)))
         return 0
