@@ -649,3 +649,28 @@ def test_plot_shows_the_arms(tmp_path: Path) -> None:
     out = tmp_path / "arms.png"
     assert main(["advise", "--file", str(FIXTURES / "shadow_pass.prom"), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_scrape_of_several_models_is_advised_one_model_at_a_time(tmp_path: Path) -> None:
+    """Two served models in one scrape: advised together with a warning, or one at a time with --model."""
+    metrics = RouterMetrics()
+    for model, count, tokens in (("alpha", 30, 3000), ("beta", 12, 300)):
+        metrics.routing_threshold.labels(model).set(2048 if model == "alpha" else 512)
+        for i in range(count):
+            trace = RequestTrace(request_id=f"{model}-{i}", kind="chat", stream=True, path="direct")
+            trace.model, trace.prompt_tokens = model, tokens
+            trace.mark_token_chunk(trace.started + 0.1)
+            Observer(metrics).record(trace, trace.started + 0.2)
+    both = Scrape.parse(metrics.render().decode())
+    assert both.models() == ["alpha", "beta"]
+    together = analyse(both)
+    assert together.requests["direct"] == 42
+    assert any("2 models (alpha, beta)" in warning for warning in together.warnings)
+    alpha = analyse(both.model_only("alpha"))
+    assert alpha.requests["direct"] == 30 and alpha.prompt_tokens["requests"] == 30
+    assert not any("models" in warning for warning in alpha.warnings)
+    assert (alpha.recommendation.current, together.recommendation.current) == (2048, None), "its own threshold"
+    scraped = tmp_path / "two.prom"
+    scraped.write_text(metrics.render().decode())
+    assert main(["advise", "--file", str(scraped), "--model", "beta", "--json"]) == 0
+    assert main(["advise", "--file", str(scraped), "--model", "gamma"]) == 1

@@ -37,7 +37,13 @@ def analyse(scrape: Scrape, options: Options | None = None, sources: Sequence[st
     warnings: list[str] = []
     thresholds = sorted({int(v) for _, v in scrape.gauge_values(f"{PREFIX}_routing_threshold_tokens") if v == v})
     current = thresholds[0] if len(thresholds) == 1 else None
-    if len(thresholds) > 1:
+    models = scrape.models()
+    if len(models) > 1:
+        warnings.append(
+            f"the scrape holds {len(models)} models ({', '.join(models)}): their requests are advised together, "
+            "and their thresholds differ; --model NAME advises on one"
+        )
+    elif len(thresholds) > 1:
         warnings.append(f"the routers scraped run different thresholds ({', '.join(map(str, thresholds))})")
 
     requests = {path: 0.0 for path in PATHS}

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a saved scrape (Prometheus text, e.g. `curl -s ROUTER/metrics > FILE`); repeat for several replicas",
     )
     parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="advise on one served model's requests (a router serving several labels them by `model`)",
+    )
+    parser.add_argument(
         "--since",
         action="append",
         metavar="FILE",
@@ -189,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         scrape, sources = asyncio.run(collect(args))
+        if args.model is not None:
+            if args.model not in scrape.models():
+                served = ", ".join(scrape.models()) or "none labelled"
+                raise AdviseError(f"no requests of model {args.model!r} in the scrape (its models: {served})")
+            scrape = scrape.model_only(args.model)
         options = Options(
             min_requests=args.min_requests,
             tolerance=args.tolerance,

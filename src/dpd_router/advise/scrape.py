@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from dpd_router.advise.histogram import Histogram, parse_bound
 from dpd_router.metrics import PREFIX, UNKNOWN_LENGTH
 
+# The adaptive model's learned costs: its `model` label names a cost model (handoff, interference), not a served one.
+ADAPTIVE_COST = f"{PREFIX}_adaptive_cost"
 # The families by prompt length of routers before each latency became one family with a `prompt_tokens` label.
 LEGACY_BY_PROMPT_LENGTH = {
     "time_to_first_token_seconds": "ttft_by_prompt_length_seconds",
@@ -106,6 +108,30 @@ class Scrape:
             if keep(arm_of(dict(key[1]).get(ARM_LABEL, ""))):
                 out.cumulative[key] = value
         return out
+
+    def models(self) -> list[str]:
+        """The served models the request series are labelled with (none in a router's scrape before the label)."""
+        return sorted(
+            {
+                labels["model"]
+                for name, labels in ((sample, dict(labels)) for sample, labels in [*self.cumulative, *self.gauges])
+                if "model" in labels and not name.startswith(ADAPTIVE_COST)
+            }
+        )
+
+    def model_only(self, model: str) -> Scrape:
+        """The series of one served model, and those no model labels (the engines', the listener's): the
+        engines' series are every model's, so what the ratio advice reads of them is too."""
+
+        def keep(key: SampleKey) -> bool:
+            name, labels = key
+            found = dict(labels)
+            return "model" not in found or name.startswith(ADAPTIVE_COST) or found["model"] == model
+
+        return Scrape(
+            {k: v for k, v in self.cumulative.items() if keep(k)},
+            {k: list(v) for k, v in self.gauges.items() if keep(k)},
+        )
 
     def counters(self, name: str, by: Sequence[str]) -> dict[tuple[str, ...], float]:
         """A counter's values summed by the labels `by`."""
