@@ -22,6 +22,10 @@ from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.app")
 
+# Seconds at least between asking every engine for its LoRA adapters (on a health round): an adapter loaded at
+# runtime is served within this, and a short health interval does not turn into a model listing per probe.
+ADAPTERS_EVERY = 5.0
+
 
 class Upkeep:
     """Runs a health round every `interval` seconds, the load scraper, the heaps' trimming where the
@@ -56,6 +60,7 @@ class Upkeep:
         # The console's charts over the last minutes, for a page opened now.
         self.history = history
         self._tasks: list[asyncio.Task[None]] = []
+        self._adapters_due = 0.0  # loop time of the next adapter listing
 
     async def start(self) -> None:
         """One health round now (the router starts knowing its engines), then both loops."""
@@ -74,7 +79,10 @@ class Upkeep:
 
     async def maintain_once(self) -> None:
         await self.health.probe_all()
-        await learn_adapters(self._client, self.pool, probe_timeout=self._probe_timeout)
+        now = asyncio.get_running_loop().time()
+        if now >= self._adapters_due:
+            self._adapters_due = now + ADAPTERS_EVERY
+            await learn_adapters(self._client, self.pool, probe_timeout=self._probe_timeout)
         for model, pool in self._models:
             if model.listing is None:
                 await model.discover(self._client, pool, probe_timeout=self._probe_timeout)
