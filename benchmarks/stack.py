@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import httpx
 
 from dpd_sim.cluster import SimCluster
 from dpd_sim.gpu import TimingModel
+from dpd_sim.ports import free_port
 from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 HOST = "127.0.0.1"
@@ -46,12 +46,6 @@ def timing_args(timing: TimingModel | str) -> list[str]:
     for name in TimingModel.__dataclass_fields__:
         args += ["--" + name.replace("_", "-"), repr(getattr(timing, name))]
     return args
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int | None:

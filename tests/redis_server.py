@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from dpd_sim.ports import free_port
 from tests.tools import required_tool
 
 
@@ -50,12 +50,6 @@ class RedisServer:
             await self.process.wait()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def _answers(port: int) -> bool:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -72,7 +66,7 @@ async def _answers(port: int) -> bool:
 @asynccontextmanager
 async def redis_server() -> AsyncIterator[RedisServer]:
     """A throwaway redis-server on a free loopback port, stopped on exit."""
-    server = RedisServer(redis_server_binary(), _free_port())
+    server = RedisServer(redis_server_binary(), free_port())
     try:
         await server.start()
         yield server

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from dpd_sim.config import Role
+from dpd_sim.ports import free_ports
 from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 if TYPE_CHECKING:
@@ -343,20 +344,6 @@ async def _shut_down(engine: SimEngine) -> None:
     except TimeoutError:
         server.force_exit = True
         await serving
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the OS has just handed out; held together while choosing, so they differ."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _returncode(engine: SimEngine) -> int | None:

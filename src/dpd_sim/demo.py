@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from dpd_sim.cluster import HOST, SimCluster, free_ports
+from dpd_sim.cluster import HOST, SimCluster
+from dpd_sim.ports import free_ports
 
 EngineKind = Literal["sim", "vllm"]
 SIM_MODEL = "sim-model"

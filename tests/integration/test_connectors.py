@@ -18,7 +18,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from dpd_sim.cluster import SimCluster, free_ports
+from dpd_sim.cluster import SimCluster
+from dpd_sim.ports import free_ports
 from dpd_sim.sampler import Sampler
 
 from .conftest import (

@@ -14,13 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dpd_sim.ports import free_port
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def examples(banner: str) -> list[tuple[str, str]]:

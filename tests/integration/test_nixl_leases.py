@@ -73,7 +73,7 @@ async def test_a_client_that_leaves_as_the_prefill_answers_has_its_blocks_releas
 ) -> None:
     async with (
         SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
-        SlowLink(cluster.prefill_urls[0], hold=0.2) as link,
+        SlowLink(cluster.prefill_urls[0], hold=2.0) as link,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD, prefill_urls=[link.url])) as url,
         httpx.AsyncClient(base_url=url, timeout=30) as client,
     ):

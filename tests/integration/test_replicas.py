@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from dpd_sim.cluster import SimCluster
+from dpd_sim.ports import free_port
 from tests.integration.conftest import MODEL
 from tests.integration.test_routing import ask, document, prefiller_of
 
@@ -22,13 +22,6 @@ THRESHOLD = 256
 # Longer than prefixaware's hashed key (1024 tokens), so every question about one document shares it.
 DOCUMENT_WORDS = 400
 QUESTIONS = ("What is the first word?", "Summarise it.", "How many words are there?")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @asynccontextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import yaml
 from dpd_router.api.auth import hash_key
 from dpd_router.change_log import CHANGE_LOG_ENV
 from dpd_sim.cluster import SimCluster
+from dpd_sim.ports import free_port
 from tests.redis_server import RedisServer
 
 from .conftest import MODEL, chat_body, metric
@@ -52,12 +52,6 @@ class Supervised:
     base_url: str
     config: Path
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @asynccontextmanager

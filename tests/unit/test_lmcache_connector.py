@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -30,17 +29,12 @@ from dpd_router.transfer.lmcache.notify import ProxyNotifications
 from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
 from dpd_router.transport import EngineCalls
+from dpd_sim.ports import free_port
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
 DECODER = Endpoint("http://10.0.0.9:8000", "decode")
 PROMPT = Prompt(token_ids=[5, 6, 7, 8], num_tokens=4, seconds=0.0)
 SPEC = {"req_id": "r-1", "receiver_host": "10.0.0.9", "receiver_init_port": [8300], "receiver_alloc_port": [8400]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def client_chat(**extra: Any) -> dict[str, Any]:

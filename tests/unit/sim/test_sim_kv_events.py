@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -25,15 +24,10 @@ from dpd_sim.kv_events import (
     encode_batch,
     external_hash,
 )
+from dpd_sim.ports import free_port
 from tests.unit.sim.conftest import EngineFactory
 
-TIMEOUT = 5.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+TIMEOUT = 20.0  # a bound for a failure only: a loaded CI machine can take seconds to join a SUB socket
 
 
 # the encodings

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from dpd_sim.bootstrap import (
 from dpd_sim.gpu import TimingModel
 from dpd_sim.kv import prompt_digest
 from dpd_sim.lmcache_pd import BufferFull, DisaggSpec, DisaggSpecError, ReceiveBuffer
+from dpd_sim.ports import free_port
 from dpd_sim.sampler import Sampler
 
 from .conftest import EngineFactory
@@ -86,12 +86,6 @@ def test_min_tokens_masks_stop_tokens_as_a_banned_logit(sim_tokenizer: Path) -> 
     first = sampler.stream(prompt, seed=3).token(0)
     masked = sampler.stream(prompt, seed=3).token(0, banned={first})
     assert masked != first and masked in sampler.token_text
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_a_decoder_gets_its_rooms_kv_over_the_bootstrap_socket() -> None:

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from dpd_sim import ports as port_module
 from dpd_sim import vllm_cpu
-from dpd_sim.vllm_cpu import Engine, Layout, PortTaken, Role, VllmPair, ephemeral_range, free_ports
+from dpd_sim.ports import ephemeral_range, free_ports
+from dpd_sim.vllm_cpu import Engine, Layout, PortTaken, Role, VllmPair
 
 
 def test_ports_come_from_below_the_ephemeral_range_distinct_and_bindable() -> None:
@@ -32,7 +34,7 @@ def test_ports_come_from_below_the_ephemeral_range_distinct_and_bindable() -> No
 
 
 def test_a_port_in_use_or_already_given_is_not_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_cpu, "ephemeral_range", lambda: (12000, 60999))
+    monkeypatch.setattr(port_module, "ephemeral_range", lambda: (12000, 60999))
     held: list[socket.socket] = []
     try:
         for port in range(10000, 10010):  # hold what we can of a small slice of the candidates
