@@ -84,10 +84,19 @@ class CostBound:
         if not self._seen:
             return None
         wanted = [max(part, 1) for part in size]
-        return statistics.median(
-            seconds * max(1.0, *(want / have for want, have in zip(wanted, seen, strict=True)))
-            for seen, seconds in self._seen
-        )
+        # One comprehension per arity (hops have one or two dimensions): this runs for every hop a watch
+        # or deadline judges, over the whole window, and a generic loop over the dimensions cost several times more.
+        if len(wanted) == 1:
+            (want,) = wanted
+            bounds = [seconds if want <= have else seconds * want / have for (have,), seconds in self._seen]
+        elif len(wanted) == 2:
+            first, second = wanted
+            bounds = [seconds * max(1.0, first / a, second / b) for (a, b), seconds in self._seen]
+        else:
+            bounds = [
+                seconds * max(1.0, *(w / h for w, h in zip(wanted, seen, strict=True))) for seen, seconds in self._seen
+            ]
+        return statistics.median(bounds)
 
 
 class HopDeadlines:

@@ -59,6 +59,11 @@ class Prompt:
     # Block hashes of its first ids by block size, shared by every prompt one reader made of one text (each
     # one's ids start the next one's), so that reading on hashes only the blocks read since.
     blocks: dict[int, list[int]] | None = field(default=None, compare=False, repr=False)
+    # For a prompt known in part: whether the whole prompt holds at least so many tokens, told by its words
+    # without encoding them (see PromptReader.at_least); None where the tokenizer gives no such bound.
+    at_least: Callable[[int], bool] | None = field(default=None, compare=False, repr=False)
+    # The most tokens `at_least` has shown the whole prompt to hold (0: none shown).
+    floor: int = 0
 
     @property
     def exact(self) -> bool:
@@ -142,6 +147,8 @@ class LocalTokenizer:
         self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
         if self._added_specials is not None and not self._heads_agree(_PROBE_TEXT):
             self._added_specials = None  # a pre-tokenizer pattern crossed a boundary: count prompts whole
+        # Whether a prompt holds at least as many tokens as words (PromptReader.at_least).
+        self.words_bound = self._added_specials is not None and self._words_apart(_PROBE_TEXT)
         # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
         # messages only. Only where the startup check shows a text encodes as its pieces do.
         if self._backend is not None and self._added_specials is not None and piece_cache_chars > 0:
@@ -167,6 +174,15 @@ class LocalTokenizer:
                 known = self._head(text, match.start(), special).ids
                 if known != whole[: len(known)]:
                     return False
+        return True
+
+    def _words_apart(self, text: str) -> bool:
+        """Whether no token of `text`'s encoding spans two of its words (non-space characters on both sides
+        of a space): no pre-tokenizer pattern of a byte-level BPE does, and BPE merges within one."""
+        for special in (False, True):
+            _, offsets = self._ids_and_offsets(text, special)
+            if any(len(text[start:end].split()) > 1 for start, end in offsets):
+                return False
         return True
 
     def _pieces_agree(self, pieces: PieceCache, text: str) -> bool:
@@ -674,6 +690,9 @@ class PromptReader:
         self._chars = 0  # characters of the last head encoded
         self._head: Head | None = None  # the last head read
         self._blocks: dict[int, list[int]] = {}  # the block hashes of the ids read (Prompt.blocks)
+        self._words_bound = tokenizer.words_bound
+        self._floor = 0  # the most tokens the whole prompt was shown to hold by its words (at_least)
+        self._words: int | None = None  # its words, once a split of them reached the text's end
         self._per_token = tokenizer.chars_per_token or _CHARS_PER_TOKEN_GUESS
         # A head cut by the tokenizer's own average errs less than one cut by the fixed guess.
         self._first_margin = 1.5 if tokenizer.chars_per_token is None else 1.2
@@ -705,6 +724,26 @@ class PromptReader:
         self.prompt = self._known(known, end)
         return self.prompt
 
+    def at_least(self, count: int) -> bool:
+        """Whether the whole prompt holds at least `count` tokens, told by its words without encoding them:
+        no token spans two words (checked at startup, LocalTokenizer._words_apart), so each word starts a
+        token of its own, and the post-processor adds its special tokens. Only the text of the first
+        `count` words is scanned: a long prompt is shown long for the cost of splitting its head."""
+        if count <= self._floor:
+            return True
+        if self._words is None:
+            words = count - self._specials
+            if words <= 0:
+                self._floor = count
+                return True
+            found = len(self._text.split(maxsplit=words - 1))
+            if found == words:  # the last part, the text after `words - 1` splits, starts another word
+                self._floor = count
+                return True
+            self._words = found  # the split reached the end: every word was counted
+        self._floor = max(self._floor, self._words + self._specials)
+        return count <= self._floor
+
     def tokens_to_bound(self, limit: int) -> int:
         """About how many first tokens must be known for the bound on the whole count to fall below
         `limit`: each token read stands for the bytes the bound counted as one token each."""
@@ -728,6 +767,8 @@ class PromptReader:
         usage), and `later` takes the ids it is supplied or ends with None."""
         tokenizer = self._tokenizer
         whole = whole or tokenizer.count_whole
+        # What its words showed counts too: a plan settled by them saw at least as many tokens.
+        self.prompt = replace(self.prompt, num_tokens=max(self.prompt.num_tokens, self._floor), floor=self._floor)
         if later:
             waiting = WholeLater(tokenizer if whole else None, self._text, special=self._special, started=self._started)
             self.prompt = replace(self.prompt, rest=waiting.future, later=waiting)
@@ -751,9 +792,17 @@ class PromptReader:
         after = self._size - head
         at_most = len(ids) + after + self._specials
         per_token = head / len(ids) if ids and head else self._per_token
-        estimate = min(max(len(ids) + round(after / per_token), len(ids)), at_most)
+        estimate = min(max(len(ids) + round(after / per_token), len(ids), self._floor), at_most)
         seconds = time.perf_counter() - self._started
-        return Prompt(ids, estimate, seconds, at_most=at_most, blocks=self._blocks)
+        return Prompt(
+            ids,
+            estimate,
+            seconds,
+            at_most=at_most,
+            blocks=self._blocks,
+            at_least=self.at_least if self._words_bound else None,
+            floor=self._floor,
+        )
 
     def _whole(self, ids: list[int]) -> Prompt:
         return Prompt(ids, len(ids), time.perf_counter() - self._started, blocks=self._blocks)

@@ -24,7 +24,7 @@ from dpd_router.context_window import check_context_length
 from dpd_router.errors import InvalidRequest
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.planner import Planner, build_planner
+from dpd_router.routing.planner import REACH_HEAD_BLOCKS, Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
 from dpd_router.tokenizer import (
     _BOUNDARY,
@@ -136,6 +136,25 @@ def test_a_head_read_starts_the_whole_encoding_and_its_bytes_bound_the_rest(
             assert len(whole) <= prompt.at_most
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=texts, counts=st.lists(st.integers(0, 4000), min_size=1, max_size=4), special=st.booleans())
+def test_a_prompts_words_bound_its_tokens_from_below(
+    local: LocalTokenizer, text: str, counts: list[int], special: bool
+) -> None:
+    """No token spans two words: a prompt holds at least its words (and the post-processor's tokens) in
+    tokens, and at_least says so of every count up to there, and of none past it, however it is asked."""
+    assert local.words_bound
+    whole = local._encode(text, special=special)
+    specials = byte_level_specials(local._backend) if special else 0
+    assert specials is not None
+    shown = len(text.split()) + specials
+    assert shown <= len(whole)
+    reader = PromptReader(local, text, special=special, specials=specials, started=0.0)
+    for count in counts:
+        assert reader.at_least(count) == (count <= shown)
+    assert reader.prompt.at_least is not None
+
+
 @dataclass(frozen=True)
 class Case:
     chat: bool
@@ -230,7 +249,10 @@ def test_the_plan_of_a_prompt_read_in_part_is_the_plan_of_the_whole_prompt(
         assert refusal(request, whole, case.limit) == refusal(request, checked, case.limit)
     full_plan = planner_for(case, whole).plan(whole)
     # Settled means whatever the whole count turns out to be: the plan is the same at both ends of the bound.
-    counts = {read.num_tokens} if read.at_most is None else {len(read.token_ids), read.num_tokens, read.at_most}
+    # The lowest: what its ids or its words showed (Prompt.floor), never past the whole count.
+    assert read.floor <= whole.num_tokens
+    lowest = max(len(read.token_ids), read.floor)
+    counts = {read.num_tokens} if read.at_most is None else {lowest, read.num_tokens, read.at_most}
     for count in counts:
         fast_plan = planner_for(case, whole).plan(replace(read, num_tokens=count))
         assert (fast_plan.path, fast_plan.reason, fast_plan.decoder.url) == (
@@ -249,7 +271,12 @@ def refusal(request: object, prompt: Prompt, limit: int) -> str | None:
     return None
 
 
-async def test_a_long_prompt_is_read_only_to_the_threshold(local: LocalTokenizer) -> None:
+@pytest.mark.parametrize("by_words", [True, False])
+async def test_a_long_prompt_is_read_only_as_far_as_its_plan_needs(
+    local: LocalTokenizer, by_words: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its words show it past the threshold: read only as far as the cached prefixes need (a few blocks).
+    Without that bound (a tokenizer whose tokens may span words), its ids are read to the threshold."""
     text = text_of(20000, 1)
     request = parse_request("completion", orjson.dumps({"prompt": text}))
     whole = await local.tokenize(request)
@@ -257,13 +284,23 @@ async def test_a_long_prompt_is_read_only_to_the_threshold(local: LocalTokenizer
         decode_urls=["http://127.0.0.1:8200"], prefill_urls=["http://127.0.0.1:8100"], routing_threshold=2048
     )
     planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    monkeypatch.setattr(local, "words_bound", by_words)
     reader = await local.reader(request)
     assert reader is not None
     read = await read_prompt(reader, planner.tokens_to_settle, None)
     assert read.at_most is not None and read.rest is not None
-    assert 2048 <= len(read.token_ids) < whole.num_tokens / 2
+    if by_words:
+        # A first head of a few blocks (cut by the guess of four characters a token: these texts hold two).
+        assert REACH_HEAD_BLOCKS * 16 <= len(read.token_ids) < 2048 / 8 and 2048 <= read.floor <= read.num_tokens
+        assert read.floor <= whole.num_tokens
+    else:
+        assert read.at_least is None and read.floor == 0
+        assert 2048 <= len(read.token_ids) < whole.num_tokens / 2
     assert (await read.rest).token_ids == whole.token_ids
-    assert planner.plan(read).reason == "long_prompt"
+    lowest = max(len(read.token_ids), read.floor)
+    for count in (lowest, read.num_tokens):
+        fresh = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+        assert fresh.plan(replace(read, num_tokens=count)).reason == "long_prompt"
 
 
 async def test_a_prompt_bound_for_the_prefill_hop_waits_for_its_ids_or_is_encoded_when_asked(
@@ -467,6 +504,8 @@ class Known:
     known: int  # the prompt's first tokens known (all of them when it has fewer)
     slack: float  # how far the bound lies past the whole count, as a share of it
     case: Case
+    # How far past the known tokens its words show the whole count to reach, as a share of the rest (None: no bound).
+    words: float | None = None
 
 
 @settings(max_examples=1000, deadline=None)
@@ -478,6 +517,7 @@ class Known:
         known=st.integers(0, 8000),
         slack=st.one_of(st.just(0.0), st.floats(0.0, 2.0)),
         case=cases,
+        words=st.one_of(st.none(), st.floats(0.0, 1.0)),
     )
 )
 def test_a_settled_plan_is_the_plan_of_every_prompt_the_known_tokens_allow(known: Known) -> None:
@@ -488,12 +528,14 @@ def test_a_settled_plan_is_the_plan_of_every_prompt_the_known_tokens_allow(known
     whole = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
     count = min(known.known, len(ids))
     at_most = len(ids) + int(len(ids) * known.slack)
-    part = Prompt(token_ids=ids[:count], num_tokens=count, seconds=0.0, at_most=at_most)
+    floor = count if known.words is None else count + int((len(ids) - count) * known.words)
+    shown = None if known.words is None else (lambda tokens: tokens <= floor)
+    part = Prompt(token_ids=ids[:count], num_tokens=count, seconds=0.0, at_most=at_most, at_least=shown)
     case = known.case
     if planner_for(case, whole).tokens_to_settle(part) != 0:
         return
     full_plan = planner_for(case, whole).plan(whole)
-    for tokens in {count, len(ids), at_most}:
+    for tokens in {floor, len(ids), at_most}:
         plan = planner_for(case, whole).plan(replace(part, num_tokens=tokens))
         assert (plan.path, plan.reason, plan.decoder.url) == (full_plan.path, full_plan.reason, full_plan.decoder.url)
         assert (plan.prefiller and plan.prefiller.url) == (full_plan.prefiller and full_plan.prefiller.url)
@@ -533,6 +575,7 @@ async def test_a_prompts_first_head_is_cut_by_the_density_of_the_prompts_read_be
     next prompt's first head close to the tokens its plan wants, still in one step."""
     local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
     assert local.chars_per_token is None
+    local.words_bound = False  # its ids are read to the threshold, not shown long by its words
     settings = load_settings(
         decode_urls=["http://127.0.0.1:8200"],
         prefill_urls=["http://127.0.0.1:8100"],

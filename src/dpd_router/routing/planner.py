@@ -46,6 +46,9 @@ KV_REJECTED = "kv_rejected"
 CONNECTOR_UNSUPPORTED = "connector_unsupported"
 # The KV connector's decoders serve nothing alone (SGLang): every request takes the prefill hop.
 CONNECTOR_REQUIRES_PREFILL = "connector_requires_prefill"
+# A prompt shown long by its words is read first this many blocks far: enough for the cached prefixes of
+# most prompts to end inside it (a prefix running on past it has the prompt read on, doubling).
+REACH_HEAD_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,9 @@ class Planner:
 
         Settled: a prompt below the threshold whatever its count, when the cached prefixes of every
         endpoint (by every cache source) end inside its known ids, or only one decoder could take it;
-        a long prompt once its known tokens, less the longest such cached prefix, reach the threshold
-        (and the busy gate's ceiling, while the gate is closed), and its prefiller's strategy reads no
+        a long prompt once its known tokens (or its words: Prompt.at_least), less the longest such cached
+        prefix, reach the threshold (and the busy gate's ceiling, while the gate is closed), and its
+        prefiller's strategy reads no
         further (`tokens_read`; nothing while one prefiller is up: it takes the prompt whatever the strategy
         would read). Nothing awaits between this and `plan`, so the state it saw is the plan's.
         Adaptive mode weighs the exact count, an external KV lookup asks with every id, and decoders
@@ -219,15 +223,23 @@ class Planner:
         strategy = self.prefill_strategy
         # A prefix-aware choice among several prefillers reads its key; with one, nothing is chosen.
         reads = strategy.tokens_read() if isinstance(strategy, PrefixAware) else 0
-        floor = max(self.threshold, reads if len(self.pool.healthy("prefill")) > 1 else 0)
+        ids_needed = reads if len(self.pool.healthy("prefill")) > 1 else 0
+        # Its count may be shown by its words alone (Prompt.at_least), not its ids by anything but reading.
+        shown = prompt.at_least or (lambda count: False)
         if reach is None:
-            return max(2 * known, floor + block_size)
+            if shown(self.threshold):
+                # Long by its words: read only as far as the cached prefixes need to be known, from a few blocks.
+                return max(2 * known, ids_needed, REACH_HEAD_BLOCKS * block_size)
+            return max(2 * known, max(self.threshold, ids_needed) + block_size)
         cached = reach if self._threshold.cache_aware else 0
-        needed = max(floor, self.threshold + cached)
+        count_needed = self.threshold + cached
         gate = self._busy_gate
         if gate is not None and gate.diverts(self.pool.healthy("prefill"), 0):
-            needed = max(needed, gate.max_tokens + cached)  # closed now: it diverts prompts below its ceiling
-        return 0 if known >= needed else needed
+            # Closed now: it diverts prompts below its ceiling.
+            count_needed = max(count_needed, gate.max_tokens + cached)
+        if known >= ids_needed and (known >= count_needed or shown(count_needed)):
+            return 0
+        return max(ids_needed, count_needed)
 
     def _cached_reach(self, prompt: Prompt) -> int | None:
         """The longest prefix of the prompt any endpoint holds by any cache source, when reading on could

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 
 from dpd_router.deadlines import CostBound, DeadlinePolicy, HopDeadlines
@@ -53,3 +56,21 @@ def test_the_floor_holds_and_decode_calls_with_and_without_kv_are_learned_apart(
         deadlines.learn("first_token", (1000,), 0.01, with_kv=True)
     assert deadlines.deadline("first_token", (1000,), POLICY, cap=120.0, with_kv=True) == pytest.approx(0.5)
     assert deadlines.deadline("first_token", (1000,), POLICY, cap=120.0) is None, "a prompt computed is slower"
+
+
+@pytest.mark.parametrize("dimensions", [1, 2, 3])
+def test_the_expected_time_is_the_median_of_every_seen_hops_scaled_bound(dimensions: int) -> None:
+    """Each arity's fast path against the definition, over random windows and sizes."""
+    rng = random.Random(dimensions)
+    for _ in range(200):
+        bound = CostBound(window=rng.randint(1, 64))
+        seen = [(tuple(rng.randint(0, 5000) for _ in range(dimensions)), rng.random() * 3) for _ in range(80)]
+        for size, seconds in seen:
+            bound.learn(size, seconds)
+        size = tuple(rng.randint(0, 8000) for _ in range(dimensions))
+        kept = seen[-len(bound) :]
+        scaled = [
+            seconds * max([1.0] + [max(want, 1) / max(have, 1) for want, have in zip(size, sizes, strict=True)])
+            for sizes, seconds in kept
+        ]
+        assert bound.expected(size) == pytest.approx(statistics.median(scaled), rel=1e-12)
