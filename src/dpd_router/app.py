@@ -107,7 +107,6 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
     the completions lane."""
     access, serving, live = components.access, components.serving, components.live
     every_engine, metrics, models = components.every_engine, components.metrics, serving.models
-    routing = components.default.routing
     openai = OpenAIApi(
         gatekeeper=access.gatekeeper,
         admission=access.admission,
@@ -125,9 +124,8 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
     admin = AdminApi(
         gatekeeper=access.gatekeeper,
         live=live,
-        planner=routing.planner,
+        models=models,
         metrics=metrics,
-        experiments=routing.experiments,
     )
     app.include_router(admin.routes())
     console = ConsoleApi(
@@ -136,7 +134,6 @@ def add_routes(app: FastAPI, components: Components) -> OpenAIApi:
         metrics=metrics,
         models=models,
         pool=every_engine,
-        planner=routing.planner,
         observer=serving.observer,
         history=components.upkeep.history,
     )

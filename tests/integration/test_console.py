@@ -200,3 +200,81 @@ async def test_a_console_opened_on_a_busy_router_starts_with_its_last_minutes(
         await expect(page.locator("#apply")).to_be_disabled()
         await expect(page.locator("#change-outcome")).to_contain_text("dpd-router hash-key")
         await browser.close()
+
+
+async def test_a_console_of_two_models_shows_and_changes_each_apart(chromium: str, tokenizer_dir: Path) -> None:
+    """Two models behind one router: /admin/routing and the page describe one model at a time (its settings,
+    decisions and requests), the page switches between them, and a threshold applied there changes the
+    model shown and no other."""
+    from playwright.async_api import async_playwright, expect
+
+    alpha_name, beta_name = "alpha-7b", "beta-70b"
+    async with (
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=alpha_name) as alpha,
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=beta_name) as beta,
+        running_router(
+            tokenizer=str(tokenizer_dir),
+            threshold_mode="static",
+            admin_key_hashes=[hash_key(ADMIN_KEY)],
+            models={
+                alpha_name: {
+                    "prefill_urls": alpha.prefill_urls,
+                    "decode_urls": alpha.decode_urls,
+                    "routing_threshold": 40,
+                },
+                beta_name: {
+                    "prefill_urls": beta.prefill_urls,
+                    "decode_urls": beta.decode_urls,
+                    "routing_threshold": 100_000,
+                },
+            },
+        ) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client,
+        async_playwright() as playwright,
+    ):
+        for i, model in enumerate([alpha_name] * 2 + [beta_name] * 3):
+            answer = await client.post("/v1/chat/completions", json={**chat_body(f"{i} {LONG}"), "model": model})
+            assert answer.status_code == 200, answer.text
+
+        routing = (await client.get("/admin/routing")).json()
+        assert (routing["model"], routing["routing_threshold"]) == (alpha_name, 40)
+        assert routing["decisions"] == {"disaggregated/long_prompt": 2}
+        routing = (await client.get("/admin/routing", params={"model": beta_name})).json()
+        assert (routing["model"], routing["routing_threshold"]) == (beta_name, 100_000)
+        assert routing["decisions"] == {"direct/below_threshold": 3}
+        unknown = await client.get("/admin/routing", params={"model": "gamma"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "NotFoundError"
+        assert (await client.get("/admin/state", params={"model": "gamma"})).status_code == 404
+
+        browser = await playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = await browser.new_page(viewport={"width": 1400, "height": 1100})
+        await page.goto(f"{base_url}/ui")
+        await page.fill("#key", ADMIN_KEY)
+        await page.dispatch_event("#key", "change")
+        # The first model first: its threshold, its decisions, its requests.
+        await expect(page.locator("#model-choice")).to_be_visible(timeout=15_000)
+        await expect(page.locator("#threshold")).to_have_text("40")
+        await expect(page.locator("#recent-table tbody tr")).to_have_count(2)
+        long_rows = page.locator('#reason-table tr[data-path="disaggregated"][data-reason="long_prompt"]')
+        await expect(long_rows.locator("td").nth(2)).to_have_text("2")
+
+        await page.select_option("#model-select", beta_name)
+        await expect(page.locator("#threshold")).to_have_text("100000", timeout=15_000)
+        await expect(page.locator("#recent-table tbody tr")).to_have_count(3)
+        short_rows = page.locator('#reason-table tr[data-path="direct"][data-reason="below_threshold"]')
+        await expect(short_rows.locator("td").nth(2)).to_have_text("3")
+        await expect(long_rows).to_have_count(0)
+
+        # Beta's threshold lowered from the page: beta's next long prompt takes the prefill hop, alpha keeps 40.
+        page.on("dialog", lambda dialog: dialog.accept())
+        await page.fill("#new-threshold", "50")
+        await page.click("#apply")
+        await expect(page.locator("#change-outcome")).to_have_text("changed: models", timeout=15_000)
+        answer = await client.post("/v1/chat/completions", json={**chat_body(f"after {LONG}"), "model": beta_name})
+        assert answer.status_code == 200
+        routing = (await client.get("/admin/routing", params={"model": beta_name})).json()
+        assert routing["routing_threshold"] == 50
+        assert routing["decisions"] == {"direct/below_threshold": 3, "disaggregated/long_prompt": 1}
+        assert (await client.get("/admin/routing")).json()["routing_threshold"] == 40
+        await expect(page.locator("#threshold")).to_have_text("50", timeout=15_000)
+        await browser.close()

@@ -13,15 +13,16 @@ from starlette.responses import Response
 from dpd_router.api.errors import error_response, response_for
 from dpd_router.errors import RateLimited, RouterError
 from dpd_router.live import ConfigRejected
+from dpd_router.metrics import model_label
 from dpd_router.routing.adaptive import LEARNED_HOPS, LEARNING_EXPLORE_SHARE
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
     from dpd_router.config import Settings
+    from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
     from dpd_router.routing.adaptive import AdaptiveModel
-    from dpd_router.routing.experiments import ExperimentArms
     from dpd_router.routing.planner import Planner
 
 
@@ -50,22 +51,20 @@ def authorize(request: Request, gatekeeper: Gatekeeper, *, open_without_keys: bo
 
 
 class AdminApi:
-    """The admin routes, over the key check, the live configuration and the shared pool's planner."""
+    """The admin routes, over the key check, the live configuration and each model's shared-pool planner."""
 
     def __init__(
         self,
         *,
         gatekeeper: Gatekeeper,
         live: LiveConfig,
-        planner: Planner,
+        models: Models,
         metrics: RouterMetrics,
-        experiments: ExperimentArms | None = None,
     ) -> None:
         self._gatekeeper = gatekeeper
         self._live = live
-        self._planner = planner
+        self._models = models
         self._metrics = metrics
-        self._experiments = experiments
 
     def routes(self) -> APIRouter:
         routes = APIRouter(prefix="/admin")
@@ -107,21 +106,30 @@ class AdminApi:
         return _json({"changed": changed, "config": self._live.effective()})
 
     async def routing(self, request: Request) -> Response:
-        """The routing decision in words: the threshold in force, what the adaptive model learned, and the
-        decisions taken so far by reason."""
+        """The routing decision of one served model (`?model=NAME`, else the first) in words: the threshold
+        in force, what the adaptive model learned, and the decisions taken so far by reason."""
         refusal = authorize(request, self._gatekeeper)
         if refusal is not None:
             return refusal
-        planner = self._planner
-        settings = self._live.settings
+        try:
+            served = self._models.named(request.query_params.get("model"))
+        except RouterError as exc:  # vLLM's 404 for a model it does not serve
+            return response_for(exc)
+        planner = served.gateway.planner_for(None)
+        every = self._live.settings.each_model()
+        # A lone model's settings are the top level's, under a name learnt from its engines or not yet.
+        settings = every.get(served.name) or self._live.settings
+        label = model_label(served.name)
         decisions: dict[str, int] = collections.Counter()
         for metric in self._metrics.route_decisions.collect():
             for sample in metric.samples:
-                if sample.name.endswith("_total"):  # summed over arms
-                    decisions[f"{sample.labels['path']}/{sample.labels['reason']}"] += int(sample.value)
+                if sample.name.endswith("_total") and (len(self._models) == 1 or sample.labels["model"] == label):
+                    decisions[f"{sample.labels['path']}/{sample.labels['reason']}"] += int(sample.value)  # over arms
         view = planner.adaptive_view()
         summary = _routing_summary(planner, settings, view)
         body = {
+            "model": served.name,
+            "models": [model.name for model in self._models],
             "threshold_mode": settings.threshold_mode,
             "routing_threshold": settings.routing_threshold,
             "summary": summary,
@@ -129,7 +137,7 @@ class AdminApi:
             "learned": planner.adaptive.describe() if planner.adaptive is not None else None,
             "decisions": dict(decisions),
             # The experiment arms in force and the routing settings each plans with (the rest is arm `live`).
-            "arms": self._experiments.describe() if self._experiments is not None else [],
+            "arms": [] if (experiments := served.gateway.experiments) is None else experiments.describe(),
         }
         return _json(body)
 

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import os
 import time
+from collections.abc import Sequence
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
@@ -27,16 +28,17 @@ from dpd_router import __version__
 from dpd_router.advise.analysis import analyse
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.api.admin import authorize
-from dpd_router.metrics import PREFIX, RouterMetrics
+from dpd_router.api.errors import response_for
+from dpd_router.errors import RouterError
+from dpd_router.metrics import PREFIX, RouterMetrics, model_label
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
-    from dpd_router.gateway.models import Models
+    from dpd_router.gateway.models import Models, ServingModel
     from dpd_router.live import LiveConfig
     from dpd_router.observe import Observer
     from dpd_router.pool.endpoint import Endpoint
     from dpd_router.pool.pool import Pool
-    from dpd_router.routing.planner import Planner
 
 # Histograms the page charts, by their name without the prefix, and the label it splits them by.
 HISTOGRAMS = {
@@ -59,18 +61,36 @@ HISTORY_INTERVAL = 5.0
 
 
 class ConsoleHistory:
-    """The charts' counters and histograms of the last `keep` seconds, sampled every `interval` seconds."""
+    """The charts' counters and histograms of the last `keep` seconds, sampled every `interval` seconds;
+    with several `models` (their names), each model's apart, as the page shows one at a time."""
 
-    def __init__(self, metrics: RouterMetrics, *, interval: float = HISTORY_INTERVAL, keep: float = HISTORY_SECONDS):
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        *,
+        models: Sequence[str] = (),
+        interval: float = HISTORY_INTERVAL,
+        keep: float = HISTORY_SECONDS,
+    ):
         self._metrics = metrics
+        self._models = list(models) if len(models) > 1 else []
         self._interval = interval
         self._samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, round(keep / interval)))
 
     def sample(self) -> None:
-        self._samples.append({"time": time.time(), **charted(Scrape.parse(self._metrics.render().decode()))})
+        scrape = Scrape.parse(self._metrics.render().decode())
+        if not self._models:
+            self._samples.append({"time": time.time(), **charted(scrape)})
+            return
+        by_model = {name: charted(scrape.model_only(model_label(name))) for name in self._models}
+        self._samples.append({"time": time.time(), "models": by_model})
 
-    def samples(self) -> list[dict[str, Any]]:
-        return list(self._samples)
+    def samples(self, model: str | None = None) -> list[dict[str, Any]]:
+        """The samples, of `model` where they are kept by model (the first model's for None)."""
+        if not self._models:
+            return list(self._samples)
+        name = model if model in self._models else self._models[0]
+        return [{"time": sample["time"], **sample["models"][name]} for sample in self._samples]
 
     async def run(self) -> None:
         while True:
@@ -90,7 +110,6 @@ class ConsoleApi:
         metrics: RouterMetrics,
         models: Models,
         pool: Pool,
-        planner: Planner,
         observer: Observer,
         history: ConsoleHistory | None = None,
     ) -> None:
@@ -99,7 +118,6 @@ class ConsoleApi:
         self._metrics = metrics
         self._models = models
         self._pool = pool
-        self._planner = planner
         self._observer = observer
         self._history = history
 
@@ -110,29 +128,46 @@ class ConsoleApi:
         return routes
 
     async def state(self, request: Request) -> Response:
-        """Everything the console shows, at this moment. Open when the router has no API keys at all (as in
-        `make demo`); otherwise it needs an admin key, like every /admin endpoint."""
+        """Everything the console shows, at this moment, of one served model (`?model=NAME`, else the first).
+        Open when the router has no API keys at all (as in `make demo`); otherwise it needs an admin key,
+        like every /admin endpoint."""
         refusal = authorize(request, self._gatekeeper, open_without_keys=True)
         if refusal is not None:
             return refusal
-        state = self.snapshot()
+        try:
+            served = self._models.named(request.query_params.get("model"))
+        except RouterError as exc:  # vLLM's 404 for a model it does not serve
+            return response_for(exc)
+        state = self.snapshot(served)
         if request.query_params.get("history") == "1":
-            state["history"] = [] if self._history is None else self._history.samples()
+            state["history"] = [] if self._history is None else self._history.samples(served.name)
         return Response(orjson.dumps(state, default=str), media_type="application/json")
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, served: ServingModel | None = None) -> dict[str, Any]:
+        served = served or self._models.default
         settings = self._live.effective()
+        # Its own settings: an entry of `models`, or (one model) the top level's.
+        own = self._live.settings.each_model().get(served.name) or self._live.settings
+        several = len(self._models) > 1
         scrape = Scrape.parse(self._metrics.render().decode())
+        if several:
+            scrape = scrape.model_only(model_label(served.name))
+        recent = self._observer.recent
         return {
             "time": time.time(),
             "router": {
                 "version": __version__,
                 # Every model served, by name; their pools are listed apart (each named after its model).
-                "model": " · ".join(served.name or "(not yet known)" for served in self._models),
-                "routing_threshold": settings["routing_threshold"],
-                "threshold_mode": settings["threshold_mode"],
-                "prefill_strategy": settings["prefill_strategy"],
-                "kv_connector": settings["kv_connector"],
+                "model": " · ".join(model.name or "(not yet known)" for model in self._models),
+                # The model this state describes (its settings, charts, adaptive view and recent requests),
+                # and every model the page may switch to; `models` holds the entries Apply changes one of.
+                "selected": served.name,
+                "models": [model.name for model in self._models] if several else [],
+                "model_entries": settings.get("models") or {},
+                "routing_threshold": own.routing_threshold,
+                "threshold_mode": own.threshold_mode,
+                "prefill_strategy": own.prefill_strategy,
+                "kv_connector": own.kv_connector,
                 "admin_key_needed": self._gatekeeper.keys.configured,
                 # Under `--workers N` the state below is this worker's (its pools, settings, recent
                 # requests); the counters and histograms, read from /metrics, are every worker's.
@@ -143,10 +178,14 @@ class ConsoleApi:
                 {"name": pool.name, "endpoints": [_endpoint(e) for e in pool.endpoints()]} for pool in self._pool.parts
             ],
             **charted(scrape),
-            "adaptive": self._planner.adaptive_view(),
-            "adaptive_costs": _adaptive_costs(scrape) if settings["threshold_mode"] == "adaptive" else [],
+            "adaptive": served.gateway.planner_for(None).adaptive_view(),
+            "adaptive_costs": _adaptive_costs(scrape) if own.threshold_mode == "adaptive" else [],
             "advice": _advice(scrape),
-            "recent": [{"finished_at": at, **fields} for at, fields in self._observer.recent],
+            "recent": [
+                {"finished_at": at, **fields}
+                for at, fields in recent
+                if not several or fields.get("model") == served.name
+            ],
         }
 
 

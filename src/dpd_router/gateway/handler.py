@@ -101,6 +101,10 @@ class Gateway:
     def planners(self) -> Mapping[str | None, Planner]:
         return self._planners
 
+    @property
+    def experiments(self) -> ExperimentArms | None:
+        return self._experiments
+
     def planner_for(self, tenant: str | None) -> Planner:
         """A tenant with reserved engines plans over them alone; everyone else shares the main pool."""
         return self._planners.get(tenant) or self._planners[None]

@@ -295,5 +295,5 @@ def build_upkeep(
         interval=settings.health_interval,
         probe_timeout=settings.health_timeout,
         memory=MemoryReturn.for_this_process(),
-        history=ConsoleHistory(metrics),
+        history=ConsoleHistory(metrics, models=list(settings.models)),
     )
