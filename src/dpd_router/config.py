@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -348,10 +349,10 @@ class Settings(BaseSettings):
         description="Several models behind one router: `{served model name: {settings}}`. Each entry may set "
         "what belongs to one model (its engines and tokenizer, routing, adaptive, connector and per-request "
         "reliability settings: `prefill_urls`, `decode_urls`, `tokenizer`, `routing_threshold`, "
-        "`prefill_strategy`, `kv_connector`, `prefill_timeout` ...) and takes the top level's value for the "
-        "rest. Requests go to the engines of the model (or LoRA adapter) they name; one that names none goes "
-        "to the first entry. Unset: one model, the top level's. Live for an entry's live settings: adding or "
-        "removing a model, or changing its engines, needs a restart.",
+        "`prefill_strategy`, `kv_connector`, `prefill_timeout`, its discovery selectors ...) and takes the top "
+        "level's value for the rest. Requests go to the engines of the model (or LoRA adapter) they name; one "
+        "that names none goes to the first entry. Unset: one model, the top level's. Live for an entry's live "
+        "settings: adding or removing a model, or changing its engines, needs a restart.",
         json_schema_extra=_meta("engines", live=True),
     )
 
@@ -1222,10 +1223,6 @@ class Settings(BaseSettings):
         as a whole (so an entry's pools are checked as a one-model router's are) and apart from each other."""
         if self.tenants:
             raise ValueError("tenants: engines reserved for tenants are not yet supported beside `models`")
-        if self.discovery != "static":
-            raise ValueError(
-                "discovery: Kubernetes discovery is not yet supported beside `models`; list each model's URLs"
-            )
         shared = {name: getattr(self, name) for name in Settings.model_fields if name not in ("config", "models")}
         each: dict[str, Settings] = {}
         owners: dict[str, str] = {}
@@ -1242,6 +1239,12 @@ class Settings(BaseSettings):
                 settings = Settings(**{**shared, **entry, "model": name})
             except ValidationError as exc:
                 raise ValueError(f"models.{name}: {describe_validation_error(exc, prefix=False)}") from None
+            if settings.discovery == "kubernetes" and not _narrows_discovery(entry, settings):
+                raise ValueError(
+                    f"models.{name}: with discovery: kubernetes, each model names its own pods: set its "
+                    "kubernetes_selector (a label only its engine pods carry), or the selector of each role "
+                    "it discovers"
+                )
             for url in (*settings.prefill_urls, *settings.decode_urls):
                 if url in owners:
                     raise ValueError(
@@ -1275,6 +1278,15 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+def _narrows_discovery(entry: Mapping[str, Any], settings: Settings) -> bool:
+    """Whether a model's entry selects pods of its own for every role it discovers (a role left without URLs):
+    its own `kubernetes_selector`, or that role's selector."""
+    if "kubernetes_selector" in entry and settings.kubernetes_selector.strip():
+        return True
+    discovered = [role for role in ("prefill", "decode") if not getattr(settings, f"{role}_urls")]
+    return all(f"kubernetes_{role}_selector" in entry for role in discovered)
+
+
 # What one entry of `models` may set: its pools, tokenizer, routing and transfer, and the timeouts and
 # retries of its requests. Process-wide parts (health probes and load scrapes, which watch every engine,
 # the engines' credentials, listeners, keys, admission, stores) are set once, at the top level.
@@ -1282,11 +1294,16 @@ MODEL_SETTINGS = frozenset(
     name
     for name, field in Settings.model_fields.items()
     if isinstance(field.json_schema_extra, dict)
-    and field.json_schema_extra.get("group") in ("engines", "connectors", "routing", "adaptive", "reliability")
+    and field.json_schema_extra.get("group")
+    in ("engines", "connectors", "routing", "adaptive", "reliability", "discovery")
 ) - {
     "model",
     "models",
     "engine_api_key",
+    # One API server for every model's discovery.
+    "kubernetes_api_url",
+    "kubernetes_token_file",
+    "kubernetes_ca_file",
     "load_scrape_interval",
     "health_interval",
     "health_timeout",

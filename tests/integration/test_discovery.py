@@ -189,3 +189,60 @@ async def test_the_router_follows_pods_across_watch_restarts_and_410_relists(
 
 async def _watching(kube: FakeKubernetes, count: int) -> bool:
     return len(kube.watches()) >= count
+
+
+async def test_each_model_discovers_its_own_pods_and_an_engine_serves_one_model(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Two models found by their pods' labels: each model's requests reach its own pods only, and a pod the
+    second model's selector also matches stays the first model's (a conflict counted, not shared)."""
+    alpha_name, beta_name = "alpha-7b", "beta-70b"
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    kube = FakeKubernetes(token=TOKEN)
+    async with (
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=alpha_name) as alpha,
+        SimCluster(in_process=True, prefill=0, decode=1, tokenizer=tokenizer_dir, model=beta_name) as beta,
+    ):
+        kube.put_pod("alpha-prefill-0", role="prefill", port=port(alpha.prefill_urls[0]), labels={"model": "alpha"})
+        # Labelled for beta's selector too: it stays alpha's, which found it first.
+        kube.put_pod(
+            "alpha-decode-0", role="decode", port=port(alpha.decode_urls[0]), labels={"model": "alpha", "tier": "big"}
+        )
+        kube.put_pod("beta-decode-0", role="decode", port=port(beta.decode_urls[0]), labels={"tier": "big"})
+        async with (
+            kube.serve() as api_url,
+            running_router(
+                discovery="kubernetes",
+                kubernetes_api_url=api_url,
+                kubernetes_namespace="engines",
+                kubernetes_token_file=str(token),
+                tokenizer=str(tokenizer_dir),
+                threshold_mode="static",
+                models={
+                    alpha_name: {"kubernetes_selector": "model=alpha", "routing_threshold": THRESHOLD},
+                    beta_name: {"kubernetes_selector": "tier=big"},
+                },
+            ) as base_url,
+            httpx.AsyncClient(base_url=base_url, timeout=30) as client,
+        ):
+            for model, cluster in ((alpha_name, alpha), (beta_name, beta)):
+                for content in (LONG, SHORT):
+                    request_id = f"disc-{uuid.uuid4().hex[:8]}"
+                    answer = await client.post(
+                        "/v1/chat/completions",
+                        json={**chat_body(content), "model": model},
+                        headers={"X-Request-Id": request_id},
+                    )
+                    assert answer.status_code == 200, answer.text
+                    every = [*alpha.prefill_urls, *alpha.decode_urls, *beta.decode_urls]
+                    seen = [url for url in every if await requests_seen(url, request_id)]
+                    expected = [*cluster.prefill_urls, *cluster.decode_urls] if content == LONG else cluster.decode_urls
+                    assert seen == expected, (model, content)
+            assert await discovery_events(base_url, "decode", "conflict") >= 1
+            state = (await client.get("/admin/state")).json()
+            pools = {pool["name"]: sorted(e["url"] for e in pool["endpoints"]) for pool in state["pools"]}
+            assert pools == {
+                alpha_name: sorted([*alpha.prefill_urls, *alpha.decode_urls]),
+                beta_name: beta.decode_urls,
+            }

@@ -59,12 +59,35 @@ def test_one_model_without_models_is_the_top_level() -> None:
         ({"alpha": {"decode_urls": [A], "routing_threshold": 0}}, {}, "models.alpha: routing_threshold"),
         ({"alpha": {}}, {}, "models.alpha: settings: decode_urls: at least one decoder URL is required"),
         ({"alpha": {"decode_urls": [A]}}, {"tenants": {"t": {"decode_urls": [B]}}}, "tenants: engines reserved"),
-        ({"alpha": {"decode_urls": [A]}}, {"discovery": "kubernetes"}, "discovery: Kubernetes discovery"),
+        ({"alpha": {"decode_urls": [A]}}, {"discovery": "kubernetes"}, "models.alpha: with discovery: kubernetes"),
+        (
+            {"alpha": {"kubernetes_decode_selector": "m=alpha"}},
+            {"discovery": "kubernetes"},
+            "models.alpha: with discovery: kubernetes, each model names its own pods",
+        ),
+        ({"alpha": {"kubernetes_api_url": "https://k"}}, {}, "kubernetes_api_url cannot be set for one model"),
     ],
 )
 def test_a_bad_entry_is_refused_naming_it(models: dict[str, Any], top: dict[str, Any], words: str) -> None:
     with pytest.raises(SettingsError, match=words):
         load_settings(models=models, **top)
+
+
+def test_with_discovery_each_model_names_its_own_pods_or_lists_its_engines() -> None:
+    settings = load_settings(
+        discovery="kubernetes",
+        kubernetes_selector="app=engines",
+        models={
+            "alpha": {"kubernetes_selector": "dpd-router.io/model=alpha"},
+            "beta": {"kubernetes_prefill_selector": "role=p,m=beta", "kubernetes_decode_selector": "role=d,m=beta"},
+            "gamma": {"discovery": "static", "decode_urls": [A]},
+            "delta": {"decode_urls": [B], "kubernetes_prefill_selector": "role=p,m=delta"},
+        },
+    )
+    each = settings.each_model()
+    assert each["alpha"].kubernetes_selector == "dpd-router.io/model=alpha"
+    assert (each["gamma"].discovery, each["gamma"].decode_urls) == ("static", [A])
+    assert each["delta"].decode_urls == [B] and each["delta"].discovery == "kubernetes"
 
 
 def test_an_entrys_live_settings_change_live_and_the_rest_need_a_restart() -> None:

@@ -276,10 +276,31 @@ class PodWatch:
         self._metrics.discovery_events.labels(self.role, event).inc()
 
 
+class EngineOwners:
+    """The served model each discovered engine belongs to, shared by every model's discovery: a pod two
+    models' selectors match serves the one that found it first (an engine serves one model)."""
+
+    def __init__(self) -> None:
+        self._owners: dict[str, str | None] = {}
+
+    def claim(self, url: str, model: str | None) -> bool:
+        """Take `url` for `model`; False when another model holds it."""
+        owner = self._owners.setdefault(url, model)
+        return owner == model
+
+    def owner(self, url: str) -> str | None:
+        return self._owners.get(url)
+
+    def release(self, url: str, model: str | None) -> None:
+        if url in self._owners and self._owners[url] == model:
+            del self._owners[url]
+
+
 class Discovery:
     """Keeps the pool's discovered endpoints in step with the Ready pods its watches report.
 
-    Only endpoints it added are ever drained; `reserved` URLs (tenants' engines) are never taken.
+    Only endpoints it added are ever drained; `reserved` URLs (tenants' engines) are never taken, nor an
+    engine `owners` says another served model holds.
     """
 
     def __init__(
@@ -289,11 +310,15 @@ class Discovery:
         *,
         drain_timeout: float,
         reserved: Collection[str] = (),
+        model: str | None = None,
+        owners: EngineOwners | None = None,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
         self._drain_timeout = drain_timeout
         self._reserved = frozenset(reserved)
+        self._model = model
+        self._owners = owners if owners is not None else EngineOwners()
         self._client: AsyncClient | None = None
         self._watches: list[PodWatch] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -303,10 +328,19 @@ class Discovery:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, pool: Pool, metrics: RouterMetrics, *, reserved: Collection[str] = ()
+        cls,
+        settings: Settings,
+        pool: Pool,
+        metrics: RouterMetrics,
+        *,
+        reserved: Collection[str] = (),
+        owners: EngineOwners | None = None,
     ) -> Discovery:
-        """Discovery of each role the settings leave without static URLs, through the configured API server."""
-        discovery = cls(pool, metrics, drain_timeout=settings.drain_timeout, reserved=reserved)
+        """Discovery of each role the settings leave without static URLs, through the configured API server,
+        for the model they serve (`owners`: which model each discovered engine serves, shared by all)."""
+        discovery = cls(
+            pool, metrics, drain_timeout=settings.drain_timeout, reserved=reserved, model=settings.model, owners=owners
+        )
         roles = [role for role in ROLES if not pool.members(role)]
         selectors: dict[Role, LabelSelector] = {}
         for role in roles:
@@ -378,10 +412,13 @@ class Discovery:
         if url in self._reserved:
             self._conflict(role, url, "it belongs to a tenant's pool")
             return
+        if not self._owners.claim(url, self._model):
+            self._conflict(role, url, f"it serves model {self._owners.owner(url)}, which found it first")
+            return
         existing = self._pool.get(url)
         try:
             endpoint = self._pool.add(url, role)
-        except ValueError as exc:
+        except ValueError as exc:  # one of its pool's already, in the other role
             self._conflict(role, url, str(exc))
             return
         self._discovered[role].add(url)
@@ -416,6 +453,7 @@ class Discovery:
             del self._retiring[endpoint.url]
         if not endpoint.draining or not self._pool.remove(endpoint):
             return
+        self._owners.release(endpoint.url, self._model)
         self._metrics.forget_endpoint(endpoint)
         self._count(endpoint.role, "removed")
         if idle:

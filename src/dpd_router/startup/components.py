@@ -21,6 +21,7 @@ from dpd_router.live import LiveConfig, Reconfigurable
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.outcome import Outcome
+from dpd_router.pool.discovery import EngineOwners
 from dpd_router.pool.pool import Pool
 from dpd_router.shadow import LiveShadow
 from dpd_router.startup.families import (
@@ -79,6 +80,7 @@ class Components:
 
         observer = build_observer(settings, metrics, learn)
         shadow = LiveShadow(settings, observer, metrics)
+        owners = EngineOwners()
         try:
             # First, before anything else runs: a notification address that cannot be bound stops the
             # router here, with only the models built so far to close.
@@ -89,7 +91,7 @@ class Components:
                     engine_calls=engine_calls,
                     client=client,
                     metrics=metrics,
-                    build=ModelServices(observer, shadow),
+                    build=ModelServices(observer, shadow, owners),
                     pool_name=key if settings.models and key is not None else "shared",
                 )
                 stacks.append(stack)

@@ -23,7 +23,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.outcome import Outcome
 from dpd_router.pool.breaker import BreakerPolicy
-from dpd_router.pool.discovery import Discovery
+from dpd_router.pool.discovery import Discovery, EngineOwners
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
@@ -136,9 +136,11 @@ def engine_headers(settings: Settings) -> dict[str, str]:
     return {"Authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
 
 
-async def build_engines(settings: Settings, metrics: RouterMetrics, *, pool_name: str = "shared") -> Engines:
+async def build_engines(
+    settings: Settings, metrics: RouterMetrics, *, pool_name: str = "shared", owners: EngineOwners | None = None
+) -> Engines:
     """A model's pools: the one its requests share (`pool_name`: a model of several is named after itself) and
-    its tenants' reserved ones."""
+    its tenants' reserved ones; `owners`, which model each discovered engine serves, shared by every model."""
     breaker = BreakerPolicy(settings.breaker_failures, settings.breaker_cooldown, settings.breaker_max_cooldown)
     shared = Pool(settings.prefill_urls, settings.decode_urls, breaker=breaker, name=pool_name)
     tenants = {
@@ -148,22 +150,27 @@ async def build_engines(settings: Settings, metrics: RouterMetrics, *, pool_name
     every = Pool.union([shared, *tenants.values()])
     for endpoint in every.endpoints():
         metrics.watch_endpoint(endpoint)
-    discovery = await start_discovery(settings, shared, tenants.values(), metrics)
+    discovery = await start_discovery(settings, shared, tenants.values(), metrics, owners)
     return Engines(shared, tenants, every, discovery)
 
 
 async def start_discovery(
-    settings: Settings, pool: Pool, tenant_pools: Iterable[Pool], metrics: RouterMetrics
+    settings: Settings,
+    pool: Pool,
+    tenant_pools: Iterable[Pool],
+    metrics: RouterMetrics,
+    owners: EngineOwners | None = None,
 ) -> Discovery | None:
     """With `discovery: kubernetes`, watch the shared pool's engine pods (tenants' pools stay static)."""
     if settings.discovery != "kubernetes":
         return None
     reserved = {endpoint.url for tenant_pool in tenant_pools for endpoint in tenant_pool.endpoints()}
-    discovery = Discovery.from_settings(settings, pool, metrics, reserved=reserved)
+    discovery = Discovery.from_settings(settings, pool, metrics, reserved=reserved, owners=owners)
     await discovery.start()
     log.info(
-        "discovering %s engines in Kubernetes: %d prefillers and %d decoders ready",
+        "discovering %s engines of %s in Kubernetes: %d prefillers and %d decoders ready",
         " and ".join(discovery.roles),
+        settings.model or "the model",
         len(pool.healthy("prefill")),
         len(pool.healthy("decode")),
     )

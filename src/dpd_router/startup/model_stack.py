@@ -14,6 +14,7 @@ from dpd_router.live import Reconfigurable
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.outcome import Outcome
+from dpd_router.pool.discovery import EngineOwners
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.shadow import LiveShadow
 from dpd_router.startup.connectors import build_connector, warn_about_connector
@@ -93,7 +94,7 @@ async def build_model_stack(
     connector = build_connector(settings, engine_calls)
     await connector.start()
     try:
-        engines = await build_engines(settings, metrics, pool_name=pool_name)
+        engines = await build_engines(settings, metrics, pool_name=pool_name, owners=build.owners)
         model = ServedModel(settings.model)
         tokenizers = await load_tokenizers(settings, client, engines.by_tenant, model, metrics)
         routing = build_routing(settings, engines, metrics, client, connector)
@@ -118,10 +119,12 @@ async def build_model_stack(
 
 @dataclass(frozen=True)
 class ModelServices:
-    """What every model's gateway shares: the observer that records requests, the shadow."""
+    """What every model's parts share: the observer that records requests, the shadow, and which model each
+    engine discovery finds serves."""
 
     observer: Observer
     shadow: LiveShadow
+    owners: EngineOwners
 
 
 def watch_adaptive(metrics: RouterMetrics, stacks: Sequence[ModelStack]) -> None:
