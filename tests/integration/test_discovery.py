@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -35,8 +36,11 @@ async def engines(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
 
 
 @asynccontextmanager
-async def discovered_router(kube: FakeKubernetes, tokenizer_dir: Path, tmp_path: Path) -> AsyncIterator[str]:
-    """The stand-in API server, and a router discovering both pools through it; yields the router's URL."""
+async def discovered_router(
+    kube: FakeKubernetes, tokenizer_dir: Path, tmp_path: Path, **settings: Any
+) -> AsyncIterator[str]:
+    """The stand-in API server, and a router discovering both pools through it (`settings` on top of the
+    defaults here); yields the router's URL."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
     async with (
@@ -50,6 +54,7 @@ async def discovered_router(kube: FakeKubernetes, tokenizer_dir: Path, tmp_path:
             routing_threshold=THRESHOLD,
             threshold_mode="static",
             drain_timeout=30,
+            **settings,
         ) as base_url,
     ):
         yield base_url
@@ -197,8 +202,6 @@ async def test_each_model_discovers_its_own_pods_and_an_engine_serves_one_model(
     """Two models found by their pods' labels: each model's requests reach its own pods only, and a pod the
     second model's selector also matches stays the first model's (a conflict counted, not shared)."""
     alpha_name, beta_name = "alpha-7b", "beta-70b"
-    token = tmp_path / "token"
-    token.write_text(TOKEN)
     kube = FakeKubernetes(token=TOKEN)
     async with (
         SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=alpha_name) as alpha,
@@ -211,16 +214,12 @@ async def test_each_model_discovers_its_own_pods_and_an_engine_serves_one_model(
         )
         kube.put_pod("beta-decode-0", role="decode", port=port(beta.decode_urls[0]), labels={"tier": "big"})
         async with (
-            kube.serve() as api_url,
-            running_router(
-                discovery="kubernetes",
-                kubernetes_api_url=api_url,
-                kubernetes_namespace="engines",
-                kubernetes_token_file=str(token),
-                tokenizer=str(tokenizer_dir),
-                threshold_mode="static",
+            discovered_router(
+                kube,
+                tokenizer_dir,
+                tmp_path,
                 models={
-                    alpha_name: {"kubernetes_selector": "model=alpha", "routing_threshold": THRESHOLD},
+                    alpha_name: {"kubernetes_selector": "model=alpha"},
                     beta_name: {"kubernetes_selector": "tier=big"},
                 },
             ) as base_url,
