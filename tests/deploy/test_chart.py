@@ -13,12 +13,15 @@ import pytest
 import yaml
 
 from dpd_router.config import Settings
+from dpd_router.pool.discovery import role_selector
+from tests.unit.discovery.kube_api import Selector
 
 from .chart import (
     CHART,
     DEPLOY,
     EXAMPLES,
     NAMESPACE,
+    Release,
     example_files,
     example_id,
     load_values,
@@ -75,22 +78,51 @@ def test_router_config_holds_only_real_router_settings(values_file: Path | None)
     Settings.model_validate(settings)
 
 
+def model_pools(release: Release) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """(model name, role, component, the pool's values) of every engine pool the release's values ask for."""
+    values = release.values
+    pools = [(values["model"]["name"], role, role, values[role]) for role in ("prefill", "decode")]
+    for extra in values.get("extraModels") or []:
+        for role in ("prefill", "decode"):
+            pools.append((extra["name"], role, f"{extra['key']}-{role}", merged(values[role], extra.get(role) or {})))
+    return pools
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid over `base` as Helm's mergeOverwrite does: maps merged key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
 def test_router_is_told_every_engine_pod_by_its_stable_name(values_file: Path | None) -> None:
+    """Each model's engines (several models: each its entry of `models`), by name, or (discovery) by label."""
     release = render_example(values_file)
     settings = release.router_settings()
-    for role in ("prefill", "decode"):
-        statefulset = release.component("StatefulSet", role)
+    several = bool(release.values.get("extraModels"))
+    each = Settings.model_validate({k: v for k, v in settings.items() if k != "tokenizer"}).each_model()
+    for model, role, component, pool in model_pools(release):
+        statefulset = release.component("StatefulSet", component)
         service = release.get("Service", statefulset["spec"]["serviceName"])
         assert service["spec"]["clusterIP"] == "None", "a headless Service gives each pod a DNS name"
-        assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
-        pool = release.values[role]
+        pod = statefulset["spec"]["template"]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        if release.values["discovery"]["enabled"]:
+            others = [c for _, r, c, _ in model_pools(release) if c != component]
+            assert Selector(role_selector(each[model], role)).matches(pod), "its model finds it"
+            for other in others:
+                other_pod = release.component("StatefulSet", other)["spec"]["template"]
+                assert not Selector(role_selector(each[model], role)).matches(other_pod), f"{other} is not its"
+            continue
         count = pool["autoscaling"]["maxReplicas"] if pool["autoscaling"]["enabled"] else pool["replicas"]
         name = statefulset["metadata"]["name"]
         expected = [f"http://{name}-{i}.{name}.{NAMESPACE}.svc.cluster.local:8000" for i in range(count)]
         if role == "decode" and release.values["router"]["mode"] == "sidecar":
             expected = ["http://127.0.0.1:8000"]
-        assert settings[f"{role}_urls"] == expected
+        where = settings["models"][model] if several else settings
+        assert where[f"{role}_urls"] == expected
     assert settings["model"] == release.values["model"]["name"]
     assert settings["host"] == "0.0.0.0"
 
@@ -401,3 +433,63 @@ def test_the_responses_store_is_a_file_on_the_state_volume_or_a_redis_url() -> N
     assert {"name": "router-state", "persistentVolumeClaim": {"claimName": "state"}} in volumes
     with pytest.raises(helm.HelmValuesError, match="responsesStore"):
         render({"router": {"responsesStore": {"url": "http://redis:6379"}}})
+
+
+def test_each_extra_model_gets_pools_autoscalers_and_settings_of_its_own() -> None:
+    release = render(
+        yaml.safe_load(
+            """
+            model: {key: small}
+            extraModels:
+              - key: big
+                name: org/big-model
+                maxModelLen: 8192
+                prefill: {replicas: 2, tensorParallelSize: 4}
+                decode: {autoscaling: {enabled: true, maxReplicas: 3}}
+                settings: {routing_threshold: 8192}
+            """
+        )
+    )
+    values = release.values
+    settings = Settings.model_validate(release.router_settings())
+    each = settings.each_model()
+    assert list(each) == [values["model"]["name"], "org/big-model"]
+    assert each["org/big-model"].routing_threshold == 8192
+    assert each[values["model"]["name"]].routing_threshold == values["router"]["settings"]["routing_threshold"]
+    model_label = values["discovery"]["modelLabel"]
+    for component, served, key in (
+        ("prefill", values["model"]["name"], "small"),
+        ("big-prefill", "org/big-model", "big"),
+        ("big-decode", "org/big-model", "big"),
+    ):
+        pod = release.component("StatefulSet", component)["spec"]["template"]
+        assert pod["metadata"]["labels"][model_label] == key
+        vllm = pod["spec"]["containers"][0]
+        flags = dict(arg.split("=", 1) for arg in vllm["args"] if arg.startswith("--") and "=" in arg)
+        assert flags["--served-model-name"] == served
+        if served == "org/big-model":
+            assert flags["--max-model-len"] == "8192"
+    big_prefill = release.component("StatefulSet", "big-prefill")
+    assert big_prefill["spec"]["replicas"] == 2
+    assert big_prefill["spec"]["template"]["spec"]["containers"][0]["args"].count("--tensor-parallel-size=4") == 1
+    assert release.component("StatefulSet", "prefill")["spec"]["replicas"] == values["prefill"]["replicas"]
+    hpa = release.component("HorizontalPodAutoscaler", "big-decode")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == release.component("StatefulSet", "big-decode")["metadata"]["name"]
+    assert hpa["spec"]["maxReplicas"] == 3
+    assert len(each["org/big-model"].decode_urls) == 3, "told every pod its autoscaler may start"
+    assert not release.of_kind("HorizontalPodAutoscaler")[1:], "only the pool that asked for one"
+    assert release.component("PodDisruptionBudget", "big-decode")
+
+
+@pytest.mark.parametrize(
+    ("values", "name", "words"),
+    [
+        ({"router": {"mode": "sidecar"}, "extraModels": [{"key": "b", "name": "b"}]}, "chat", "sidecar"),
+        ({"extraModels": [{"key": "main", "name": "b"}]}, "chat", "a key of its own"),
+        ({"extraModels": [{"key": "b", "name": "b"}, {"key": "b", "name": "c"}]}, "chat", '"b" is taken'),
+        ({"extraModels": [{"key": "eighteen-char-key1", "name": "b"}]}, "a-release-with-a-long-name", "52 characters"),
+    ],
+)
+def test_extra_models_that_cannot_be_deployed_are_refused(values: dict[str, Any], name: str, words: str) -> None:
+    with pytest.raises(helm.HelmError, match=words):
+        render(values, name=name)

@@ -80,28 +80,57 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
 {{/*
+The engine pools of every model, as a JSON list: for model and then each of extraModels, its prefill and
+decode pool, each {role, component (the objects' name suffix: "prefill", or "<key>-prefill" for an extra
+model), model {key, name, source, maxModelLen}, pool (the pool's values; an extra model's own on top of
+prefill/decode), several (whether pods carry the model label: with extra models)}.
+*/}}
+{{- define "dpd-router.enginePools" -}}
+{{- $several := gt (len .Values.extraModels) 0 }}
+{{- $pools := list }}
+{{- $main := dict "key" .Values.model.key "name" .Values.model.name "source" .Values.model.source "maxModelLen" .Values.model.maxModelLen }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pools = append $pools (dict "role" $role "component" $role "model" $main "pool" (index $.Values $role) "several" $several) }}
+{{- end }}
+{{- $keys := list .Values.model.key }}
+{{- range $extra := .Values.extraModels }}
+{{- if has $extra.key $keys }}
+{{- fail (printf "extraModels: %q is taken: each model needs a key of its own (model.key is %q)" $extra.key $.Values.model.key) }}
+{{- end }}
+{{- $keys = append $keys $extra.key }}
+{{- $m := dict "key" $extra.key "name" $extra.name "source" ($extra.source | default $extra.name) "maxModelLen" ($extra.maxModelLen | default $.Values.model.maxModelLen) }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := mergeOverwrite (deepCopy (index $.Values $role)) (deepCopy ((index $extra $role) | default dict)) }}
+{{- $component := printf "%s-%s" $extra.key $role }}
+{{- if gt (len (printf "%s-%s" (include "dpd-router.fullname" $) $component)) 52 }}
+{{- fail (printf "extraModels: %s's objects would be named past 52 characters; use a shorter key or release name" $extra.key) }}
+{{- end }}
+{{- $pools = append $pools (dict "role" $role "component" $component "model" $m "pool" $pool "several" true) }}
+{{- end }}
+{{- end }}
+{{- toJson $pools }}
+{{- end }}
+
+{{/*
 How many engine pods of a pool the router is told about: its replicas, or with autoscaling on, its
 maxReplicas (pods not yet scaled up fail their health probes and get no traffic until they exist).
-Call with (list $ "prefill").
+Call with a pool's values.
 */}}
 {{- define "dpd-router.poolSize" -}}
-{{- $root := index . 0 -}}
-{{- $pool := index $root.Values (index . 1) }}
-{{- if $pool.autoscaling.enabled }}{{ $pool.autoscaling.maxReplicas }}{{ else }}{{ $pool.replicas }}{{ end }}
+{{- if .autoscaling.enabled }}{{ .autoscaling.maxReplicas }}{{ else }}{{ .replicas }}{{ end }}
 {{- end }}
 
 {{/*
 The engines of a pool as URLs: each StatefulSet pod by its stable DNS name under the pool's headless
-Service. Call with (list $ "decode"); renders a JSON list.
+Service. Call with (list $ spec), spec one of enginePools; renders a JSON list.
 */}}
 {{- define "dpd-router.engineUrls" -}}
 {{- $root := index . 0 -}}
-{{- $role := index . 1 }}
-{{- $pool := index $root.Values $role }}
+{{- $spec := index . 1 }}
 {{- $urls := list }}
-{{- if $pool.enabled }}
-{{- $name := include "dpd-router.componentName" (list $root $role) }}
-{{- range $i := until (int (include "dpd-router.poolSize" (list $root $role))) }}
+{{- if $spec.pool.enabled }}
+{{- $name := include "dpd-router.componentName" (list $root $spec.component) }}
+{{- range $i := until (int (include "dpd-router.poolSize" $spec.pool)) }}
 {{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc.%s:%d" $name $i $name $root.Release.Namespace $root.Values.clusterDomain (int $root.Values.engines.port)) }}
 {{- end }}
 {{- end }}
@@ -115,21 +144,43 @@ tokenizer), then router.settings on top. Every key is a dpd-router setting.
 {{- define "dpd-router.routerSettings" -}}
 {{- $settings := dict "host" "0.0.0.0" "port" (int (include "dpd-router.routerPort" .)) "model" .Values.model.name }}
 {{- $_ := set $settings "workers" (include "dpd-router.routerWorkers" . | int) }}
+{{- $pools := include "dpd-router.enginePools" . | fromJsonArray }}
+{{- $release := printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s" (include "dpd-router.name" .) .Release.Name }}
 {{- if .Values.discovery.enabled }}
 {{- /* The router watches this release's engine pods; a sidecar keeps its own decoder as decode_urls. */}}
 {{- $_ := set $settings "discovery" "kubernetes" }}
 {{- $_ := set $settings "kubernetes_namespace" .Release.Namespace }}
 {{- $_ := set $settings "kubernetes_role_label" .Values.discovery.roleLabel }}
-{{- $_ := set $settings "kubernetes_selector" (printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s" (include "dpd-router.name" .) .Release.Name) }}
+{{- $_ := set $settings "kubernetes_selector" $release }}
 {{- $_ := set $settings "kubernetes_port" (int .Values.engines.port) }}
 {{- $_ := set $settings "drain_timeout" (int .Values.engines.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- if .Values.extraModels }}
+{{- if eq .Values.router.mode "sidecar" }}
+{{- fail "extraModels: a sidecar router serves its own decoder's one model; use router.mode standalone" }}
+{{- end }}
+{{- /* Several models: each an entry of `models`, with its own engines (or its own pods' label) and settings. */}}
+{{- $models := dict }}
+{{- range $spec := $pools }}
+{{- $entry := get $models $spec.model.name | default dict }}
+{{- if $.Values.discovery.enabled }}
+{{- $_ := set $entry "kubernetes_selector" (printf "%s,%s=%s" $release $.Values.discovery.modelLabel $spec.model.key) }}
 {{- else }}
-{{- $_ := set $settings "prefill_urls" (include "dpd-router.engineUrls" (list . "prefill") | fromJsonArray) }}
+{{- $_ := set $entry (printf "%s_urls" $spec.role) (include "dpd-router.engineUrls" (list $ $spec) | fromJsonArray) }}
+{{- end }}
+{{- $_ := set $models $spec.model.name $entry }}
+{{- end }}
+{{- range $extra := .Values.extraModels }}
+{{- $_ := mergeOverwrite (get $models $extra.name) (deepCopy ($extra.settings | default dict)) }}
+{{- end }}
+{{- $_ := set $settings "models" $models }}
+{{- else if not .Values.discovery.enabled }}
+{{- range $spec := $pools }}
+{{- $_ := set $settings (printf "%s_urls" $spec.role) (include "dpd-router.engineUrls" (list $ $spec) | fromJsonArray) }}
+{{- end }}
 {{- end }}
 {{- if eq .Values.router.mode "sidecar" }}
 {{- $_ := set $settings "decode_urls" (list (printf "http://127.0.0.1:%d" (int .Values.engines.port))) }}
-{{- else if not .Values.discovery.enabled }}
-{{- $_ := set $settings "decode_urls" (include "dpd-router.engineUrls" (list . "decode") | fromJsonArray) }}
 {{- end }}
 {{- if .Values.router.tokenizerSubPath }}
 {{- $_ := set $settings "tokenizer" (printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.router.tokenizerSubPath) }}
