@@ -961,6 +961,14 @@ class Settings(BaseSettings):
         description="Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).",
         json_schema_extra=_meta("engines"),
     )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters the router loads on its engines when a request names one that no engine of "
+        "a role serves yet: `{adapter name: its path on the engines}`, loaded with vLLM's "
+        "`/v1/load_lora_adapter` (engines started with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) "
+        "on one decoder, and one prefiller, of the model's pool. Empty: the router loads nothing.",
+        json_schema_extra=_meta("engines"),
+    )
 
     discovery: DiscoveryMode = Field(
         default="static",
@@ -1097,6 +1105,16 @@ class Settings(BaseSettings):
                 if not address.startswith(("tcp://", "ipc://")):
                     raise ValueError(f"{address!r} must be a ZMQ tcp:// or ipc:// address")
         return {_normalise_url(url): addresses for url, addresses in value.items()}
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _check_lora_adapters(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not name.strip() or len(name) > 256:
+                raise ValueError("an adapter's name is 1 to 256 characters")
+            if not path.strip():
+                raise ValueError(f"{name}: the adapter's path on the engines is empty")
+        return value
 
     @field_validator("lmcache_instance_ids")
     @classmethod

@@ -366,6 +366,12 @@ class RouterMetrics:
             ["role", "event"],
             registry=r,
         )
+        self.adapter_loads = Counter(
+            f"{PREFIX}_adapter_loads",
+            "LoRA adapters the router loaded on engines (lora_adapters), by engine role and outcome.",
+            ["role", "outcome"],
+            registry=r,
+        )
         self.shadow_requests = Counter(
             f"{PREFIX}_shadow_requests",
             'Shadow copies sent, by outcome; their latencies are in the request metrics under arm="shadow".',

@@ -78,6 +78,11 @@ DETAILS: dict[str, str] = {
         "removed (drained), conflict (a pod the pool cannot take), relisted, watch_gone (410: relisted), "
         "watch_error (reconnected after a back-off)."
     ),
+    "dpd_router_adapter_loads": (
+        "LoRA adapters of `lora_adapters` the router loaded where a request needed one, by engine role and "
+        "outcome (loaded, failed): a decoder's failure fails the request with a 502, a prefiller's leaves the "
+        "adapter's requests to the decoders alone."
+    ),
     "dpd_router_shadow_requests": (
         "Shadow copies sent, by outcome (ok, timeout, error, status_4xx, status_5xx); their latencies are in "
         'the request metrics under arm="shadow".'

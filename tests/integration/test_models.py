@@ -379,3 +379,41 @@ async def test_the_metrics_say_which_model_each_request_and_threshold_is_of(
     threshold = "dpd_router_routing_threshold_tokens"
     assert await metric(router, threshold, {"model": ALPHA}) == ALPHA_THRESHOLD
     assert await metric(router, threshold, {"model": BETA}) == BETA_THRESHOLD
+
+
+async def test_an_adapter_of_lora_adapters_is_loaded_for_both_hops_where_a_request_needs_it(
+    alpha: SimCluster, beta: SimCluster, tokenizer_dir: Path
+) -> None:
+    """No engine has it: the first requests (at once) load it on one prefiller and one decoder, once each, and
+    run both hops with it; /v1/models lists it beforehand, with its base model; the other model does not
+    know it."""
+    fin = f"fin-{rid()}"
+    settings = two_models(alpha, beta, tokenizer_dir)
+    settings["models"][ALPHA]["lora_adapters"] = {fin: "/adapters/fin"}
+    try:
+        async with running_router(**settings) as base_url:
+            client = openai_client(base_url)
+            listed = {model.id: model for model in (await client.models.list()).data}
+            assert fin in listed and listed[fin].model_extra is not None
+            assert listed[fin].model_extra["parent"] == ALPHA
+            ids = [rid() for _ in range(4)]
+            await asyncio.gather(*(answer(client, fin, fresh(LONG), request_id) for request_id in ids))
+            both_hops = [("remote_prefill", fin), ("kv_decode", fin)]
+            for request_id in ids:
+                assert await adapters_seen(engines_of(alpha), request_id) == both_hops
+            holding = [url for url in engines_of(alpha) if fin in await listed_adapters(url)]
+            assert len(holding) == 2 and holding[0] in alpha.prefill_urls and holding[1] in alpha.decode_urls
+            for role in ("prefill", "decode"):
+                loads = {"role": role, "outcome": "loaded"}
+                assert await metric(base_url, "dpd_router_adapter_loads_total", loads) == 1
+            with pytest.raises(openai.NotFoundError):
+                await answer(client, f"{BETA}-{fin}", "hi", rid())
+    finally:
+        async with httpx.AsyncClient(timeout=10) as http:
+            for url in engines_of(alpha):
+                await http.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": fin})
+
+
+async def listed_adapters(url: str) -> list[str]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return [card["id"] for card in (await http.get(f"{url}/v1/models")).json()["data"] if card.get("parent")]

@@ -3,15 +3,18 @@ the request's model picks its gateway; an adapter's engines are those that list 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
+import httpx
 import pytest
 
 from dpd_router.client_request import parse_request
 from dpd_router.config import SettingsError, load_settings, models_restart_needed, updated_settings
-from dpd_router.errors import ModelNotFound
+from dpd_router.errors import ModelNotFound, UpstreamError
 from dpd_router.gateway.models import Models, ServingModel
 from dpd_router.metrics import RouterMetrics
+from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
@@ -66,6 +69,7 @@ def test_one_model_without_models_is_the_top_level() -> None:
             "models.alpha: with discovery: kubernetes, each model names its own pods",
         ),
         ({"alpha": {"kubernetes_api_url": "https://k"}}, {}, "kubernetes_api_url cannot be set for one model"),
+        ({"alpha": {"decode_urls": [A], "lora_adapters": {"fin": " "}}}, {}, "fin: the adapter's path on the engines"),
     ],
 )
 def test_a_bad_entry_is_refused_naming_it(models: dict[str, Any], top: dict[str, Any], words: str) -> None:
@@ -158,3 +162,45 @@ def test_an_adapters_planner_sees_the_engines_that_list_it_as_they_change() -> N
     assert len(planners) == 2 and planners.planner_for(base, "sql") is not sql, "the least recently used is dropped"
     planners.reconfigure(updated_settings(settings, {"routing_threshold": 77}))
     assert planners.planner_for(base, "draft").threshold == 77
+
+
+def loader_over(answers: dict[str, httpx.Response], calls: list[str]) -> AdapterLoader:
+    """A loader whose engines answer /v1/load_lora_adapter as `answers` says (by engine URL)."""
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        calls.append(url)
+        return answers[url]
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    return AdapterLoader(client, {"fin": "/adapters/fin"}, RouterMetrics(), model=ServedModel("m"), timeout=5)
+
+
+async def test_an_adapter_is_loaded_once_per_role_however_many_requests_need_it() -> None:
+    calls: list[str] = []
+    ok = httpx.Response(200, text="Success: LoRA adapter 'fin' added successfully.")
+    already = httpx.Response(400, json={"error": {"message": "The lora adapter 'fin' has already been loaded."}})
+    loader = loader_over({A: ok, B: already}, calls)
+    pool = Pool([A], [B])
+    await asyncio.gather(*(loader.ensure(pool, "fin") for _ in range(5)))
+    assert sorted(calls) == [A, B], "one load a role, shared by every request waiting for it"
+    assert all("fin" in endpoint.adapters for endpoint in pool.endpoints())
+    assert pool.endpoints()[0].adapters["fin"]["parent"] == "m"
+    await loader.ensure(pool, "fin")
+    await loader.ensure(pool, "other")  # not one of lora_adapters: nothing to load
+    assert len(calls) == 2
+
+
+async def test_a_decoder_that_cannot_load_fails_the_request_and_a_prefiller_only_its_hop() -> None:
+    calls: list[str] = []
+    broken = httpx.Response(500, json={"error": {"message": "No adapter found at /adapters/fin"}})
+    ok = httpx.Response(200, text="Success")
+    loader = loader_over({A: broken, B: ok}, calls)
+    pool = Pool([A], [B])
+    await loader.ensure(pool, "fin")  # the prefiller's failure leaves its hop out
+    assert "fin" in pool.endpoints()[1].adapters and "fin" not in pool.endpoints()[0].adapters
+    loader = loader_over({A: ok, B: broken}, calls)
+    pool = Pool([A], [B])
+    with pytest.raises(UpstreamError, match="No adapter found at /adapters/fin") as refused:
+        await loader.ensure(pool, "fin")
+    assert refused.value.status_code == 502

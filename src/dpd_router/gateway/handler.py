@@ -38,6 +38,7 @@ from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.gateway.watch import EngineProbe
 from dpd_router.metrics import RouterMetrics, model_label
 from dpd_router.observe import Observer, RequestTrace
+from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.routing.adapters import AdapterPlanners
@@ -69,11 +70,13 @@ class Gateway:
         experiments: ExperimentArms | None = None,
         shadow: LiveShadow | None = None,
         adapters: AdapterPlanners | None = None,
+        adapter_loader: AdapterLoader | None = None,
     ) -> None:
         self._tokenizers = tokenizers
         self._planners = planners
         self._experiments = experiments
         self._adapters = adapters
+        self._adapter_loader = adapter_loader
         self._connector = connector
         self._observer = observer
         self._metrics = metrics
@@ -171,6 +174,9 @@ class Gateway:
         done = Completion(trace, self._observer, self._metrics, on_finish)
         phase = "tokenize"
         try:
+            if adapter is not None and self._adapter_loader is not None:
+                # Loaded where no engine of a role lists it yet, before its planner looks for engines that do.
+                await self._adapter_loader.ensure(self.planner_for(principal.tenant).pool, adapter)
             planner = self._planner_of(request, principal, headers or {}, trace, adapter)
             prompt = await self._prepare(request, principal, trace, planner)
             if prompt.later is not None:

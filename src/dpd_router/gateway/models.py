@@ -18,6 +18,7 @@ from typing import Any
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import ModelNotFound
 from dpd_router.gateway.handler import Gateway
+from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
@@ -30,6 +31,8 @@ class ServingModel:
     model: ServedModel
     gateway: Gateway
     pools: Mapping[str | None, Pool]
+    # Loads the adapters of its `lora_adapters` setting where a request needs one (None: none to load).
+    adapter_loader: AdapterLoader | None = None
 
     @property
     def name(self) -> str | None:
@@ -40,15 +43,20 @@ class ServingModel:
             yield from pool.endpoints()
 
     def serves_adapter(self, name: str) -> bool:
-        """Whether a decoder of this model lists the LoRA adapter `name`."""
+        """Whether a decoder of this model lists the LoRA adapter `name`, or the router loads it where needed."""
+        if self.adapter_loader is not None and name in self.adapter_loader.names:
+            return True
         return any(endpoint.role == "decode" and name in endpoint.adapters for endpoint in self.engines())
 
     def adapter_cards(self) -> list[dict[str, Any]]:
-        """The adapters its engines list, as they list them (one card each)."""
+        """The adapters its engines list, as they list them (one card each), then those the router would load."""
         cards: dict[str, dict[str, Any]] = {}
         for endpoint in self.engines():
             for name, card in endpoint.adapters.items():
                 cards.setdefault(name, card)
+        if self.adapter_loader is not None:
+            for name in sorted(self.adapter_loader.names - cards.keys()):
+                cards[name] = self.adapter_loader.card(name)
         return list(cards.values())
 
 

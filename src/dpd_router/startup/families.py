@@ -22,6 +22,7 @@ from dpd_router.gateway.models import Models
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.outcome import Outcome
+from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.discovery import Discovery, EngineOwners
 from dpd_router.pool.health import HealthChecker
@@ -243,6 +244,7 @@ def build_gateway(
     routing: Routing,
     observer: Observer,
     shadow: LiveShadow,
+    adapter_loader: AdapterLoader | None = None,
 ) -> Gateway:
     """One model's gateway, over its engines, token counters and planners."""
     return Gateway(
@@ -258,6 +260,7 @@ def build_gateway(
         experiments=routing.experiments,
         shadow=shadow,
         adapters=routing.adapters,
+        adapter_loader=adapter_loader,
     )
 
 

@@ -14,6 +14,7 @@ from dpd_router.live import Reconfigurable
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.outcome import Outcome
+from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.discovery import EngineOwners
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.shadow import LiveShadow
@@ -98,6 +99,11 @@ async def build_model_stack(
         model = ServedModel(settings.model)
         tokenizers = await load_tokenizers(settings, client, engines.by_tenant, model, metrics)
         routing = build_routing(settings, engines, metrics, client, connector)
+        loader = (
+            AdapterLoader(client, settings.lora_adapters, metrics, model=model, timeout=settings.request_timeout)
+            if settings.lora_adapters
+            else None
+        )
         gateway = build_gateway(
             settings,
             engine_calls=engine_calls,
@@ -108,12 +114,13 @@ async def build_model_stack(
             routing=routing,
             observer=build.observer,
             shadow=build.shadow,
+            adapter_loader=loader,
         )
     except BaseException:
         await connector.close()
         raise
     return ModelStack(
-        key, settings, connector, engines, tokenizers, routing, ServingModel(model, gateway, engines.by_tenant)
+        key, settings, connector, engines, tokenizers, routing, ServingModel(model, gateway, engines.by_tenant, loader)
     )
 
 
