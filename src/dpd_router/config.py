@@ -961,6 +961,15 @@ class Settings(BaseSettings):
         description="Sent to the engines as `Authorization: Bearer ...` (clients' own credentials never are).",
         json_schema_extra=_meta("engines"),
     )
+    model_aliases: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Model names that are aliases over served models with weights: `{alias: {model: weight}}` "
+        "(say a new version taking 5% of a name's traffic). A request naming an alias goes to one of its models "
+        "by weight, the same one for every request of a session (the `session_header` header or the body's "
+        "`user`, else the API key; requests with neither are spread by weight), and is served and reported "
+        "as that model.",
+        json_schema_extra=_meta("engines", live=True),
+    )
     lora_adapters: dict[str, str] = Field(
         default_factory=dict,
         description="LoRA adapters the router loads on its engines when a request names one that no engine of "
@@ -1206,7 +1215,9 @@ class Settings(BaseSettings):
     def _check_pools(self) -> Settings:
         if self.models:
             self._per_model = self._each_model()
+            self._check_aliases(set(self.models))
             return self
+        self._check_aliases({self.model} if self.model else set())
         if self.discovery == "static" and not self.decode_urls:
             raise ValueError("decode_urls: at least one decoder URL is required (or discovery: kubernetes)")
         if self.discovery == "kubernetes" and self.prefill_urls and self.decode_urls:
@@ -1236,12 +1247,32 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} names {sorted(unknown)}, which are not in prefill_urls or decode_urls")
         return self
 
+    def _check_aliases(self, served: set[str]) -> None:
+        """Each alias names served models (by their configured names) with positive weights, and is not one."""
+        for alias, targets in self.model_aliases.items():
+            if alias in served:
+                raise ValueError(f"model_aliases.{alias}: a served model's name cannot be an alias")
+            if not targets:
+                raise ValueError(f"model_aliases.{alias}: name the models it stands for, with their weights")
+            for target, weight in targets.items():
+                if target not in served:
+                    raise ValueError(
+                        f"model_aliases.{alias}: {target} is not a served model "
+                        f"(served: {', '.join(sorted(served)) or 'none configured: set model or models'})"
+                    )
+                if not weight > 0:
+                    raise ValueError(f"model_aliases.{alias}.{target}: a weight is above 0")
+
     def _each_model(self) -> dict[str, Settings]:
         """The settings of each entry of `models`: the top level's, with the entry's own on top, checked
         as a whole (so an entry's pools are checked as a one-model router's are) and apart from each other."""
         if self.tenants:
             raise ValueError("tenants: engines reserved for tenants are not yet supported beside `models`")
-        shared = {name: getattr(self, name) for name in Settings.model_fields if name not in ("config", "models")}
+        shared = {
+            name: getattr(self, name)
+            for name in Settings.model_fields
+            if name not in ("config", "models", "model_aliases")  # aliases are over every model
+        }
         each: dict[str, Settings] = {}
         owners: dict[str, str] = {}
         for name, entry in self.models.items():
@@ -1317,6 +1348,7 @@ MODEL_SETTINGS = frozenset(
 ) - {
     "model",
     "models",
+    "model_aliases",
     "engine_api_key",
     # One API server for every model's discovery.
     "kubernetes_api_url",

@@ -417,3 +417,33 @@ async def test_an_adapter_of_lora_adapters_is_loaded_for_both_hops_where_a_reque
 async def listed_adapters(url: str) -> list[str]:
     async with httpx.AsyncClient(timeout=10) as http:
         return [card["id"] for card in (await http.get(f"{url}/v1/models")).json()["data"] if card.get("parent")]
+
+
+async def test_an_alias_sends_each_user_to_one_of_its_models_and_changes_live(
+    alpha: SimCluster, beta: SimCluster, tokenizer_dir: Path
+) -> None:
+    settings = two_models(
+        alpha,
+        beta,
+        tokenizer_dir,
+        admin_key_hashes=[hash_key("ops-secret")],
+        model_aliases={"assistant": {ALPHA: 1, BETA: 1}},
+    )
+    async with running_router(**settings) as base_url, httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        client = openai_client(base_url)
+
+        async def served_as(user: str) -> str:
+            completion = await client.chat.completions.create(
+                model="assistant", messages=[{"role": "user", "content": "Hi."}], max_tokens=2, user=user
+            )
+            return completion.model
+
+        first = {user: await served_as(user) for user in (f"user-{i}" for i in range(12))}
+        assert set(first.values()) == {ALPHA, BETA}, "both models take a share of the alias's users"
+        for user, model in list(first.items())[:4]:
+            assert await served_as(user) == model, "a user stays on the model it was given"
+        changed = await http.put("/admin/config", json={"model_aliases": {"assistant": {BETA: 1}}}, headers=ADMIN)
+        assert changed.status_code == 200, changed.text
+        assert {await served_as(user) for user in first} == {BETA}
+        refused = await http.put("/admin/config", json={"model_aliases": {"assistant": {"gamma": 1}}}, headers=ADMIN)
+        assert refused.status_code == 400 and "gamma is not a served model" in refused.json()["error"]["message"]

@@ -674,3 +674,26 @@ def test_a_scrape_of_several_models_is_advised_one_model_at_a_time(tmp_path: Pat
     scraped.write_text(metrics.render().decode())
     assert main(["advise", "--file", str(scraped), "--model", "beta", "--json"]) == 0
     assert main(["advise", "--file", str(scraped), "--model", "gamma"]) == 1
+
+
+def test_the_models_behind_an_alias_are_compared_as_arms_are(tmp_path: Path) -> None:
+    """A new version (beta, slower here) beside the old: --compare-models shows both side by side and names
+    the faster one per class and metric, from the requests each served."""
+    metrics = RouterMetrics()
+    for model, count, ttft in (("alpha", 400, 0.10), ("beta", 400, 0.30), ("gamma", 50, 9.0)):
+        for i in range(count):
+            trace = RequestTrace(request_id=f"{model}-{i}", kind="chat", stream=True, path="direct")
+            trace.model, trace.prompt_tokens = model, 300
+            trace.mark_token_chunk(trace.started + ttft * (0.9 + 0.2 * (i % 10) / 10))
+            Observer(metrics).record(trace, trace.started + ttft + 0.5)
+    scrape = Scrape.parse(metrics.render().decode())
+    report = analyse(scrape.models_as_arms(["alpha", "beta"]))
+    assert report.arms.arms == ["alpha", "beta"], "gamma left out"
+    ttft = [c for c in report.arms.comparisons if c.metric.startswith("ttft")]
+    assert ttft and all(c.winner == "alpha" for c in ttft if c.status == "winner")
+    assert any(c.status == "winner" for c in ttft)
+    scraped = tmp_path / "alias.prom"
+    scraped.write_text(metrics.render().decode())
+    assert main(["advise", "--file", str(scraped), "--compare-models", "alpha,beta", "--json"]) == 0
+    assert main(["advise", "--file", str(scraped), "--compare-models", "alpha,delta"]) == 1
+    assert main(["advise", "--file", str(scraped), "--compare-models", "alpha"]) == 2

@@ -204,3 +204,38 @@ async def test_a_decoder_that_cannot_load_fails_the_request_and_a_prefiller_only
     with pytest.raises(UpstreamError, match="No adapter found at /adapters/fin") as refused:
         await loader.ensure(pool, "fin")
     assert refused.value.status_code == 502
+
+
+@pytest.mark.parametrize(
+    ("aliases", "words"),
+    [
+        ({"assistant": {"gamma": 1}}, "model_aliases.assistant: gamma is not a served model"),
+        ({"alpha": {"beta": 1}}, "model_aliases.alpha: a served model's name cannot be an alias"),
+        ({"assistant": {"alpha": 0}}, "model_aliases.assistant.alpha: a weight is above 0"),
+        ({"assistant": {}}, "model_aliases.assistant: name the models it stands for"),
+    ],
+)
+def test_an_alias_names_served_models_with_weights(aliases: dict[str, Any], words: str) -> None:
+    with pytest.raises(SettingsError, match=words):
+        load_settings(**two_models(), model_aliases=aliases)
+
+
+def test_an_alias_sends_each_session_to_one_of_its_models_by_weight() -> None:
+    settings = load_settings(**two_models(), model_aliases={"assistant": {"alpha": 95, "beta": 5}})
+    models = Models([serving("alpha", Pool([], [A])), serving("beta", Pool([], [B]))])
+    models.reconfigure(settings)
+    chosen = [models.route("assistant", sticky=f"user-{i}")[0].name for i in range(4000)]
+    assert 0.035 < chosen.count("beta") / len(chosen) < 0.065, "about 5% of the sessions"
+    for i in range(50):  # sticky: every request of a session, in any process (a stable hash)
+        assert {models.route("assistant", sticky=f"user-{i}")[0].name for _ in range(5)} == {chosen[i]}
+    unkeyed = [models.route("assistant")[0].name for _ in range(4000)]
+    assert 0.035 < unkeyed.count("beta") / len(unkeyed) < 0.065
+    request = parse_request("chat", b'{"model": "assistant", "messages": [{"role": "user", "content": "hi"}]}')
+    served, adapter = models.resolve(request, sticky="user-1")
+    assert (served.name, adapter) == (chosen[1], None)
+    assert request.body["model"] == chosen[1] and request.body_changed, "the engines are asked for the model"
+    models.reconfigure(updated_settings(settings, {"model_aliases": {"assistant": {"beta": 1}}}))
+    assert {models.route("assistant", sticky=f"user-{i}")[0].name for i in range(50)} == {"beta"}
+    models.reconfigure(updated_settings(settings, {"model_aliases": {}}))
+    with pytest.raises(ModelNotFound):
+        models.route("assistant")

@@ -25,7 +25,7 @@ from dpd_router.advise.report import (
     STATISTICS,
     Options,
 )
-from dpd_router.advise.scrape import AdviseError
+from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
 
 
@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="NAME",
         help="advise on one served model's requests (a router serving several labels them by `model`)",
+    )
+    parser.add_argument(
+        "--compare-models",
+        metavar="A,B",
+        help="compare served models side by side as the arms are (the versions behind a model alias): their "
+        "latencies by prompt-length class, which is better and how sure; the verdict reads them together",
     )
     parser.add_argument(
         "--since",
@@ -178,6 +184,13 @@ def _arms_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_models(scrape: Scrape, models: list[str]) -> None:
+    for model in models:
+        if model not in scrape.models():
+            served = ", ".join(scrape.models()) or "none labelled"
+            raise AdviseError(f"no requests of model {model!r} in the scrape (its models: {served})")
+
+
 def run(args: argparse.Namespace) -> int:
     """`dpd-router advise`: 0 on success, 1 when the metrics cannot be read, 2 on bad usage."""
     if args.plot and not matplotlib_available():
@@ -188,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
     if args.min_requests < 1 or args.tolerance < 0 or args.prefill_rate <= 0 or args.decode_rate <= 0:
         print("dpd-router advise: --min-requests must be >= 1, --tolerance >= 0, rates > 0", file=sys.stderr)
         return 2
+    if args.compare_models is not None and (args.model is not None or len(args.compare_models.split(",")) < 2):
+        print("dpd-router advise: --compare-models names two or more models, A,B (and no --model)", file=sys.stderr)
+        return 2
     problem = _arms_problem(args)
     if problem:
         print(f"dpd-router advise: {problem}", file=sys.stderr)
@@ -195,10 +211,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         scrape, sources = asyncio.run(collect(args))
         if args.model is not None:
-            if args.model not in scrape.models():
-                served = ", ".join(scrape.models()) or "none labelled"
-                raise AdviseError(f"no requests of model {args.model!r} in the scrape (its models: {served})")
+            _check_models(scrape, [args.model])
             scrape = scrape.model_only(args.model)
+        if args.compare_models is not None:
+            compared = [name.strip() for name in args.compare_models.split(",") if name.strip()]
+            _check_models(scrape, compared)
+            scrape = scrape.models_as_arms(compared)
         options = Options(
             min_requests=args.min_requests,
             tolerance=args.tolerance,

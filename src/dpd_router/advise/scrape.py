@@ -119,6 +119,27 @@ class Scrape:
             }
         )
 
+    def models_as_arms(self, models: Sequence[str]) -> Scrape:
+        """The series of `models` with each model in the `arm` label (`MODEL ARM` for an experiment arm's), so
+        the arms report compares the models (the versions behind a model alias) as it compares arms; the
+        other models' series are left out, those no model labels kept."""
+        wanted = set(models)
+        out = Scrape({}, {k: list(v) for k, v in self.gauges.items()})
+        for (name, labels), value in self.cumulative.items():
+            found = dict(labels)
+            model = found.get("model")
+            if model is None or name.startswith(ADAPTIVE_COST):
+                out.cumulative[(name, labels)] = value
+                continue
+            if model not in wanted:
+                continue
+            arm = arm_of(found.get(ARM_LABEL, ""))
+            if arm != SHADOW_ARM:  # the shadow's copies stay the shadow's, shown beside the models
+                found[ARM_LABEL] = model if arm == LIVE_ARM else f"{model} {arm}"
+            key = (name, tuple(sorted(found.items())))
+            out.cumulative[key] = out.cumulative.get(key, 0.0) + value
+        return out
+
     def model_only(self, model: str) -> Scrape:
         """The series of one served model, and those no model labels (the engines', the listener's): the
         engines' series are every model's, so what the ratio advice reads of them is too."""

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from dpd_router import messages_api
+from dpd_router.api.auth import ANONYMOUS, Gatekeeper, Principal
 from dpd_router.api.errors import response_for
 from dpd_router.api.limits import count_refusal
 from dpd_router.api.responses import discard, http_response
@@ -38,11 +39,11 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
+from dpd_router.routing.request import session_key
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from dpd_router.api.admission import Admissions
-    from dpd_router.api.auth import Gatekeeper
     from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
@@ -159,7 +160,8 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
             client_request = await self._parse(raw, kind)
-            served, adapter = self._models.resolve(client_request)
+            sticky = self._sticky(request, client_request, principal) if self._models.aliased else None
+            served, adapter = self._models.resolve(client_request, sticky=sticky)
             if kind == "responses":
                 await self._responses.begin(client_request, principal.key_id)
         except RouterError as exc:
@@ -202,6 +204,13 @@ class OpenAIApi:
             if client_request.brackets > MANY_CONTAINERS:
                 _free_apart(client_request)
             return self._error(exc, request_id, kind)
+
+    def _sticky(self, request: Request, client_request: ClientRequest, principal: Principal) -> str | None:
+        """What keeps a session on one of a model alias's models: its session key, else its API key."""
+        key = session_key(request.headers, client_request.body, header=self._live.settings.session_header)
+        if key is None and principal.key_id != ANONYMOUS.key_id:
+            key = f"api-key {principal.key_id}"
+        return key
 
     async def _parse(self, raw: bytes, kind: RequestKind, *, counting: bool = False) -> ClientRequest:
         """The body parsed and checked; megabytes of JSON on another thread

@@ -11,17 +11,20 @@ adapter no decoder lists is refused as its decoders would refuse it.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dpd_router.client_request import ClientRequest
+from dpd_router.config import Settings
 from dpd_router.errors import ModelNotFound
 from dpd_router.gateway.handler import Gateway
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.routing.experiments import arm_position
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,24 @@ class ServingModel:
 
 
 class Models:
-    """The served models, in the order configured (the first serves requests that name none)."""
+    """The served models, in the order configured (the first serves requests that name none), and the aliases
+    over them (`model_aliases`, live)."""
 
-    def __init__(self, models: Sequence[ServingModel]) -> None:
+    def __init__(self, models: Sequence[ServingModel], *, aliases: Mapping[str, Mapping[str, float]] | None = None):
         if not models:
             raise ValueError("a router serves at least one model")
         self._models = tuple(models)
         self.default = self._models[0]
+        self._aliases: Mapping[str, Mapping[str, float]] = aliases or {}
+        self._spread = random.Random()  # where requests without a sticky key fall
+
+    def reconfigure(self, settings: Settings) -> None:
+        self._aliases = settings.model_aliases
+
+    @property
+    def aliased(self) -> bool:
+        """Whether any alias is in force (none: no request needs its sticky key worked out)."""
+        return bool(self._aliases)
 
     def __iter__(self) -> Iterator[ServingModel]:
         return iter(self._models)
@@ -83,10 +97,14 @@ class Models:
         """
         return self.route(name)[0]
 
-    def route(self, name: str | None) -> tuple[ServingModel, str | None]:
-        """The model `name` names and, when it is a LoRA adapter of it, the adapter."""
+    def route(self, name: str | None, *, sticky: str | None = None) -> tuple[ServingModel, str | None]:
+        """The model `name` names and, when it is a LoRA adapter of it, the adapter. An alias names one of its
+        models by weight: the same for every request with the same `sticky` key."""
         if name is None:
             return self.default, None
+        targets = self._aliases.get(name)
+        if targets:
+            name = self._choose(name, targets, sticky)
         for served in self._models:
             if served.model.name == name:
                 return served, None
@@ -97,15 +115,26 @@ class Models:
             return self.default, None
         raise ModelNotFound(f"The model `{shortened(name)}` does not exist.", param="model")
 
-    def resolve(self, request: ClientRequest) -> tuple[ServingModel, str | None]:
-        """The model `request` names (and its adapter, if it names one), filling in the default's name when
-        it names none."""
+    def resolve(self, request: ClientRequest, *, sticky: str | None = None) -> tuple[ServingModel, str | None]:
+        """The model `request` names (and its adapter, if it names one), filling in the model's name when it
+        names none or an alias (`sticky`: the key that keeps a session's requests on one of an alias's models)."""
         asked = request.body.get("model")
-        served, adapter = self.route(asked if isinstance(asked, str) else None)
-        if asked is None and served.model.name is not None:
+        served, adapter = self.route(asked if isinstance(asked, str) else None, sticky=sticky)
+        if adapter is None and served.model.name is not None and asked != served.model.name:
             request.body["model"] = served.model.name
             request.body_changed = True
         return served, adapter
+
+    def _choose(self, alias: str, targets: Mapping[str, float], sticky: str | None) -> str:
+        """One of an alias's models, by weight: where the sticky key's stable hash falls (the same in every
+        process), or at random without one."""
+        total = sum(targets.values())
+        point = (arm_position(f"{alias}\n{sticky}") if sticky is not None else self._spread.random()) * total
+        for target, weight in targets.items():
+            point -= weight
+            if point < 0:
+                return target
+        return list(targets)[-1]  # a rounding short of the total
 
     def listing(self) -> dict[str, Any]:
         """`/v1/models`: every model, then its adapters, with the fields their engines list them with."""

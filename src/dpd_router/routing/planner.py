@@ -205,9 +205,9 @@ class Planner:
         endpoint (by every cache source) end inside its known ids, or only one decoder could take it;
         a long prompt once its known tokens (or its words: Prompt.at_least), less the longest such cached
         prefix, reach the threshold (and the busy gate's ceiling, while the gate is closed), and its
-        prefiller's strategy reads no
-        further (`tokens_read`; nothing while one prefiller is up: it takes the prompt whatever the strategy
-        would read). Nothing awaits between this and `plan`, so the state it saw is the plan's.
+        prefiller's strategy reads no further (`tokens_read`; nothing while one prefiller is up: it takes
+        the prompt whatever the strategy would read). Nothing awaits between this and `plan`, so the state
+        it saw is the plan's.
         Adaptive mode weighs the exact count, an external KV lookup asks with every id, and decoders
         that serve nothing alone take every prompt through a prefiller: they read the whole prompt.
         """

@@ -118,7 +118,10 @@ class Components:
         watch_adaptive(metrics, stacks)
         access = build_access(settings, stacks[0].engines, metrics)
         serving = Serving(
-            Models([stack.serving for stack in stacks]), observer, shadow, build_responses(settings, metrics)
+            Models([stack.serving for stack in stacks], aliases=settings.model_aliases),
+            observer,
+            shadow,
+            build_responses(settings, metrics),
         )
         upkeep = build_upkeep(
             settings,
@@ -182,10 +185,11 @@ def live_parts(
 ) -> list[Reconfigurable]:
     """What a live change reaches, in this order: each model's planners (and the adaptive model they share),
     experiment arms and gateway (timeouts and retries), given that model's settings; the shadow, admission,
-    each model's threshold gauge, the log level."""
+    the model aliases, each model's threshold gauge, the log level."""
     return [
         *(stack.live_parts() for stack in stacks),
         serving.shadow,
+        serving.models,
         access.admission,
         *(ModelParts(stack.key, [ThresholdGauge(metrics, stack.model)]) for stack in stacks),
         LogLevel(),
