@@ -32,6 +32,7 @@ import httpx
 import orjson
 
 from dpd_router.chat_inputs import client_template, template_inputs
+from dpd_router.chat_render import PlainChatTemplate
 from dpd_router.client_request import MANY_CONTAINERS, ClientRequest
 from dpd_router.errors import InvalidRequest, UpstreamError
 from dpd_router.template_sandbox import RenderedTooLarge, TemplateSandbox
@@ -124,6 +125,8 @@ class LocalTokenizer:
         piece_cache_chars: int = 8_000_000,
     ) -> None:
         self._tokenizer = tokenizer
+        # The template alone renders a plain conversation, where it renders the startup probes exactly.
+        self._plain_template = PlainChatTemplate.for_tokenizer(tokenizer)
         # A fast tokenizer's Rust core, called directly: transformers' wrapper around it costs more
         # than the encoding itself for short prompts. `encode_batch` releases the GIL (plain `encode`
         # does not), so the worker threads use it and the event loop keeps running meanwhile.
@@ -369,9 +372,13 @@ class LocalTokenizer:
         return await asyncio.get_running_loop().run_in_executor(lane, self._render, chat)
 
     def _render(self, body: dict[str, Any]) -> str:
-        """The prompt text of a chat request, by the tokenizer's own (trusted) template."""
+        """The prompt text of a chat request, by the tokenizer's own (trusted) template: a plain conversation
+        by the template alone (chat_render.py), anything else through apply_chat_template."""
         try:
             conversation, tools, kwargs = template_inputs(body)
+            plain = self._plain_template
+            if plain is not None and plain.takes(conversation, tools, kwargs):
+                return plain.render(conversation, add_generation_prompt=kwargs["add_generation_prompt"])
             text = self._tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
         except Exception as exc:  # jinja errors, template raise_exception(), bad message shapes
             raise InvalidRequest(f"The chat template could not render these messages: {exc}") from None
