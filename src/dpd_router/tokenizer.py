@@ -774,8 +774,11 @@ class PromptReader:
         usage), and `later` takes the ids it is supplied or ends with None."""
         tokenizer = self._tokenizer
         whole = whole or tokenizer.count_whole
-        # What its words showed counts too: a plan settled by them saw at least as many tokens.
-        self.prompt = replace(self.prompt, num_tokens=max(self.prompt.num_tokens, self._floor), floor=self._floor)
+        # What its words showed counts too: a plan settled by them saw at least as many tokens. Settled, the
+        # prompt no longer asks its words anything (nor keeps this reader alive through `at_least`).
+        self.prompt = replace(
+            self.prompt, num_tokens=max(self.prompt.num_tokens, self._floor), floor=self._floor, at_least=None
+        )
         if later:
             waiting = WholeLater(tokenizer if whole else None, self._text, special=self._special, started=self._started)
             self.prompt = replace(self.prompt, rest=waiting.future, later=waiting)
