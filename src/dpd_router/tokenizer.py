@@ -774,27 +774,29 @@ class PromptReader:
         usage), and `later` takes the ids it is supplied or ends with None."""
         tokenizer = self._tokenizer
         whole = whole or tokenizer.count_whole
-        # What its words showed counts too: a plan settled by them saw at least as many tokens. Settled, the
-        # prompt no longer asks its words anything (nor keeps this reader alive through `at_least`).
-        self.prompt = replace(
-            self.prompt, num_tokens=max(self.prompt.num_tokens, self._floor), floor=self._floor, at_least=None
-        )
         if later:
             waiting = WholeLater(tokenizer if whole else None, self._text, special=self._special, started=self._started)
-            self.prompt = replace(self.prompt, rest=waiting.future, later=waiting)
+            self.prompt = self._settled(rest=waiting.future, later=waiting)
             return self.prompt
         if not whole:
             nothing: asyncio.Future[Prompt | None] = asyncio.get_running_loop().create_future()
             nothing.set_result(None)
-            self.prompt = replace(self.prompt, rest=nothing)
+            self.prompt = self._settled(rest=nothing)
             return self.prompt
         ids = tokenizer.encode_at_once(self._text, special=self._special)
         if ids is not None:
             self.prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=time.perf_counter() - self._started)
             return self.prompt
         encoded = tokenizer.encode_rest(self._text, special=self._special, started=self._started)
-        self.prompt = replace(self.prompt, rest=encoded)
+        self.prompt = self._settled(rest=encoded)
         return self.prompt
+
+    def _settled(self, **rest: Any) -> Prompt:
+        """The prompt as read, with `rest` (its whole encoding to come). What its words showed counts too: a
+        plan settled by them saw at least as many tokens. Settled, the prompt asks its words nothing more
+        (nor keeps this reader alive through `at_least`)."""
+        known = self.prompt
+        return replace(known, num_tokens=max(known.num_tokens, self._floor), floor=self._floor, at_least=None, **rest)
 
     def _known(self, ids: list[int], end: int) -> Prompt:
         """The prompt known by its first `ids`, which stand for `text[:end]`."""
