@@ -438,6 +438,8 @@ async def test_an_alias_sends_each_user_to_one_of_its_models_and_changes_live(
             )
             return completion.model
 
+        listed = {model.id for model in (await client.models.list()).data}
+        assert {ALPHA, BETA, "assistant"} <= listed, "the alias is listed beside the models"
         first = {user: await served_as(user) for user in (f"user-{i}" for i in range(12))}
         assert set(first.values()) == {ALPHA, BETA}, "both models take a share of the alias's users"
         for user, model in list(first.items())[:4]:

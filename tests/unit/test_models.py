@@ -234,6 +234,8 @@ def test_an_alias_sends_each_session_to_one_of_its_models_by_weight() -> None:
     served, adapter = models.resolve(request, sticky="user-1")
     assert (served.name, adapter) == (chosen[1], None)
     assert request.body["model"] == chosen[1] and request.body_changed, "the engines are asked for the model"
+    listed = {card["id"]: card for card in models.listing()["data"]}
+    assert {**listed["assistant"], "id": "alpha"} == listed["alpha"], "listed as its most weighted model"
     models.reconfigure(updated_settings(settings, {"model_aliases": {"assistant": {"beta": 1}}}))
     assert {models.route("assistant", sticky=f"user-{i}")[0].name for i in range(50)} == {"beta"}
     models.reconfigure(updated_settings(settings, {"model_aliases": {}}))

@@ -137,12 +137,17 @@ class Models:
         return list(targets)[-1]  # a rounding short of the total
 
     def listing(self) -> dict[str, Any]:
-        """`/v1/models`: every model, then its adapters, with the fields their engines list them with."""
+        """`/v1/models`: every model, then its adapters, with the fields their engines list them with; then
+        each alias, as the card of its most weighted model under the alias's name."""
         data = [
             entry
             for served in self._models
             for entry in [*served.model.models_listing()["data"], *served.adapter_cards()]
         ]
+        cards = {entry.get("id"): entry for entry in data}
+        for alias, targets in self._aliases.items():
+            card = cards.get(max(targets, key=lambda target: targets[target]))
+            data.append({**(card or {"object": "model", "owned_by": "dpd-router"}), "id": alias})
         return {"object": "list", "data": data}
 
 
