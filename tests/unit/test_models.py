@@ -14,6 +14,7 @@ from dpd_router.config import SettingsError, load_settings, models_restart_neede
 from dpd_router.errors import ModelNotFound, UpstreamError
 from dpd_router.gateway.models import Models, ServingModel
 from dpd_router.metrics import RouterMetrics
+from dpd_router.pool import adapters as adapters_module
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
@@ -191,7 +192,9 @@ async def test_an_adapter_is_loaded_once_per_role_however_many_requests_need_it(
     assert len(calls) == 2
 
 
-async def test_a_decoder_that_cannot_load_fails_the_request_and_a_prefiller_only_its_hop() -> None:
+async def test_a_decoder_that_cannot_load_fails_the_request_and_a_prefiller_only_its_hop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls: list[str] = []
     broken = httpx.Response(500, json={"error": {"message": "No adapter found at /adapters/fin"}})
     ok = httpx.Response(200, text="Success")
@@ -204,6 +207,16 @@ async def test_a_decoder_that_cannot_load_fails_the_request_and_a_prefiller_only
     with pytest.raises(UpstreamError, match="No adapter found at /adapters/fin") as refused:
         await loader.ensure(pool, "fin")
     assert refused.value.status_code == 502
+    asked = len(calls)
+    with pytest.raises(UpstreamError, match="No adapter found"):
+        await loader.ensure(pool, "fin")
+    assert len(calls) == asked, "a failed load answers for the next requests a while, the engine is not asked"
+    monkeypatch.setattr(adapters_module, "LOAD_RETRY_AFTER", 0.0)
+    loader = loader_over({A: ok, B: broken}, calls)
+    for _ in range(2):
+        with pytest.raises(UpstreamError):
+            await loader.ensure(pool, "fin")
+    assert calls[asked:] == [B, B], "the decoder asked again once the failure has stood its time"
 
 
 @pytest.mark.parametrize(

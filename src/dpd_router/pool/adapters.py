@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,12 +53,18 @@ def _is_adapter(card: dict[str, Any]) -> bool:
     return card.get("parent") is not None
 
 
+# Seconds a failed adapter load answers for the next loads of the same adapter and role in the same pool.
+LOAD_RETRY_AFTER = 5.0
+
+
 class AdapterLoader:
     """Loads the adapters of the `lora_adapters` setting (name -> path on the engines) where a request needs
     one: on the least busy healthy decoder when no healthy decoder lists it, and likewise on a prefiller, so
-    both hops can run with it. One load at a time per engine and adapter: requests that need the same wait
-    for it. A decoder that cannot load it fails the request (502, with the engine's words); a prefiller that
-    cannot leaves the prefill hop out for it (decode alone), as for any adapter no prefiller lists."""
+    both hops can run with it. One load at a time per pool, role and adapter: requests that need the same
+    wait for it. A decoder that cannot load it fails the request (502, with the engine's words); a prefiller
+    that cannot leaves the prefill hop out for it (decode alone), as for any adapter no prefiller lists. A
+    failed load is not tried again for `LOAD_RETRY_AFTER` seconds: the requests meanwhile get its answer at
+    once rather than each asking the engine again."""
 
     def __init__(
         self,
@@ -74,6 +81,8 @@ class AdapterLoader:
         self._model = model  # the base model, whose name may be learnt from the engines after startup
         self._timeout = timeout
         self._loading: dict[tuple[str, Role, str], asyncio.Future[None]] = {}
+        # A failed load's error, and until when (monotonic) it stands for the next loads of the same.
+        self._failed: dict[tuple[str, Role, str], tuple[float, UpstreamError]] = {}
 
     @property
     def names(self) -> frozenset[str]:
@@ -96,20 +105,28 @@ class AdapterLoader:
                 continue
             # One load per pool, role and adapter at a time: the requests that arrive meanwhile wait for it.
             key: tuple[str, Role, str] = (pool.name, role, adapter)
-            pending = self._loading.get(key)
-            if pending is None:
-                engine = min(healthy, key=lambda endpoint: endpoint.in_flight)
-                pending = self._loading[key] = asyncio.ensure_future(self._call(engine, adapter, role))
-                pending.add_done_callback(functools.partial(self._loaded, key))
             try:
+                failed = self._failed.get(key)
+                if failed is not None and time.monotonic() < failed[0]:
+                    raise failed[1]
+                pending = self._loading.get(key)
+                if pending is None:
+                    engine = min(healthy, key=lambda endpoint: endpoint.in_flight)
+                    pending = self._loading[key] = asyncio.ensure_future(self._call(engine, adapter, role))
+                    pending.add_done_callback(functools.partial(self._loaded, key))
                 await asyncio.shield(pending)
             except UpstreamError:
                 if role == "decode":
                     raise
                 # Its prefill hop is left out: the adapter's planner finds no prefiller listing it.
 
-    def _loaded(self, key: tuple[str, Role, str], _: asyncio.Future[None]) -> None:
+    def _loaded(self, key: tuple[str, Role, str], done: asyncio.Future[None]) -> None:
         self._loading.pop(key, None)
+        error = None if done.cancelled() else done.exception()  # retrieved, whoever still waits for it
+        if isinstance(error, UpstreamError):
+            self._failed[key] = (time.monotonic() + LOAD_RETRY_AFTER, error)
+        else:
+            self._failed.pop(key, None)
 
     async def _call(self, engine: Endpoint, adapter: str, role: Role) -> None:
         body = {"lora_name": adapter, "lora_path": self._paths[adapter]}
