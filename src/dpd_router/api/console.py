@@ -160,7 +160,7 @@ class ConsoleApi:
                 # Every model served, by name; their pools are listed apart (each named after its model).
                 "model": " · ".join(model.name or "(not yet known)" for model in self._models),
                 # The model this state describes (its settings, charts, adaptive view and recent requests),
-                # and every model the page may switch to; `models` holds the entries Apply changes one of.
+                # every model the page may switch to, and the entries of `models:` (Apply changes one).
                 "selected": served.name,
                 "models": [model.name for model in self._models] if several else [],
                 "model_entries": settings.get("models") or {},
