@@ -90,7 +90,7 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
 
     # Item 5: clients that leave once the prefiller has staged their KV, before the router read its answer.
     async with (
-        SlowLink(prefill.url, hold=1.0) as link,
+        SlowLink(prefill.url, hold=0.2) as link,
         router_for(nixl_pair, prefill_urls=[link.url]) as router,
         httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client,
     ):
