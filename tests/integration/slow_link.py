@@ -9,7 +9,9 @@ from urllib.parse import urlsplit
 
 
 class SlowLink:
-    """Relays 127.0.0.1 connections to `target`, passing the engine's bytes on `hold` seconds late.
+    """Relays 127.0.0.1 connections to `target`, passing the engine's answers to completion calls on `hold`
+    seconds late (every piece of them); other answers (health probes, model listings) pass at once, so the
+    router's view of the engine's health does not depend on the hold.
 
     `answering` is set when an engine's answer to a completion call reached the relay (and is being
     held): the moment the engine has finished the call while the router has not read it yet.
@@ -48,10 +50,11 @@ class SlowLink:
         self._tasks.add(task)
         engine_reader, engine_writer = await asyncio.open_connection(*self._target)
         completion_asked = asyncio.Event()  # a completion call went out on this connection
+        holding = [False]  # whether the request the connection serves now is a completion call
         try:
             await asyncio.gather(
-                self._requests(client_reader, engine_writer, completion_asked),
-                self._answers(engine_reader, client_writer, completion_asked),
+                self._requests(client_reader, engine_writer, completion_asked, holding),
+                self._answers(engine_reader, client_writer, completion_asked, holding),
             )
         except asyncio.CancelledError:
             pass  # the link is closing (__aexit__): the connection ends here, nothing waits on it
@@ -61,9 +64,15 @@ class SlowLink:
             self._tasks.discard(task)
 
     async def _requests(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, completion_asked: asyncio.Event
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        completion_asked: asyncio.Event,
+        holding: list[bool],
     ) -> None:
         while chunk := await reader.read(65536):
+            if chunk.startswith((b"GET ", b"POST ", b"PUT ", b"DELETE ")):  # a new request on the connection
+                holding[0] = chunk.startswith(b"POST /v1/")
             if chunk.startswith(b"POST /v1/"):
                 completion_asked.set()
             writer.write(chunk)
@@ -73,13 +82,18 @@ class SlowLink:
             writer.write_eof()
 
     async def _answers(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, completion_asked: asyncio.Event
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        completion_asked: asyncio.Event,
+        holding: list[bool],
     ) -> None:
         while chunk := await reader.read(65536):
             if completion_asked.is_set():
                 completion_asked.clear()
                 self.answering.set()
-            await asyncio.sleep(self.hold)
+            if holding[0]:
+                await asyncio.sleep(self.hold)
             writer.write(chunk)
             try:
                 await writer.drain()
