@@ -295,12 +295,7 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
     metrics = RouterMetrics()
     api = openai.OpenAIApi(
         live=cast(
-            Any,
-            SimpleNamespace(
-                settings=SimpleNamespace(
-                    max_body_bytes=1 << 20, trust_request_chat_template=False, session_header="x-session-id"
-                )
-            ),
+            Any, SimpleNamespace(settings=SimpleNamespace(max_body_bytes=1 << 20, trust_request_chat_template=False))
         ),
         gatekeeper=Gatekeeper(
             KeyRing.load(keys_file=None, key_hashes=[], admin_key_hashes=[]), metrics, failures_per_minute=0

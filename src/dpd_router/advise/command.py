@@ -185,10 +185,12 @@ def _arms_problem(args: argparse.Namespace) -> str | None:
 
 
 def _check_models(scrape: Scrape, models: list[str]) -> None:
+    served = scrape.models()
     for model in models:
-        if model not in scrape.models():
-            served = ", ".join(scrape.models()) or "none labelled"
-            raise AdviseError(f"no requests of model {model!r} in the scrape (its models: {served})")
+        if model not in served:
+            raise AdviseError(
+                f"no requests of model {model!r} in the scrape (its models: {', '.join(served) or 'none labelled'})"
+            )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -160,7 +160,9 @@ class OpenAIApi:
             await principal.limits.take_request()
             raw = await read_body(request, settings.max_body_bytes)
             client_request = await self._parse(raw, kind)
-            sticky = self._sticky(request, client_request, principal) if self._models.aliased else None
+            sticky = (
+                _sticky(request, client_request, principal, settings.session_header) if self._models.aliased else None
+            )
             served, adapter = self._models.resolve(client_request, sticky=sticky)
             if kind == "responses":
                 await self._responses.begin(client_request, principal.key_id)
@@ -204,13 +206,6 @@ class OpenAIApi:
             if client_request.brackets > MANY_CONTAINERS:
                 _free_apart(client_request)
             return self._error(exc, request_id, kind)
-
-    def _sticky(self, request: Request, client_request: ClientRequest, principal: Principal) -> str | None:
-        """What keeps a session on one of a model alias's models: its session key, else its API key."""
-        key = session_key(request.headers, client_request.body, header=self._live.settings.session_header)
-        if key is None and principal.key_id != ANONYMOUS.key_id:
-            key = f"api-key {principal.key_id}"
-        return key
 
     async def _parse(self, raw: bytes, kind: RequestKind, *, counting: bool = False) -> ClientRequest:
         """The body parsed and checked; megabytes of JSON on another thread
@@ -293,3 +288,12 @@ def _listing(request: Request) -> tuple[int, str, str | None]:
     if order not in ("asc", "desc"):
         raise InvalidRequest(f"'order' must be 'asc' or 'desc', not '{order[:50]}'.", param="order")
     return limit, order, query.get("after")
+
+
+def _sticky(request: Request, client_request: ClientRequest, principal: Principal, header: str) -> str | None:
+    """What keeps a session on one of a model alias's models: its session key (`header`, else the body's
+    `user`), else its API key."""
+    key = session_key(request.headers, client_request.body, header=header)
+    if key is None and principal.key_id != ANONYMOUS.key_id:
+        key = f"api-key {principal.key_id}"
+    return key

@@ -77,16 +77,13 @@ class AdapterLoader:
     ) -> None:
         self._client = client
         self._paths = dict(paths)
+        self.names = frozenset(self._paths)  # the adapters it may load
         self._metrics = metrics
         self._model = model  # the base model, whose name may be learnt from the engines after startup
         self._timeout = timeout
         self._loading: dict[tuple[str, Role, str], asyncio.Future[None]] = {}
         # A failed load's error, and until when (monotonic) it stands for the next loads of the same.
         self._failed: dict[tuple[str, Role, str], tuple[float, UpstreamError]] = {}
-
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(self._paths)
 
     def card(self, name: str) -> dict[str, Any]:
         """The adapter as vLLM lists it once loaded."""
