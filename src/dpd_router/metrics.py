@@ -118,14 +118,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}_requests",
-            "Requests finished, by model, arm, path and outcome.",
-            ["model", "arm", "path", "outcome"],
-            registry=r,
-        )
-        self.api_requests = Counter(
-            f"{PREFIX}_api_requests",
-            "Requests finished, by the API they came in by (chat, completion, messages, responses) and outcome.",
-            ["api", "outcome"],
+            "Requests finished, by model, arm, API (chat, completion, messages, responses), path and outcome.",
+            ["model", "arm", "api", "path", "outcome"],
             registry=r,
         )
         self.route_decisions = Counter(

@@ -138,13 +138,14 @@ class _Series:
         self.prompt_tokens = metrics.prompt_tokens.labels(*self._labels)
         self.output_tokens = metrics.output_tokens.labels(*self._labels)
         self.uncached_prompt_tokens = metrics.uncached_prompt_tokens.labels(*self._labels)
-        self._requests: dict[str, Counter] = {}
+        self._requests: dict[tuple[str, str], Counter] = {}
         self._histograms: dict[tuple[int, str], Histogram] = {}
 
-    def requests(self, outcome: str) -> Counter:
-        child = self._requests.get(outcome)
+    def requests(self, api: str, outcome: str) -> Counter:
+        child = self._requests.get((api, outcome))
         if child is None:
-            child = self._requests[outcome] = self._metrics.requests.labels(*self._labels, outcome)
+            model, arm, path = self._labels
+            child = self._requests[(api, outcome)] = self._metrics.requests.labels(model, arm, api, path, outcome)
         return child
 
     def phase(self, name: str) -> Histogram:
@@ -179,7 +180,6 @@ class Observer:
         # (wall-clock end, the log line's fields) of the last requests.
         self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque(maxlen=RECENT_REQUESTS)
         self._series: dict[tuple[str, str, str], _Series] = {}
-        self._by_api: dict[tuple[str, str], Counter] = {}
 
     def finish(self, trace: RequestTrace, *, ended: float | None = None) -> None:
         """Record the request; `ended` (a perf_counter reading) when it ended before it is reported."""
@@ -213,8 +213,7 @@ class Observer:
     def record(self, trace: RequestTrace, now: float) -> None:
         """The request's latency and size metrics, under its arm and path (a shadow copy's too)."""
         series = self._series_of(model_label(trace.model), trace.arm, trace.path)
-        series.requests(trace.outcome).inc()
-        self._api_requests(trace.kind, trace.outcome).inc()
+        series.requests(trace.kind, trace.outcome).inc()
         e2e = now - trace.started
         bucket = prompt_length_bucket(trace.prompt_tokens)
         series.child(self.metrics.e2e, bucket).observe(e2e)
@@ -230,12 +229,6 @@ class Observer:
             series.prompt_tokens.observe(trace.prompt_tokens)
         if trace.completion_tokens is not None:
             series.output_tokens.observe(trace.completion_tokens)
-
-    def _api_requests(self, api: str, outcome: str) -> Counter:
-        child = self._by_api.get((api, outcome))
-        if child is None:
-            child = self._by_api[(api, outcome)] = self.metrics.api_requests.labels(api, outcome)
-        return child
 
     def _series_of(self, model: str, arm: str, path: str) -> _Series:
         series = self._series.get((model, arm, path))

@@ -106,7 +106,7 @@ async def test_a_short_message_goes_straight_to_a_decoder(router: str, cluster: 
     assert await kinds_seen(cluster.prefill_urls, request_id) == []
     assert await kinds_seen(cluster.decode_urls, request_id) == ["local"]
     await settled(router)
-    assert await metric(router, "dpd_router_api_requests_total", {"api": "messages", "outcome": "ok"}) >= 1
+    assert await metric(router, "dpd_router_requests_total", {"api": "messages", "outcome": "ok"}) >= 1
 
 
 CONVERSATION: list[Any] = [

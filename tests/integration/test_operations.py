@@ -65,7 +65,7 @@ async def test_metric_names_labels_and_the_ttft_breakdown_adds_up(cluster: SimCl
         families = await scrape(base_url)
 
     expected_labels = {
-        "dpd_router_requests": {"model", "arm", "path", "outcome"},
+        "dpd_router_requests": {"model", "arm", "api", "path", "outcome"},
         "dpd_router_route_decisions": {"model", "arm", "path", "reason"},
         "dpd_router_time_to_first_token_seconds": {"model", "arm", "path", "prompt_tokens"},
         "dpd_router_inter_token_latency_seconds": {"model", "arm", "path", "prompt_tokens"},

@@ -79,7 +79,7 @@ async def test_a_long_input_streams_its_events_through_both_hops(router: str, cl
     await settled(router)
     after = await metric(router, "dpd_router_time_to_first_token_seconds_count", {"path": "disaggregated"})
     assert after == before + 1, "the first text delta was seen as the stream's first token"
-    assert await metric(router, "dpd_router_api_requests_total", {"api": "responses", "outcome": "ok"}) >= 1
+    assert await metric(router, "dpd_router_requests_total", {"api": "responses", "outcome": "ok"}) >= 1
 
 
 async def test_a_short_input_with_tool_turns_goes_straight_to_a_decoder(router: str, cluster: SimCluster) -> None:

@@ -197,7 +197,16 @@ async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_b
     assert b'"content":" river"' in events[1], "the prefiller's token went first"
     assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
     assert (
-        sample(metrics, "dpd_router_requests_total", model="m", arm="live", path="disaggregated", outcome="error") == 1
+        sample(
+            metrics,
+            "dpd_router_requests_total",
+            model="m",
+            arm="live",
+            api="chat",
+            path="disaggregated",
+            outcome="error",
+        )
+        == 1
     )
     assert sample(metrics, "dpd_router_client_disconnects_total", phase="serve") == 0
 
@@ -222,6 +231,7 @@ async def test_a_client_leaving_before_the_continuation_answers_is_counted_and_t
             "dpd_router_requests_total",
             model="m",
             arm="live",
+            api="chat",
             path="disaggregated",
             outcome="client_disconnect",
         )

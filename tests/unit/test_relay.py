@@ -172,7 +172,7 @@ def test_observer_records_metrics_once() -> None:
     observer.finish(trace)
     value = metrics.registry.get_sample_value
     live = {"model": "", "arm": "live", "path": "disaggregated"}
-    assert value("dpd_router_requests_total", {**live, "outcome": "ok"}) == 1
+    assert value("dpd_router_requests_total", {**live, "api": "chat", "outcome": "ok"}) == 1
     # under its prompt-length bucket (500 tokens: the 512 bucket), once, under the same arm
     in_bucket = {**live, "prompt_tokens": "512"}
     assert value("dpd_router_time_to_first_token_seconds_count", in_bucket) == 1
