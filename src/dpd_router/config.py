@@ -779,6 +779,22 @@ class Settings(BaseSettings):
         "the same one when it is the only decoder).",
         json_schema_extra=_meta("reliability", live=True),
     )
+    stream_continuations: int = Field(
+        default=1,
+        ge=0,
+        description="Times a stream whose decoder fails after the client saw output is continued on another "
+        "decoder, from the token ids already generated, as one uninterrupted answer (0: it ends with an "
+        "in-band error, as before). Chat and text completion streams; see Failures and fallbacks for what "
+        "is not continued.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
+    stream_continuation_max_tokens: int = Field(
+        default=131_072,
+        ge=0,
+        description="The most tokens (prompt and output) a stream keeps for its continuation, about 6 bytes "
+        "each; a longer one is not continued.",
+        json_schema_extra=_meta("reliability", live=True),
+    )
     hop_deadline_factor: float = Field(
         default=4.0,
         ge=0,

@@ -249,6 +249,12 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="sum",
         )
+        self.stream_continuations = Counter(
+            f"{PREFIX}_stream_continuations",
+            "Streams whose decoder failed after output, by API and outcome (continued, failed, not_tried) and reason.",
+            ["api", "outcome", "reason"],
+            registry=r,
+        )
         self.retries = Counter(
             f"{PREFIX}_retries",
             "Calls retried on another engine, by hop (prefill, decode).",

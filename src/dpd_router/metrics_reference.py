@@ -34,6 +34,13 @@ DETAILS: dict[str, str] = {
         "Prompt tokens the serving engines had to compute (the prompt minus the prefix already cached on the "
         "chosen decoder, as the router estimates it), by arm and path: the prefill work each pool does."
     ),
+    "dpd_router_stream_continuations": (
+        "Streams whose decoder failed after the client saw output (a reset connection, an in-band error, a "
+        "stream cut short, the idle limit), by the client's `api` and `outcome`: `continued` on another "
+        "decoder, `failed` (no decoder could take the continuation), `not_tried`, with the `reason` "
+        "(`n`, `structured_output`, `tools`, `logprobs`, `parsed_output`, `no_token_ids`, `too_long`, "
+        "`deadline`, `limit`, `disabled`, `connector`, `messages_api`, `responses_api`, ...)."
+    ),
     "dpd_router_kv_transfer_ineffective": (
         "Disaggregated requests whose decoder recomputed the prompt anyway (it reported far fewer cached "
         "prompt tokens than the prefiller staged, or could not load the KV and was asked to compute the "

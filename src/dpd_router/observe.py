@@ -73,6 +73,10 @@ class RequestTrace:
     # Whether the decoder's usage can show the transfer: vLLM >= 0.32 decoders report the prefiller's
     # cache hit (kv_transfer_params.remote_prefill_cached_tokens) instead of the tokens they pulled.
     usage_shows_transfer: bool = True
+    # Times the stream was continued on another decoder after its decoder failed (gateway/resume.py),
+    # and the failure it was continued after (or why it was not).
+    continuations: int = 0
+    continued_after: str | None = None
     status: int = 200
     outcome: str = "ok"
     error: str | None = None
@@ -290,6 +294,9 @@ class Observer:
         }
         if trace.prefill_error:
             fields["prefill_error"] = trace.prefill_error
+        if trace.continued_after is not None:
+            fields["continuations"] = trace.continuations
+            fields["continued_after"] = trace.continued_after
         if trace.error:
             fields["error"] = trace.error
         level = logging.INFO if trace.outcome in ("ok", "client_disconnect") else logging.WARNING

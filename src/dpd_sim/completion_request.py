@@ -66,7 +66,8 @@ class GenerationRequest:
     continuous_usage: bool = False
     # Choices per prompt (vLLM's parallel sampling: n child requests of one prompt).
     n: int = 1
-    # vLLM's return_token_ids: a non-streamed answer carries the prompt's ids and each choice's.
+    # vLLM's return_token_ids: an answer carries the prompt's ids and each choice's (a stream: each chunk
+    # its token's, the first chunk the prompt's).
     return_token_ids: bool = False
     # The LoRA adapter the body names (None: the base model): it changes what is generated.
     adapter: str | None = None

@@ -55,9 +55,25 @@ class ResponseFormat:
             self._token_key = b',"text":'
             self._token_suffix = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
 
-    def token_chunk(self, choice: int, token_json: bytes) -> bytes:
-        """An SSE chunk carrying one token (already a JSON string) for one choice."""
-        return b"".join((self._token_prefix, str(choice).encode(), self._token_key, token_json, self._token_suffix))
+    def token_chunk(
+        self, choice: int, token_json: bytes, token_id: int | None = None, prompt_ids: Sequence[int] | None = None
+    ) -> bytes:
+        """An SSE chunk carrying one token (already a JSON string) for one choice; with `token_id`, its id
+        (vLLM's return_token_ids), and the prompt's ids where the stream gives them (a text completion's first)."""
+        if token_id is None:
+            return b"".join((self._token_prefix, str(choice).encode(), self._token_key, token_json, self._token_suffix))
+        entry: dict[str, Any] = {"index": choice}
+        if self.api == "chat":
+            entry["delta"] = {"content": orjson.loads(token_json)}
+        else:
+            entry["text"] = orjson.loads(token_json)
+        entry.update(logprobs=None, finish_reason=None)
+        if self.api != "chat":
+            entry["stop_reason"] = None
+            if prompt_ids is not None:
+                entry["prompt_token_ids"] = list(prompt_ids)
+        entry["token_ids"] = [token_id]
+        return _sse({**self._chunk_header, "choices": [entry]})
 
     def final_chunk(
         self,
@@ -66,28 +82,38 @@ class ResponseFormat:
         finish_reason: str,
         kv_transfer_params: dict[str, Any] | None = None,
         stop_reason: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> bytes:
-        """The chunk that ends a choice: its last token (or none), its finish_reason and what stopped it."""
+        """The chunk that ends a choice: its last token (or none), its finish_reason and what stopped it
+        (and, asked for, the last token's id and, in a text completion's first chunk, the prompt's)."""
         entry: dict[str, Any] = {"index": choice}
         if self.api == "chat":
             entry["delta"] = {"content": text}
         else:
             entry["text"] = text
         entry.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+        if token_ids is not None:
+            if prompt_ids is not None and self.api != "chat":
+                entry["prompt_token_ids"] = list(prompt_ids)
+            entry["token_ids"] = list(token_ids)
         chunk: dict[str, Any] = {**self._chunk_header, "choices": [entry]}
         if kv_transfer_params is not None:
             chunk["kv_transfer_params"] = kv_transfer_params
         return _sse(chunk)
 
-    def role_chunk(self, choice: int) -> bytes:
-        """The chat stream's opening delta for a choice."""
+    def role_chunk(self, choice: int, prompt_ids: Sequence[int] | None = None) -> bytes:
+        """The chat stream's opening delta for a choice (the stream's first carries the prompt's ids, asked)."""
         entry = {
             "index": choice,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        return _sse({**self._chunk_header, "choices": [entry]})
+        chunk: dict[str, Any] = {**self._chunk_header, "choices": [entry]}
+        if prompt_ids is not None:
+            chunk["prompt_token_ids"] = list(prompt_ids)
+        return _sse(chunk)
 
     @staticmethod
     def with_running_usage(chunk: bytes, prompt_tokens: int, completion_tokens: int) -> bytes:

@@ -146,20 +146,30 @@ async def _stream(generation: Generation, response: ResponseFormat, send: Send) 
             generation.schedule()
             opened = False
             produced = [0] * generation.choices
+            # vLLM's return_token_ids: each chunk carries its token's id, the first the prompt's ids.
+            with_ids = request.return_token_ids
             while tokens := await generation.next_tokens():
                 if chat and not opened:
-                    parts.extend(running_usage(response.role_chunk(choice), 0) for choice in range(generation.choices))
-                    opened = True
+                    for choice in range(generation.choices):
+                        prompt_ids = generation.prompts[0] if with_ids and choice == 0 else None
+                        parts.append(running_usage(response.role_chunk(choice, prompt_ids), 0))
                 for choice, token_id, last in tokens:
                     produced[choice] += 1
+                    prompt_ids = generation.prompts[0] if with_ids and not chat and produced[choice] == 1 else None
                     if last:
                         stop = generation.stopped_by(choice)
                         text = "" if stop is not None else token_text[token_id]  # a stop token is not output
                         finish = generation.finish_reason(choice)
-                        chunk = response.final_chunk(choice, text, finish, generation.kv_transfer_params, stop)
+                        ids = [token_id] if with_ids else None
+                        chunk = response.final_chunk(
+                            choice, text, finish, generation.kv_transfer_params, stop, ids, prompt_ids
+                        )
                     else:
-                        chunk = response.token_chunk(choice, token_json[token_id])
+                        chunk = response.token_chunk(
+                            choice, token_json[token_id], token_id if with_ids else None, prompt_ids
+                        )
                     parts.append(running_usage(chunk, produced[choice]))
+                opened = True
                 await send_body(send, b"".join(parts), more=True)
                 parts.clear()
             if not await generation.settle():

@@ -51,7 +51,16 @@ PREVIOUS_LIVE_SETTINGS = frozenset(
 
 
 # Live settings added since, each marked on its field.
-LIVE_SETTINGS_SINCE = frozenset({"experiments", "hang_probe_timeout", "models", "model_aliases"})
+LIVE_SETTINGS_SINCE = frozenset(
+    {
+        "experiments",
+        "hang_probe_timeout",
+        "models",
+        "model_aliases",
+        "stream_continuations",
+        "stream_continuation_max_tokens",
+    }
+)
 
 
 def test_live_settings_are_derived_from_the_field_markers() -> None:

@@ -64,12 +64,15 @@ class HeldKV:
 
 class Completion:
     """Releases what a request holds, exactly once: its decoder slot, KV staged for it that no
-    decode call took, the in-flight gauge, its trace, and the caller's `on_finish` (the admission slot)."""
+    decode call took, the in-flight gauge, its trace, and the caller's `on_finish` (the admission slot).
+
+    Without an `observer` the trace is not reported: a stream's continuation is part of its request,
+    which reports it."""
 
     def __init__(
         self,
         trace: RequestTrace,
-        observer: Observer,
+        observer: Observer | None,
         metrics: RouterMetrics,
         on_finish: Callable[[], None] | None = None,
     ) -> None:
@@ -138,9 +141,9 @@ class Completion:
         if self._decoder is not None:
             self._decoder.finish()
         self._metrics.in_flight.dec()
-        if self._report_after is None:
+        if self._observer is not None and self._report_after is None:
             self._observer.finish(self._trace)
-        else:
+        elif self._observer is not None and self._report_after is not None:
             ready, settle, unless = self._report_after
             ended = time.perf_counter()
             if ready.done() or unless():
@@ -152,4 +155,5 @@ class Completion:
 
     def _report(self, settle: Callable[[], None], ended: float) -> None:
         settle()
+        assert self._observer is not None
         self._observer.finish(self._trace, ended=ended)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 
@@ -25,6 +26,7 @@ from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learn
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
+from dpd_router.gateway.resume import Resumer
 from dpd_router.gateway.watch import EngineProbe, HopWatch
 from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
@@ -170,7 +172,21 @@ class DecodeHop:
         staged: StagedKV | None,
         decoder: Endpoint | None = None,
     ) -> EventStream:
-        """The relay of a decoder's stream (or of the prefill's answer, `decoder` None) to this client."""
+        """The relay of a decoder's stream (or of the prefill's answer, `decoder` None) to this client; a
+        decoder's own stream (not one another API's answer is rebuilt from) may be continued elsewhere."""
+        resumer = None
+        continue_with = exchange.continue_with
+        if exchange.resume is not None and continue_with is not None and decoder is not None and call.answer is None:
+            resumer = Resumer(
+                exchange.request,
+                exchange.trace,
+                exchange.resume,
+                decoder,
+                self._metrics,
+                open=functools.partial(continue_with, exchange),
+                timeouts=exchange.timeouts,
+                strip_usage=exchange.strip_usage,
+            )
         return EventStream(
             upstream,
             exchange.trace,
@@ -182,6 +198,7 @@ class DecodeHop:
             rewrite=None if call.answer is None else call.answer.chunk,
             on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
             wire=wire_of(exchange.request),
+            resumer=resumer,
         )
 
     async def _whole_answer(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dpd_router.client_request import ClientRequest
 from dpd_router.deadlines import HopDeadlines
+from dpd_router.gateway.answer import Answer
 from dpd_router.gateway.completion import Completion
 from dpd_router.gateway.judge import FailureJudge
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
+from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.observe import RequestTrace
+from dpd_router.pool.endpoint import Endpoint
 from dpd_router.routing.planner import Planner
 from dpd_router.tokenizer import Prompt
 
@@ -32,11 +36,20 @@ class Exchange:
     retries: RetryPolicy
     prefill_judge: FailureJudge = field(default_factory=FailureJudge)
     decode_judge: FailureJudge = field(default_factory=FailureJudge)
+    # Whether and how a stream whose decoder fails after output is continued (None: not a stream), and what
+    # serves the continuation (the gateway's).
+    resume: ResumePolicy | None = None
+    continue_with: ContinueWith | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         """The headers of the router's answer."""
         return {"X-Request-Id": self.request_id}
+
+
+# Serves the continuation of an exchange's stream (a text completion of token ids) away from the failed
+# decoder, with so many continuations left: its answer, and where it is served.
+ContinueWith = Callable[["Exchange", ClientRequest, Endpoint | None, int], Awaitable[tuple[Answer, str]]]
 
 
 def ask_for_usage(request: ClientRequest) -> bool:

@@ -35,6 +35,7 @@ from dpd_router.gateway.exchange import Exchange, ask_for_usage
 from dpd_router.gateway.head_first import HeadFirst
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.prefill import PrefillHop
+from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.gateway.watch import EngineProbe
 from dpd_router.metrics import RouterMetrics, model_label
 from dpd_router.observe import Observer, RequestTrace
@@ -204,6 +205,8 @@ class Gateway:
                 self.deadlines_for(principal.tenant),
                 self._timeouts,
                 self._retries,
+                resume=self._resume_policy(request),
+                continue_with=self._continue,
             )
             done.defer(exchange.prefill_judge.close)
             done.defer(exchange.decode_judge.close)
@@ -221,6 +224,67 @@ class Gateway:
             trace.fail("error", f"internal error: {type(exc).__name__}: {exc}", status=500)
             done()
             raise
+
+    def _resume_policy(self, request: ClientRequest) -> ResumePolicy | None:
+        """How a stream of `request` is continued if its decoder fails after output (None: not a stream)."""
+        if not request.stream:
+            return None
+        retries = self._retries
+        # LMCache's decoders answer a continuation in another API, which the router rebuilds: not resumed.
+        blocked = "connector" if self._connector.pushes_to_decoder else None
+        return ResumePolicy.arm(
+            request, left=retries.stream_continuations, max_tokens=retries.continuation_max_tokens, blocked=blocked
+        )
+
+    async def _continue(
+        self, exchange: Exchange, request: ClientRequest, failed: Endpoint | None, left: int
+    ) -> tuple[Answer, str]:
+        """Serve the continuation of `exchange`'s stream (a text completion of token ids) as a request of
+        its own, planned like any (a long one is prefilled again), away from the `failed` decoder. It is
+        part of the first request, which reports it: its own trace is not reported."""
+        first = exchange.trace
+        ids = request.body["prompt"]
+        prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
+        trace = RequestTrace(
+            request_id=f"{exchange.request_id}-c{first.continuations + 1}", kind=request.kind, stream=True
+        )
+        trace.model, trace.adapter, trace.arm, trace.tenant = first.model, first.adapter, first.arm, first.tenant
+        done = Completion(trace, None, self._metrics)
+        try:
+            planner = exchange.planner
+            plan = await self._plan(request, prompt, planner, {}, trace)
+            if failed is not None and plan.decoder is failed:
+                other = planner.alternative("decode", prompt, exclude=[failed])
+                plan = plan if other is None else replace(plan, decoder=other)
+            retries = exchange.retries
+            resume = ResumePolicy.arm(
+                request,
+                left=left,
+                max_tokens=retries.continuation_max_tokens,
+                api=first.kind,
+                blocked=None if left > 0 else "limit",
+            )
+            sub = Exchange(
+                request,
+                prompt,
+                planner,
+                trace.request_id,
+                trace,
+                done,
+                False,  # the first request's relay reads the usage, and drops it where its client did not ask
+                exchange.deadlines,
+                exchange.timeouts,
+                retries,
+                resume=resume,
+                continue_with=self._continue,
+            )
+            done.defer(sub.prefill_judge.close)
+            done.defer(sub.decode_judge.close)
+            answer = await self._serve(sub, plan)
+        except BaseException:
+            done()
+            raise
+        return answer, f"{trace.decoder} ({trace.path})"
 
     async def _prepare(
         self, request: ClientRequest, principal: Principal, trace: RequestTrace, planner: Planner

@@ -46,10 +46,20 @@ class RetryPolicy:
     prefill_retries: int = 1
     decode_retries: int = 1
     prefill_failure_policy: str = "fallback"
+    # Times a stream whose decoder failed after output is continued on another (gateway/resume.py), and
+    # the most tokens (prompt and output) a stream keeps for it.
+    stream_continuations: int = 1
+    continuation_max_tokens: int = 131_072
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RetryPolicy:
-        return cls(settings.prefill_retries, settings.decode_retries, settings.prefill_failure_policy)
+        return cls(
+            settings.prefill_retries,
+            settings.decode_retries,
+            settings.prefill_failure_policy,
+            settings.stream_continuations,
+            settings.stream_continuation_max_tokens,
+        )
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import anyio
 import httpx
 import orjson
 
+from dpd_router.errors import RouterError
+from dpd_router.gateway.resume import Resumer
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transport import EngineAnswer
@@ -62,8 +64,14 @@ class EventStream:
         on_disconnect: Callable[[], None] | None = None,
         engine: Endpoint | None = None,
         wire: Wire = OPENAI_WIRE,
+        resumer: Resumer | None = None,
     ) -> None:
         self._upstream = upstream
+        # Continues the stream on another decoder when this one fails after output (gateway/resume.py).
+        self._resumer = resumer
+        self._tape = None if resumer is None else resumer.tape
+        # How the decoder failed once the client had output: (outcome, detail, the client's message).
+        self._broken: tuple[str, str, str] | None = None
         self._wire = wire
         # The decoder whose stream this is: every chunk it sends shows it moving (gateway/watch.py).
         self._engine = engine
@@ -203,34 +211,73 @@ class EventStream:
         trace = self._trace
         self._relaying = True
         try:
-            if self._head:
-                head, self._head = self._head, b""
-                await self._settle()
-                yield head
-            while not self._ended:
-                chunk = await self._read_within_idle()
-                if chunk is None:
-                    break
-                out = self._absorb(chunk)
-                if out:
-                    await self._settle()
+            try:
+                async for out in self._relay_own():
                     yield out
-            if self._pending.strip():
-                yield self._pending
-            self._complete = True
-            if not self._saw_done and trace.outcome == "ok":
-                trace.fail("upstream_truncated", "the decoder closed the stream before [DONE]")
-                yield self._error_event("The decoder ended the stream early.")
-        except TimeoutError:
-            trace.fail("upstream_timeout", f"no data from {trace.decoder} for {self._idle_timeout:g} s")
-            self._complete = True
-            yield self._error_event("The decoder stopped sending tokens before the stream ended.")
-        except httpx.HTTPError as exc:
-            trace.fail("upstream_error", f"{type(exc).__name__} while streaming from {trace.decoder}")
-            self._complete = True
-            yield self._error_event("The connection to the decoder broke before the stream ended.")
+            except TimeoutError:
+                detail = f"no data from {trace.decoder} for {self._idle_timeout:g} s"
+                message = "The decoder stopped sending tokens before the stream ended."
+                self._broken = ("upstream_timeout", detail, message)
+            except httpx.HTTPError as exc:
+                detail = f"{type(exc).__name__} while streaming from {trace.decoder}"
+                self._broken = (
+                    "upstream_error",
+                    detail,
+                    "The connection to the decoder broke before the stream ended.",
+                )
+            if self._broken is not None:
+                async for out in self._after_failure(*self._broken):
+                    yield out
         finally:
             await self.close()
+
+    async def _relay_own(self) -> AsyncIterator[bytes]:
+        """This decoder's stream; a failure after output is left in `_broken` (or raised, when it broke)."""
+        if self._head:
+            head, self._head = self._head, b""
+            await self._settle()
+            yield head
+        while not self._ended and self._broken is None:
+            chunk = await self._read_within_idle()
+            if chunk is None:
+                break
+            out = self._absorb(chunk)
+            if out:
+                await self._settle()
+                yield out
+        if self._broken is not None:
+            return
+        if self._pending.strip():
+            yield self._pending
+        if not self._saw_done and self._trace.outcome == "ok":
+            detail = "the decoder closed the stream before [DONE]"
+            self._broken = ("upstream_truncated", detail, "The decoder ended the stream early.")
+        else:
+            self._complete = True
+
+    async def _after_failure(self, outcome: str, detail: str, message: str) -> AsyncIterator[bytes]:
+        """The rest of a stream whose decoder failed after output: continued on another decoder where it can
+        be, else ended with an in-band error."""
+        trace, resumer = self._trace, self._resumer
+        reason = "disabled" if resumer is None else resumer.why_not(self._saw_token)
+        if resumer is not None and reason is None:
+            self._stop_idle_check()
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()  # the broken decoder's call: nothing more comes from it
+            try:
+                async for out in resumer.relay(detail, self.cached_tokens):
+                    yield out
+                self._complete = True
+                return
+            except RouterError as exc:
+                resumer.count("failed", "unserved")
+                detail = f"{detail}; its continuation failed: {exc.message}"
+        elif resumer is not None:
+            resumer.count("not_tried", reason or "")
+            trace.continued_after = f"not continued ({reason})"
+        self._complete = True
+        trace.fail(outcome, detail)
+        yield self._error_event(message)
 
     async def _settle(self) -> None:
         """Once the answer has ended, what the wire keeps of it is kept before the client sees the end."""
@@ -248,6 +295,8 @@ class EventStream:
                 self._saw_done = True
                 if event.startswith(_DONE):
                     continue  # a Responses stream's last event is the whole response, its usage included
+            if self._tape is not None:
+                event = events[index] = self._tape.keep(event)
             if self._rewrite is not None:
                 event = events[index] = self._rewritten(event)
             first = not self._saw_token
@@ -260,11 +309,21 @@ class EventStream:
                 continue
             if not isinstance(payload, dict):
                 continue
+            if self._tape is not None:
+                self._tape.seen(payload)
             failure = wire.errored(payload)
             if failure is not None:
                 if first and not self._relaying:
                     self._early_failure = failure
+                elif self._resumer is not None and (reason := self._resumer.why_not(self._saw_token)) is None:
+                    # Not relayed: the stream goes on from another decoder (or ends with this failure).
+                    self._broken = ("upstream_error", failure, failure)
+                    events[index:] = [b""] * (len(events) - index)
+                    break
                 else:
+                    if self._resumer is not None:
+                        self._resumer.count("not_tried", reason or "")
+                        trace.continued_after = f"not continued ({reason})"
                     trace.fail("upstream_error", failure)
             if wire.has_token(payload):
                 self._saw_token = True

@@ -8,7 +8,7 @@ from dpd_router.client_request import ClientRequest
 from dpd_router.tokenizer import Prompt
 
 # Chat-only fields a text completion does not take (the prompt is already rendered to token ids).
-_CHAT_ONLY_FIELDS = (
+CHAT_ONLY_FIELDS = (
     "messages",
     "max_completion_tokens",
     "tool_choice",
@@ -41,7 +41,7 @@ def requested_max_tokens(request: ClientRequest) -> int | None:
 
 def _completion_fields(request: ClientRequest) -> dict[str, Any]:
     """The client's body as a text completion's fields: chat-only fields dropped."""
-    return {key: value for key, value in request.body.items() if key not in _CHAT_ONLY_FIELDS}
+    return {key: value for key, value in request.body.items() if key not in CHAT_ONLY_FIELDS}
 
 
 def prefill_body(request: ClientRequest, prompt: Prompt, spec: dict[str, Any]) -> dict[str, Any]:

@@ -63,12 +63,20 @@ def unsupported(request: ClientRequest, *, local_tokenizer: bool = True) -> str 
     if requested_max_tokens(request) == 1:
         # The prefill's token is the whole answer: a decoder would never retrieve the pushed KV.
         return "a one-token answer"
+    field = unsupported_field(body)
+    if field is not None:
+        return f"the '{field}' field"
+    return _prompt_differs(request, local_tokenizer)
+
+
+def unsupported_field(body: dict[str, Any]) -> str | None:
+    """The first field of `body` a continuation from token ids cannot carry (None: none)."""
     for name in _UNSUPPORTED_FIELDS:
         value = body.get(name)
         if value is None or value is False or _harmless(name, value, body):
             continue
-        return f"the '{name}' field"
-    return _prompt_differs(request, local_tokenizer)
+        return name
+    return None
 
 
 def _prompt_differs(request: ClientRequest, local_tokenizer: bool) -> str | None:

@@ -1,0 +1,361 @@
+"""A stream whose decoder fails after the client saw output is continued on another decoder.
+
+The router asks the decoder for the token ids it generates (vLLM's `return_token_ids`) and keeps them
+as the stream passes, with the prompt's own ids (the first chunk's `prompt_token_ids`: the engine's
+rendering, exact for any template), as bytes, cut out of the events before the client sees them.
+When the decoder breaks (a reset connection, an in-band error, a stream cut short, the idle limit),
+the continuation is a text completion of the prompt's ids and the generated ids, for the tokens left,
+with the same sampling settings: it goes through the threshold like any prompt (a long one is
+prefilled again and its KV transferred) and is served by another decoder. Its events are given back
+in the client's API under the first answer's id, with usage counting the prompt once and every
+output token. Greedy, the continued text is the one an uninterrupted decoder would have produced:
+the continuation starts from the generated token ids, not from the text re-encoded.
+
+What cannot be resumed faithfully is not tried (see `why_not`): several choices, structured output
+(a grammar cannot be resumed mid-way), tools, log-probabilities, an echoed prompt, an answer whose
+output was reasoning or a tool call (the engine's parser would not see the start). The Messages and
+Responses APIs are not continued yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from dpd_router.client_request import ClientRequest
+from dpd_router.errors import RouterError
+from dpd_router.gateway.answer import Answer, StreamedAnswer
+from dpd_router.gateway.policy import PhaseTimeouts
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import RequestTrace
+from dpd_router.pool.endpoint import Endpoint
+from dpd_router.transfer import chat_chunks
+from dpd_router.transfer.lmcache.bodies import CHAT_ONLY_FIELDS, requested_max_tokens, requested_min_tokens
+from dpd_router.transfer.lmcache.compat import unsupported_field
+from dpd_router.wires import reconcile_usage
+
+log = logging.getLogger("dpd_router.gateway")
+
+_EVENT_END = b"\n\n"
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+_PROMPT_IDS = b'"prompt_token_ids":'
+_OUTPUT_IDS = b'"token_ids":'
+_FINISHED = b'"finish_reason":"'
+_FAILED = b'"finish_reason":"error"'
+# Output the engine's parsers made of the text: a continuation (a text completion) would not parse it.
+_PARSED_OUTPUT = (b'"reasoning', b'"tool_calls":[')
+# Chat-only fields a text completion does not take (the prompt is already token ids).
+_CHAT_ONLY_FIELDS = frozenset(CHAT_ONLY_FIELDS) | {"min_completion_tokens", "add_special_tokens"}
+_NOT_CARRIED = frozenset({"kv_transfer_params", "stream_options", "min_tokens", "max_tokens", "prompt"})
+
+# Serves a continuation of a request's stream, away from the failed decoder, with so many continuations
+# left: its answer, and where it is served (for the log line).
+OpenContinuation = Callable[[ClientRequest, Endpoint | None, int], Awaitable[tuple[Answer, str]]]
+
+
+def why_not(request: ClientRequest) -> str | None:
+    """Why a stream of `request` cannot be continued faithfully (a metric label), None when it can."""
+    if request.kind in ("messages", "responses"):
+        return f"{request.kind}_api"
+    if request.batch_size > 1:
+        return "batched_prompt"
+    n = request.body.get("n")
+    if n not in (None, 1):
+        return "n"
+    field = unsupported_field(request.body)
+    if field is None:
+        return None
+    if field in ("response_format", "structured_outputs") or field.startswith("guided_"):
+        return "structured_output"
+    if field in ("tools", "functions"):
+        return "tools"
+    if field in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        return "logprobs"
+    return field  # echo, suffix, best_of
+
+
+@dataclass(frozen=True)
+class ResumePolicy:
+    """Whether this request's stream may be continued, how often, and how it is opened.
+
+    `blocked`: why not (None: it may). `left`: continuations left. `max_tokens`: the most tokens
+    (prompt and output) a stream keeps for it; beyond, it is not continued. `strip_ids`: the router
+    asked for the token ids, the client did not (they are cut out of what it is sent).
+    """
+
+    api: str
+    blocked: str | None
+    left: int
+    max_tokens: int
+    strip_ids: bool
+
+    @classmethod
+    def arm(
+        cls,
+        request: ClientRequest,
+        *,
+        left: int,
+        max_tokens: int,
+        api: str | None = None,
+        blocked: str | None = None,
+    ) -> ResumePolicy:
+        """The policy of a streamed request (`api`: the client's, where `request` is a continuation);
+        asks the decoder for the ids it needs (changes the body)."""
+        blocked = blocked or why_not(request) or (None if left > 0 else "disabled")
+        client_asked = request.body.get("return_token_ids") is True
+        if blocked is None and not client_asked:
+            request.body["return_token_ids"] = True
+            request.body_changed = True
+        strip = blocked is None and not client_asked
+        return cls(api or request.kind, blocked, left, max_tokens, strip_ids=strip)
+
+
+class StreamTape:
+    """What a stream has generated, kept as it passes: the prompt's ids, the output's ids (their
+    JSON arrays' bytes, parsed only when a continuation needs them), and the first answer's id."""
+
+    __slots__ = ("_max", "_strip", "finished", "head", "output", "over", "parsed", "prompt", "tokens")
+
+    def __init__(self, *, strip: bool, max_tokens: int) -> None:
+        self._strip = strip
+        self._max = max_tokens
+        self.prompt: bytes | None = None  # the prompt ids' array, brackets included
+        self.output: list[bytes] = []  # the output ids' arrays' insides
+        self.tokens = 0  # prompt and output tokens kept
+        self.finished = False  # a choice's finish_reason went by: the answer is complete
+        self.parsed = False  # output the engine's parsers made (reasoning, tool calls)
+        self.over = False  # more tokens than the bound: nothing more is kept
+        self.head: dict[str, Any] | None = None
+
+    def keep(self, event: bytes) -> bytes:
+        """One data event: its ids kept (and cut out where the client did not ask for them)."""
+        if self.prompt is None:
+            event, ids = _cut_array(event, _PROMPT_IDS, self._strip)
+            if ids is not None:
+                self.prompt = ids
+                self._count(ids)
+        event, ids = _cut_array(event, _OUTPUT_IDS, self._strip)
+        if ids is not None and len(ids) > 2 and not self.over:
+            self.output.append(ids[1:-1])
+            self._count(ids)
+        if _FINISHED in event and _FAILED not in event:
+            self.finished = True
+        if not self.parsed and any(marker in event for marker in _PARSED_OUTPUT):
+            self.parsed = True
+        return event
+
+    def _count(self, array: bytes) -> None:
+        self.tokens += array.count(b",") + 1 if len(array) > 2 else 0
+        if self.tokens > self._max:
+            self.over = True
+            self.output.clear()
+            self.prompt = b""  # nothing is kept past the bound (not looked for again either)
+
+    def seen(self, payload: dict[str, Any]) -> None:
+        """A parsed event of the stream: the first one's id, creation time and model name are the answer's."""
+        if self.head is None and "id" in payload:
+            self.head = {key: payload.get(key) for key in ("id", "created", "model")}
+
+    def output_ids(self) -> list[int]:
+        ids: list[int] = orjson.loads(b"[" + b",".join(self.output) + b"]")
+        return ids
+
+    def prompt_ids(self) -> list[int] | None:
+        if self.prompt is None:
+            return None
+        ids = orjson.loads(self.prompt)
+        return ids if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+
+
+def _cut_array(event: bytes, key: bytes, strip: bool) -> tuple[bytes, bytes | None]:
+    """The array value of `key` in a compact JSON event (its bytes, brackets included; None when absent or
+    null), and the event without the field when `strip`. A key inside a JSON string has its quotes escaped,
+    so it is not found."""
+    at = event.find(key)
+    if at < 0:
+        return event, None
+    start = at + len(key)
+    while event[start : start + 1] == b" ":
+        start += 1
+    if event[start : start + 1] == b"[":
+        end = event.find(b"]", start) + 1
+        if end == 0:
+            return event, None
+        value: bytes | None = event[start:end]
+    elif event.startswith(b"null", start):
+        end, value = start + 4, None
+    else:
+        return event, None
+    if not strip:
+        return event, value
+    if event[at - 1 : at] == b",":
+        return event[: at - 1] + event[end:], value
+    if event[end : end + 1] == b",":
+        return event[:at] + event[end + 1 :], value
+    return event[:at] + event[end:], value
+
+
+class Resumer:
+    """One decoder stream's continuation: its tape, and the continuation when the decoder fails."""
+
+    def __init__(
+        self,
+        request: ClientRequest,
+        trace: RequestTrace,
+        policy: ResumePolicy,
+        decoder: Endpoint | None,
+        metrics: RouterMetrics,
+        *,
+        open: OpenContinuation,
+        timeouts: PhaseTimeouts,
+        strip_usage: bool,
+    ) -> None:
+        self._request = request
+        self._trace = trace
+        self._open = open
+        self._timeouts = timeouts
+        self._policy = policy
+        self._decoder = decoder
+        self._metrics = metrics
+        self._strip_usage = strip_usage
+        self.tape = StreamTape(strip=policy.strip_ids, max_tokens=policy.max_tokens) if policy.blocked is None else None
+        self._chat = request.kind == "chat"
+        self._kept_tokens = 0
+
+    def why_not(self, saw_output: bool) -> str | None:
+        """Why the stream cannot be continued now (None: it can)."""
+        policy, tape, trace = self._policy, self.tape, self._trace
+        if policy.blocked is not None or tape is None:
+            return policy.blocked or "disabled"
+        if tape.parsed:
+            return "parsed_output"
+        if tape.over:
+            return "too_long"
+        if tape.finished:
+            return "answer_complete"
+        if tape.prompt is None or (saw_output and not tape.output):
+            return "no_token_ids"
+        if time.perf_counter() - trace.started >= self._timeouts.total:
+            return "deadline"
+        return None
+
+    def count(self, outcome: str, reason: str = "") -> None:
+        self._metrics.stream_continuations.labels(self._policy.api, outcome, reason).inc()
+
+    def continuation(self) -> ClientRequest | None:
+        """The continuation's request: a text completion of the prompt's and the output's ids, for the
+        tokens left (None: none left to generate)."""
+        assert self.tape is not None
+        request = self._request
+        prompt = self.tape.prompt_ids()
+        output = self.tape.output_ids()
+        assert prompt is not None
+        wanted = requested_max_tokens(request)
+        if wanted is not None and wanted <= len(output):
+            return None
+        drop = _NOT_CARRIED | (_CHAT_ONLY_FIELDS if self._chat else frozenset())
+        body = {key: value for key, value in request.body.items() if key not in drop}
+        body["prompt"] = [*prompt, *output]
+        body["stream"] = True
+        options = request.body.get("stream_options")
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        if wanted is not None:
+            body["max_tokens"] = wanted - len(output)
+        elif self._chat:
+            body["max_tokens"] = None  # the rest of the context, as a chat request without one
+        minimum = requested_min_tokens(request) - len(output)
+        if minimum > 0:
+            body["min_tokens"] = minimum
+        body["return_token_ids"] = self._policy.left > 1 or not self._policy.strip_ids
+        self._kept_tokens = len(output)
+        raw = orjson.dumps(body)
+        return ClientRequest(kind="completion", body=body, raw=raw, stream=True)
+
+    async def relay(self, failure: str, cached_tokens: int | None) -> AsyncIterator[bytes]:
+        """The rest of the answer, from another decoder, in the client's API; raises RouterError when it
+        cannot be opened (the caller ends the stream as without a continuation)."""
+        policy, trace = self._policy, self._trace
+        request = self.continuation()
+        if request is None:
+            return
+        answer, where = await self._open(request, self._decoder, policy.left - 1)
+        if not isinstance(answer, StreamedAnswer):
+            detail = answer.content[:300].decode(errors="replace")
+            raise RouterError(f"the continuation was refused ({answer.status}): {detail}")
+        trace.continuations += 1
+        trace.continued_after = f"{failure} after {self._kept_tokens} tokens; continued on {where}"
+        log.warning(
+            "request %s: the decoder %s failed after %d tokens (%s); continuing on %s",
+            trace.request_id,
+            None if self._decoder is None else self._decoder.url,
+            self._kept_tokens,
+            failure,
+            where,
+        )
+        self.count("continued")
+        pending = b""
+        try:
+            async for chunk in answer.events:
+                pending += chunk
+                if _EVENT_END not in pending:
+                    continue
+                *events, pending = pending.split(_EVENT_END)
+                out = [rewritten for event in events if (rewritten := self._rewrite(event, cached_tokens))]
+                if out:
+                    yield _EVENT_END.join(out) + _EVENT_END
+        finally:
+            await answer.close()
+
+    def _rewrite(self, event: bytes, cached_tokens: int | None) -> bytes:
+        """A continuation's event as the first answer's: its id, API and usage."""
+        trace = self._trace
+        if not event.startswith(_DATA) or event.startswith(_DONE):
+            return event
+        try:
+            payload = orjson.loads(event[len(_DATA) :])
+        except orjson.JSONDecodeError:
+            return event
+        if not isinstance(payload, dict):
+            return event
+        if "error" in payload:
+            error = payload["error"]
+            trace.fail("upstream_error", str(error.get("message") if isinstance(error, dict) else error))
+            return event
+        payload.pop("prompt_token_ids", None)
+        for choice in payload.get("choices") or ():
+            if isinstance(choice, dict):
+                choice.pop("prompt_token_ids", None)
+                if self._policy.strip_ids:
+                    choice.pop("token_ids", None)
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self._as_one_usage(usage)
+            reconcile_usage(payload, trace, cached_tokens)
+        if self._chat:
+            payload = chat_chunks.chunk_to_chat(payload)
+        if self.tape is not None and self.tape.head is not None:
+            payload.update(self.tape.head)
+        if any(choice.get("delta") or choice.get("text") for choice in payload.get("choices") or ()):
+            trace.mark_token_chunk(time.perf_counter())
+        if self._strip_usage and "usage" in payload:
+            if not payload.get("choices"):
+                return b""
+            payload.pop("usage")
+        return _DATA + orjson.dumps(payload)
+
+    def _as_one_usage(self, usage: dict[str, Any]) -> None:
+        """The continuation's prompt held the output already sent: counted as output, the prompt once."""
+        kept = self._kept_tokens
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            usage["prompt_tokens"] = prompt - kept
+            usage["completion_tokens"] = completion + kept
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                details["cached_tokens"] = min(details["cached_tokens"], prompt - kept)

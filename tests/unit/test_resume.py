@@ -1,0 +1,185 @@
+"""A stream's tape (the ids it generated, cut out of what the client sees) and its continuation's request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from dpd_router.client_request import parse_request
+from dpd_router.gateway.policy import PhaseTimeouts
+from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
+from dpd_router.metrics import RouterMetrics
+from dpd_router.observe import RequestTrace
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload)
+
+
+def chat_chunk(content: str, ids: list[int] | None, *, prompt: list[int] | None = None, finish: Any = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    payload: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+    payload["choices"] = [choice]
+    if prompt is not None:
+        payload["prompt_token_ids"] = prompt
+    return event(payload)
+
+
+def test_the_tape_keeps_the_prompt_and_output_ids_and_cuts_them_out_of_what_the_client_sees() -> None:
+    tape = StreamTape(strip=True, max_tokens=100)
+    sent = [
+        tape.keep(chat_chunk("", None, prompt=[1, 2, 3])),
+        tape.keep(chat_chunk(' "token_ids":[9] is text', [11])),
+        tape.keep(chat_chunk(" river", [12, 13])),
+    ]
+    assert tape.prompt_ids() == [1, 2, 3] and tape.output_ids() == [11, 12, 13] and tape.tokens == 6
+    payloads = [orjson.loads(chunk[len(b"data: ") :]) for chunk in sent]
+    assert all("prompt_token_ids" not in p and "token_ids" not in p["choices"][0] for p in payloads)
+    assert payloads[1]["choices"][0]["delta"]["content"] == ' "token_ids":[9] is text', "text is never cut"
+    assert not tape.finished
+    tape.keep(chat_chunk("", [2], finish="stop"))
+    assert tape.finished
+
+
+def test_a_tape_the_client_asked_for_ids_of_keeps_them_in_the_events() -> None:
+    tape = StreamTape(strip=False, max_tokens=100)
+    chunk = chat_chunk(" a", [5], prompt=[1])
+    assert tape.keep(chunk) == chunk and tape.output_ids() == [5]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'data: {"token_ids":[4,5],"a":1}',
+        b'data: {"a":1,"token_ids": [4,5]}',
+        b'data: {"a":1,"token_ids":[4,5],"b":2}',
+        b'data: {"token_ids":[4,5]}',
+    ],
+)
+def test_ids_are_cut_wherever_the_field_stands(raw: bytes) -> None:
+    tape = StreamTape(strip=True, max_tokens=100)
+    kept = tape.keep(raw)
+    assert tape.output_ids() == [4, 5]
+    assert b"token_ids" not in kept and isinstance(orjson.loads(kept[len(b"data: ") :]), dict)
+
+
+def test_null_ids_and_errored_or_parsed_output_are_told_apart() -> None:
+    tape = StreamTape(strip=True, max_tokens=100)
+    tape.keep(b'data: {"prompt_token_ids":null,"choices":[{"finish_reason":"error","token_ids":null}]}')
+    assert tape.prompt is None and not tape.output and not tape.finished
+    tape.keep(b'data: {"choices":[{"delta":{"reasoning":"hm"}}]}')
+    assert tape.parsed
+
+
+def test_past_its_bound_a_tape_keeps_nothing() -> None:
+    tape = StreamTape(strip=True, max_tokens=4)
+    tape.keep(chat_chunk("", None, prompt=[1, 2, 3]))
+    tape.keep(chat_chunk(" a", [4]))
+    assert not tape.over
+    tape.keep(chat_chunk(" b", [5]))
+    assert tape.over and not tape.output
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({}, None),
+        ({"n": 2}, "n"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "structured_output"),
+        ({"response_format": {"type": "text"}}, None),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None),
+        ({"logprobs": True}, "logprobs"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_output"),
+    ],
+)
+def test_what_cannot_be_continued_faithfully_is_named(body: dict[str, Any], reason: str | None) -> None:
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, **body})
+    assert why_not(parse_request("chat", raw)) == reason
+
+
+def resumer_of(body: dict[str, Any], kind: str = "chat", left: int = 1) -> tuple[Resumer, ResumePolicy, Any]:
+    request = parse_request(kind, orjson.dumps(body))  # type: ignore[arg-type]
+    policy = ResumePolicy.arm(request, left=left, max_tokens=1000)
+
+    async def never(*_: Any) -> Any:
+        raise AssertionError("not opened here")
+
+    trace = RequestTrace(request_id="r", kind=kind, stream=True)
+    resumer = Resumer(
+        request, trace, policy, None, RouterMetrics(), open=never, timeouts=PhaseTimeouts(), strip_usage=False
+    )
+    return resumer, policy, request
+
+
+def test_the_continuation_is_a_completion_of_the_ids_for_the_tokens_left() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 10,
+        "min_tokens": 4,
+        "temperature": 0.7,
+        "stop": ["\n\n"],
+        "stream": True,
+        "chat_template_kwargs": {"x": 1},
+    }
+    resumer, policy, request = resumer_of(body)
+    assert request.body["return_token_ids"] is True and policy.strip_ids
+    assert resumer.tape is not None
+    resumer.tape.keep(chat_chunk("", None, prompt=[1, 2]))
+    resumer.tape.keep(chat_chunk(" a", [7]))
+    resumer.tape.keep(chat_chunk(" b", [8, 9]))
+    assert resumer.why_not(saw_output=True) is None
+    continuation = resumer.continuation()
+    assert continuation is not None and continuation.kind == "completion" and continuation.stream
+    sent = continuation.body
+    assert sent["prompt"] == [1, 2, 7, 8, 9] and sent["max_tokens"] == 7 and sent["min_tokens"] == 1
+    assert sent["temperature"] == 0.7 and sent["stop"] == ["\n\n"] and sent["model"] == "m"
+    assert sent["stream_options"] == {"include_usage": True}
+    assert not {"messages", "max_completion_tokens", "chat_template_kwargs"} & set(sent)
+    assert sent["return_token_ids"] is False, "no continuation is left after this one"
+
+
+def test_a_stream_whose_output_took_its_whole_budget_has_nothing_to_continue() -> None:
+    resumer, _, _ = resumer_of({"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}, kind="completion")
+    assert resumer.tape is not None
+    resumer.tape.keep(b'data: {"choices":[{"text":" a","prompt_token_ids":[1],"token_ids":[5,6]}]}')
+    assert resumer.continuation() is None
+
+
+def test_a_continuations_usage_counts_the_prompt_once_and_every_output_token() -> None:
+    resumer, _, _ = resumer_of({"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True}, kind="completion")
+    assert resumer.tape is not None
+    resumer.tape.keep(
+        b'data: {"id":"cmpl-1","created":3,"choices":[{"text":" a","prompt_token_ids":[1,2],"token_ids":[5,6]}]}'
+    )
+    resumer.tape.seen({"id": "cmpl-1", "created": 3, "model": "m"})
+    assert resumer.continuation() is not None
+    usage = {
+        "prompt_tokens": 4,
+        "completion_tokens": 7,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    rewritten = resumer._rewrite(event({"id": "cmpl-9", "created": 8, "choices": [], "usage": usage}), None)
+    payload = orjson.loads(rewritten[len(b"data: ") :])
+    assert payload["id"] == "cmpl-1" and payload["created"] == 3
+    assert payload["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 9,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+
+
+def test_streams_that_cannot_be_continued_ask_for_no_ids() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
+    resumer, policy, request = resumer_of(body)
+    assert policy.blocked == "n" and "return_token_ids" not in request.body and resumer.tape is None
+    assert resumer.why_not(saw_output=True) == "n"
+    _, policy, request = resumer_of({**body, "n": 1}, left=0)
+    assert policy.blocked == "disabled" and "return_token_ids" not in request.body
