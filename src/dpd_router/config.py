@@ -783,16 +783,17 @@ class Settings(BaseSettings):
         default=1,
         ge=0,
         description="Times a stream whose decoder fails after the client saw output is continued on another "
-        "decoder, from the token ids already generated, as one uninterrupted answer (0: it ends with an "
-        "in-band error, as before). Chat and text completion streams; see Failures and fallbacks for what "
-        "is not continued.",
+        "decoder as one uninterrupted answer (0: it ends with an in-band error, as before): a chat or text "
+        "completion stream from the token ids already generated, a Messages or Responses stream from its "
+        "text. See Failures and fallbacks for what is not continued.",
         json_schema_extra=_meta("reliability", live=True),
     )
     stream_continuation_max_tokens: int = Field(
         default=131_072,
         ge=0,
-        description="The most tokens (prompt and output) a stream keeps for its continuation, about 6 bytes "
-        "each; a longer one is not continued.",
+        description="The most tokens (prompt and output) a chat or text completion stream keeps for its "
+        "continuation, about 6 bytes each; a longer one is not continued. A Messages or Responses stream "
+        "keeps its events within as many bytes (about 150 a token, so fewer tokens).",
         json_schema_extra=_meta("reliability", live=True),
     )
     hop_deadline_factor: float = Field(

@@ -39,7 +39,7 @@ DETAILS: dict[str, str] = {
         "stream cut short, the idle limit), by the client's `api` and `outcome`: `continued` on another "
         "decoder, `failed` (no decoder could take the continuation), `not_tried`, with the `reason` "
         "(`n`, `structured_output`, `tools`, `logprobs`, `parsed_output`, `no_token_ids`, `too_long`, "
-        "`deadline`, `limit`, `disabled`, `connector`, `messages_api`, `responses_api`, ...)."
+        "`no_output`, `deadline`, `limit`, `disabled`, `connector`, `answer_complete`, ...)."
     ),
     "dpd_router_kv_transfer_ineffective": (
         "Disaggregated requests whose decoder recomputed the prompt anyway (it reported far fewer cached "

@@ -210,10 +210,15 @@ class RequestParser:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise InvalidRequest("each message must be an object with a string role")
         add_generation_prompt = _optional_bool(body, "add_generation_prompt", default=True)
+        # The last (assistant) message left open for the answer to continue, as vLLM renders it.
+        continue_final = _optional_bool(body, "continue_final_message", default=False)
         add_special = _optional_bool(body, "add_special_tokens", default=False)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
+                tokenize=False,
             )
         except (jinja2.TemplateError, TypeError, KeyError, ValueError) as exc:
             raise InvalidRequest(f"chat template failed: {exc}") from exc

@@ -296,6 +296,7 @@ _MODULE_ORDER = (
     "test_messages",
     "test_responses",
     "test_lora",
+    "test_stream_continuation",
     "test_prefill_failure",
     "test_shared_storage",
 )

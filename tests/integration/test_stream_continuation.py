@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -194,4 +195,81 @@ async def test_with_continuations_off_a_stream_ends_with_an_in_band_error(tokeni
         tail = b"".join(chunks).split(b"\n\n")
         assert b'"error"' in tail[-3] and tail[-2] == b"data: [DONE]"
         labels = {"outcome": "not_tried", "reason": "disabled"}
+        assert await metric(base_url, "dpd_router_stream_continuations_total", labels) == 1
+
+
+async def test_a_messages_stream_continues_as_one_message(tokenizer_dir: Path) -> None:
+    """Continued from its text (the Messages endpoint returns no ids): a chat call continuing the text said as
+    the assistant's message. The simulated engine's words encode back to the ids it generated, so here the
+    text is the uninterrupted one too."""
+    async with two_decoders(tokenizer_dir) as (cluster, base_url):
+        client = anthropic.AsyncAnthropic(base_url=base_url, api_key="none", max_retries=0)
+
+        async def ask(pieces: list[str], ready: asyncio.Event, request_id: str) -> Any:
+            async with client.messages.stream(
+                model=MODEL,
+                max_tokens=TOKENS,
+                messages=[{"role": "user", "content": SHORT_PROMPT}],
+                extra_headers={"X-Request-Id": request_id},
+            ) as stream:
+                async for text in stream.text_stream:
+                    pieces.append(text)
+                    if len(pieces) >= 5:
+                        ready.set()
+                return await stream.get_final_message()
+
+        reference: list[str] = []
+        first = await ask(reference, asyncio.Event(), "reference")
+        pieces: list[str] = []
+        ready = asyncio.Event()
+        killer = asyncio.create_task(kill_after(cluster, 5, pieces, ready))
+        message = await ask(pieces, ready, "broken")
+        killed = await killer
+        assert "".join(pieces) == "".join(reference) == message.content[0].text
+        assert message.id != first.id and message.stop_reason == "max_tokens"
+        assert message.usage.output_tokens == TOKENS and message.usage.input_tokens == first.usage.input_tokens
+        (continued,) = await requests_seen(cluster.decode_urls[1 - killed], "broken-c1")
+        prompt = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+        assert 5 <= continued["prompt_tokens"] - prompt < TOKENS, "the text said goes on as the assistant's"
+        labels = {"api": "messages", "outcome": "continued"}
+        assert await metric(base_url, "dpd_router_stream_continuations_total", labels) == 1
+
+
+async def test_a_responses_stream_continues_and_the_router_keeps_the_whole_answer(tokenizer_dir: Path) -> None:
+    async with two_decoders(tokenizer_dir) as (cluster, base_url):
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+
+        async def ask(pieces: list[str], ready: asyncio.Event, request_id: str) -> tuple[Any, list[int]]:
+            stream = await client.responses.create(
+                model=MODEL,
+                input=SHORT_PROMPT,
+                max_output_tokens=TOKENS,
+                stream=True,
+                extra_headers={"X-Request-Id": request_id},
+            )
+            completed, sequence = None, []
+            async for event in stream:
+                sequence.append(event.sequence_number)
+                if event.type == "response.output_text.delta":
+                    pieces.append(event.delta)
+                    if len(pieces) >= 5:
+                        ready.set()
+                elif event.type == "response.completed":
+                    completed = event.response
+            return completed, sequence
+
+        reference: list[str] = []
+        await ask(reference, asyncio.Event(), "reference")
+        pieces: list[str] = []
+        ready = asyncio.Event()
+        killer = asyncio.create_task(kill_after(cluster, 5, pieces, ready))
+        response, sequence = await ask(pieces, ready, "broken")
+        await killer
+        assert response is not None and "".join(pieces) == "".join(reference)
+        assert sequence == list(range(len(sequence))), "one stream of events, numbered in order"
+        assert response.output_text == "".join(pieces) and response.status == "incomplete"
+        assert response.usage is not None and response.usage.output_tokens == TOKENS
+        kept = await client.responses.retrieve(response.id)
+        assert kept.output_text == "".join(pieces), "the router keeps the whole continued answer"
+        labels = {"api": "responses", "outcome": "continued"}
         assert await metric(base_url, "dpd_router_stream_continuations_total", labels) == 1

@@ -175,6 +175,7 @@ class DecodeHop:
         """The relay of a decoder's stream (or of the prefill's answer, `decoder` None) to this client; a
         decoder's own stream (not one another API's answer is rebuilt from) may be continued elsewhere."""
         resumer = None
+        wire = wire_of(exchange.request)
         continue_with = exchange.continue_with
         if exchange.resume is not None and continue_with is not None and decoder is not None and call.answer is None:
             resumer = Resumer(
@@ -186,6 +187,7 @@ class DecodeHop:
                 open=functools.partial(continue_with, exchange),
                 timeouts=exchange.timeouts,
                 strip_usage=exchange.strip_usage,
+                wire=wire,
             )
         return EventStream(
             upstream,
@@ -197,7 +199,7 @@ class DecodeHop:
             strip_usage=exchange.strip_usage,
             rewrite=None if call.answer is None else call.answer.chunk,
             on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
-            wire=wire_of(exchange.request),
+            wire=wire,
             resumer=resumer,
         )
 

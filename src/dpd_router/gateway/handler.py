@@ -239,18 +239,22 @@ class Gateway:
     async def _continue(
         self, exchange: Exchange, request: ClientRequest, failed: Endpoint | None, left: int
     ) -> tuple[Answer, str]:
-        """Serve the continuation of `exchange`'s stream (a text completion of token ids) as a request of
-        its own, planned like any (a long one is prefilled again), away from the `failed` decoder. It is
-        part of the first request, which reports it: its own trace is not reported."""
+        """Serve the continuation of `exchange`'s stream (a text completion of token ids, or a chat call that
+        continues the text said) as a request of its own, planned like any (a long one is prefilled again),
+        away from the `failed` decoder. It is part of the first request, which reports it: its own trace
+        is not reported."""
         first = exchange.trace
-        ids = request.body["prompt"]
-        prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
         trace = RequestTrace(
             request_id=f"{exchange.request_id}-c{first.continuations + 1}", kind=request.kind, stream=True
         )
         trace.model, trace.adapter, trace.arm, trace.tenant = first.model, first.adapter, first.arm, first.tenant
         done = Completion(trace, None, self._metrics)
         try:
+            if request.kind == "completion":
+                ids = request.body["prompt"]  # the prompt's and the output's token ids
+                prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
+            else:  # a Messages or Responses stream's: its conversation and the text said, counted whole
+                prompt = await self._tokenize(request, first.tenant)
             planner = exchange.planner
             plan = await self._plan(request, prompt, planner, {}, trace)
             if failed is not None and plan.decoder is failed:

@@ -11,10 +11,11 @@ in the client's API under the first answer's id, with usage counting the prompt 
 output token. Greedy, the continued text is the one an uninterrupted decoder would have produced:
 the continuation starts from the generated token ids, not from the text re-encoded.
 
-What cannot be resumed faithfully is not tried (see `why_not`): several choices, structured output
-(a grammar cannot be resumed mid-way), tools, log-probabilities, an echoed prompt, an answer whose
-output was reasoning or a tool call (the engine's parser would not see the start). The Messages and
-Responses APIs are not continued yet.
+A Messages or Responses stream (whose engine endpoints return no ids) is continued from its text through
+the chat API instead (gateway/resume_text.py). What cannot be resumed faithfully is not tried (see
+`why_not`): several choices, structured output (a grammar cannot be resumed mid-way), tools,
+log-probabilities, an echoed prompt, an answer whose output was reasoning or a tool call (the engine's
+parser would not see the start).
 """
 
 from __future__ import annotations
@@ -31,13 +32,22 @@ from dpd_router.client_request import ClientRequest
 from dpd_router.errors import RouterError
 from dpd_router.gateway.answer import Answer, StreamedAnswer
 from dpd_router.gateway.policy import PhaseTimeouts
+from dpd_router.gateway.resume_text import (
+    AnswerWriter,
+    EventTape,
+    MessagesAnswer,
+    ResponsesAnswer,
+    Said,
+    chat_continuation,
+    named_event,
+)
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.lmcache.bodies import CHAT_ONLY_FIELDS, requested_max_tokens, requested_min_tokens
 from dpd_router.transfer.lmcache.compat import unsupported_field
-from dpd_router.wires import reconcile_usage
+from dpd_router.wires import OPENAI_WIRE, Wire, reconcile_usage
 
 log = logging.getLogger("dpd_router.gateway")
 
@@ -52,6 +62,8 @@ _FAILED = b'"finish_reason":"error"'
 _PARSED_OUTPUT = (b'"reasoning', b'"tool_calls":[')
 # Chat-only fields a text completion does not take (the prompt is already token ids).
 _CHAT_ONLY_FIELDS = frozenset(CHAT_ONLY_FIELDS) | {"min_completion_tokens", "add_special_tokens"}
+# Continued from their text, through the chat API (gateway/resume_text.py): their engines return no ids.
+_TEXT_APIS = ("messages", "responses")
 _NOT_CARRIED = frozenset({"kv_transfer_params", "stream_options", "min_tokens", "max_tokens", "prompt"})
 
 # Serves a continuation of a request's stream, away from the failed decoder, with so many continuations
@@ -61,8 +73,13 @@ OpenContinuation = Callable[[ClientRequest, Endpoint | None, int], Awaitable[tup
 
 def why_not(request: ClientRequest) -> str | None:
     """Why a stream of `request` cannot be continued faithfully (a metric label), None when it can."""
-    if request.kind in ("messages", "responses"):
-        return f"{request.kind}_api"
+    if request.kind in _TEXT_APIS:
+        if request.converted is None:
+            return f"{request.kind}_api"
+        text = request.body.get("text")
+        form = text.get("format") if isinstance(text, dict) else None
+        if isinstance(form, dict) and form.get("type") not in (None, "text"):
+            return "structured_output"
     if request.batch_size > 1:
         return "batched_prompt"
     n = request.body.get("n")
@@ -108,7 +125,7 @@ class ResumePolicy:
         """The policy of a streamed request (`api`: the client's, where `request` is a continuation);
         asks the decoder for the ids it needs (changes the body)."""
         blocked = blocked or why_not(request) or (None if left > 0 else "disabled")
-        client_asked = request.body.get("return_token_ids") is True
+        client_asked = request.body.get("return_token_ids") is True or request.kind in _TEXT_APIS
         if blocked is None and not client_asked:
             request.body["return_token_ids"] = True
             request.body_changed = True
@@ -202,7 +219,12 @@ def _cut_array(event: bytes, key: bytes, strip: bool) -> tuple[bytes, bytes | No
 
 
 class Resumer:
-    """One decoder stream's continuation: its tape, and the continuation when the decoder fails."""
+    """One decoder stream's continuation: its tape, and the continuation when the decoder fails.
+
+    A chat or text completion stream is continued from its token ids (a text completion, its chunks turned
+    back into the client's); a Messages or Responses stream from its text (a chat call, its chunks written
+    as the client's API's events: gateway/resume_text.py).
+    """
 
     def __init__(
         self,
@@ -215,6 +237,7 @@ class Resumer:
         open: OpenContinuation,
         timeouts: PhaseTimeouts,
         strip_usage: bool,
+        wire: Wire = OPENAI_WIRE,
     ) -> None:
         self._request = request
         self._trace = trace
@@ -224,22 +247,38 @@ class Resumer:
         self._decoder = decoder
         self._metrics = metrics
         self._strip_usage = strip_usage
-        self.tape = StreamTape(strip=policy.strip_ids, max_tokens=policy.max_tokens) if policy.blocked is None else None
+        self._wire = wire
+        self._text_api = request.kind in _TEXT_APIS
+        self.tape: StreamTape | EventTape | None = None
+        if policy.blocked is None:
+            if self._text_api:
+                self.tape = EventTape(request.kind, max_tokens=policy.max_tokens)
+            else:
+                self.tape = StreamTape(strip=policy.strip_ids, max_tokens=policy.max_tokens)
         self._chat = request.kind == "chat"
         self._kept_tokens = 0
+        self._said: Said | None = None
+        self._writer: AnswerWriter | None = None
 
     def why_not(self, saw_output: bool) -> str | None:
         """Why the stream cannot be continued now (None: it can)."""
         policy, tape, trace = self._policy, self.tape, self._trace
         if policy.blocked is not None or tape is None:
             return policy.blocked or "disabled"
-        if tape.parsed:
-            return "parsed_output"
         if tape.over:
             return "too_long"
         if tape.finished:
             return "answer_complete"
-        if tape.prompt is None or (saw_output and not tape.output):
+        if isinstance(tape, EventTape):
+            if self._said is None:
+                self._said = tape.said()
+            if self._said.parsed:
+                return "parsed_output"
+            if not self._said.text:
+                return "no_output"
+        elif tape.parsed:
+            return "parsed_output"
+        elif tape.prompt is None or (saw_output and not tape.output):
             return "no_token_ids"
         if time.perf_counter() - trace.started >= self._timeouts.total:
             return "deadline"
@@ -249,12 +288,19 @@ class Resumer:
         self._metrics.stream_continuations.labels(self._policy.api, outcome, reason).inc()
 
     def continuation(self) -> ClientRequest | None:
-        """The continuation's request: a text completion of the prompt's and the output's ids, for the
-        tokens left (None: none left to generate)."""
-        assert self.tape is not None
+        """The continuation's request (None: no output is left to generate): a text completion of the
+        prompt's and the output's ids for the tokens left, or for a Messages or Responses stream the
+        conversation with the text said as the assistant's message to continue."""
+        tape = self.tape
+        if isinstance(tape, EventTape):
+            said = self._said = self._said or tape.said()
+            self._kept_tokens = said.deltas
+            self._writer = MessagesAnswer(said) if self._request.kind == "messages" else ResponsesAnswer(said)
+            return chat_continuation(self._request, said, with_ids=self._policy.left > 1)
+        assert tape is not None
         request = self._request
-        prompt = self.tape.prompt_ids()
-        output = self.tape.output_ids()
+        prompt = tape.prompt_ids()
+        output = tape.output_ids()
         assert prompt is not None
         wanted = requested_max_tokens(request)
         if wanted is not None and wanted <= len(output):
@@ -306,11 +352,49 @@ class Resumer:
                 if _EVENT_END not in pending:
                     continue
                 *events, pending = pending.split(_EVENT_END)
-                out = [rewritten for event in events if (rewritten := self._rewrite(event, cached_tokens))]
+                if self._writer is None:
+                    out = [rewritten for event in events if (rewritten := self._rewrite(event, cached_tokens))]
+                else:
+                    out = await self._written(events, cached_tokens)
                 if out:
                     yield _EVENT_END.join(out) + _EVENT_END
         finally:
             await answer.close()
+
+    async def _written(self, events: list[bytes], cached_tokens: int | None) -> list[bytes]:
+        """A continuation's chat events as the Messages or Responses events the client's stream goes on with;
+        the usage and the ended response are the wire's to record (and, for a kept response, to keep)."""
+        writer, wire, trace = self._writer, self._wire, self._trace
+        assert writer is not None
+        out: list[bytes] = []
+        ended = False
+        for event in events:
+            if not event.startswith(_DATA):
+                continue
+            if event.startswith(_DONE):
+                payloads = writer.done()
+            else:
+                try:
+                    payload = orjson.loads(event[len(_DATA) :])
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(payload, dict):
+                    continue
+                if "error" in payload:
+                    error = payload["error"]
+                    message = str(error.get("message") if isinstance(error, dict) else error)
+                    trace.fail("upstream_error", message)
+                    return [*out, wire.error_event(message).removesuffix(_EVENT_END)]
+                payloads = writer.chunk(payload)
+            for written in payloads:
+                if wire.has_token(written):
+                    trace.mark_token_chunk(time.perf_counter())
+                wire.reconcile(written, trace, cached_tokens)
+                out.append(named_event(written))
+                ended = ended or wire.ends(out[-1])
+        if ended:
+            await wire.settle()  # a kept response is stored before the client sees its end
+        return out
 
     def _rewrite(self, event: bytes, cached_tokens: int | None) -> bytes:
         """A continuation's event as the first answer's: its id, API and usage."""
@@ -339,8 +423,9 @@ class Resumer:
             reconcile_usage(payload, trace, cached_tokens)
         if self._chat:
             payload = chat_chunks.chunk_to_chat(payload)
-        if self.tape is not None and self.tape.head is not None:
-            payload.update(self.tape.head)
+        tape = self.tape
+        if isinstance(tape, StreamTape) and tape.head is not None:
+            payload.update(tape.head)
         if any(choice.get("delta") or choice.get("text") for choice in payload.get("choices") or ()):
             trace.mark_token_chunk(time.perf_counter())
         if self._strip_usage and "usage" in payload:

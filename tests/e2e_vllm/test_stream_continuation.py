@@ -1,0 +1,42 @@
+"""A stream whose decoder connection breaks mid-answer is continued on real vLLM: the uninterrupted text."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpd_sim.vllm_cpu import VllmPair
+from tests.e2e_vllm.conftest import ask, long_text, metric_total, router_for
+from tests.integration.cut_link import CutLinks
+
+# The first streamed answer through the links is cut after this many SSE events (the chat stream's role
+# chunk and a few tokens).
+CUT_AFTER = 6
+
+
+@pytest.mark.parametrize(
+    ("kind", "long"), [("chat", False), ("chat", True), ("completion", False)], ids=["chat", "chat-long", "completion"]
+)
+async def test_a_stream_cut_off_its_decoder_continues_with_the_engines_uninterrupted_answer(
+    nixl_pair: VllmPair, kind: str, long: bool
+) -> None:
+    """The decoder is reached through two links; the first stream through them breaks after a few tokens.
+    The router continues it from the generated token ids through the other link (a long prompt through
+    the prefiller again): greedy, the client's text is what the engine answers in one piece."""
+    decoder = nixl_pair.decode.url
+    prompt = long_text(seed=f"continued-{kind}") if long else f"Say something about rivers and {kind}s."
+    async with (
+        CutLinks([decoder, decoder], after=CUT_AFTER) as links,
+        router_for(nixl_pair, decode_urls=links.urls) as router,
+    ):
+        text, usage = await ask(router, kind, prompt, stream=True)
+        assert links.cut.is_set(), "the stream was cut"
+        assert await metric_total(router, "dpd_router_stream_continuations_total", outcome="continued") == 1
+        if long:
+            assert await metric_total(router, "dpd_router_route_decisions_total", path="disaggregated") == 2
+    reference, reference_usage = await ask(decoder, kind, prompt, stream=False)
+    assert text == reference
+    assert usage is not None and reference_usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        reference_usage.prompt_tokens,
+        reference_usage.completion_tokens,
+    )
