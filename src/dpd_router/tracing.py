@@ -52,6 +52,9 @@ class SpanExporter:
         }
         if trace.tenant:
             attributes["dpd_router.tenant"] = trace.tenant
+        if trace.continued_after is not None:
+            attributes["dpd_router.continuations"] = trace.continuations
+            attributes["dpd_router.continued_after"] = trace.continued_after
         root = self._tracer.start_span("dpd_router.request", start_time=self._ns(trace.started), attributes=attributes)
         context = otel.set_span_in_context(root)
         if trace.prefill_started is not None and trace.prefill_seconds is not None:

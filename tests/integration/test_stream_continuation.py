@@ -115,6 +115,13 @@ async def test_a_chat_stream_continues_on_another_decoder_with_the_uninterrupted
         assert 5 <= sent < TOKENS, "the continuation's prompt carries the output already sent"
         assert await metric(base_url, "dpd_router_stream_continuations_total", {"outcome": "continued"}) == 1
         assert await metric(base_url, "dpd_router_requests_total", {"outcome": "ok"}) == 2
+        # The console shows it: the request's log line says where it went on, the counters how often.
+        async with httpx.AsyncClient(base_url=base_url) as http:
+            state = (await http.get("/admin/state")).json()
+        (line,) = [fields for fields in state["recent"] if fields["request_id"] == "broken"]
+        assert line["continuations"] == 1 and f"after {sent} tokens; continued on {other}" in line["continued_after"]
+        (counted,) = state["counters"]["stream_continuations_total"]
+        assert counted == {"outcome": "continued", "reason": "", "count": 1}
         if content == LONG:
             (prefilled,) = await requests_seen(cluster.prefill_urls[0], "broken-c1")
             assert prefilled["prompt_tokens"] == continued["prompt_tokens"], "a long continuation is prefilled"

@@ -52,6 +52,7 @@ COUNTERS = {
     "requests_total": ("path", "outcome"),
     "prefill_fallbacks_total": ("reason",),
     "kv_transfer_ineffective_total": (),
+    "stream_continuations_total": ("outcome", "reason"),
 }
 
 

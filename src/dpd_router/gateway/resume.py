@@ -2,7 +2,8 @@
 
 The router asks the decoder for the token ids it generates (vLLM's `return_token_ids`) and keeps them
 as the stream passes, with the prompt's own ids (the first chunk's `prompt_token_ids`: the engine's
-rendering, exact for any template), as bytes, cut out of the events before the client sees them.
+rendering, exact for any template), as bytes, cut out of the events before the client sees them (`null`
+in their place, as vLLM writes them unasked).
 When the decoder breaks (a reset connection, an in-band error, a stream cut short, the idle limit),
 the continuation is a text completion of the prompt's ids and the generated ids, for the tokens left,
 with the same sampling settings: it goes through the threshold like any prompt (a long one is
@@ -192,30 +193,21 @@ class StreamTape:
 
 def _cut_array(event: bytes, key: bytes, strip: bool) -> tuple[bytes, bytes | None]:
     """The array value of `key` in a compact JSON event (its bytes, brackets included; None when absent or
-    null), and the event without the field when `strip`. A key inside a JSON string has its quotes escaped,
-    so it is not found."""
+    null), and with `strip` the event with `null` in its place: what vLLM writes when the ids are not asked
+    for. A key inside a JSON string has its quotes escaped, so it is not found."""
     at = event.find(key)
     if at < 0:
         return event, None
     start = at + len(key)
     while event[start : start + 1] == b" ":
         start += 1
-    if event[start : start + 1] == b"[":
-        end = event.find(b"]", start) + 1
-        if end == 0:
-            return event, None
-        value: bytes | None = event[start:end]
-    elif event.startswith(b"null", start):
-        end, value = start + 4, None
-    else:
+    if event[start : start + 1] != b"[":
+        return event, None  # null
+    end = event.find(b"]", start) + 1
+    if end == 0:
         return event, None
-    if not strip:
-        return event, value
-    if event[at - 1 : at] == b",":
-        return event[: at - 1] + event[end:], value
-    if event[end : end + 1] == b",":
-        return event[:at] + event[end + 1 :], value
-    return event[:at] + event[end:], value
+    value = event[start:end]
+    return (event[:start] + b"null" + event[end:] if strip else event), value
 
 
 class Resumer:
@@ -411,12 +403,16 @@ class Resumer:
             error = payload["error"]
             trace.fail("upstream_error", str(error.get("message") if isinstance(error, dict) else error))
             return event
-        payload.pop("prompt_token_ids", None)
+        # The client had the prompt's ids (if it asked) with the first answer: the continuation's prompt is not
+        # one it sent. Its output ids go on where the client asked for them (null where not, as vLLM writes).
+        if "prompt_token_ids" in payload:
+            payload["prompt_token_ids"] = None
         for choice in payload.get("choices") or ():
             if isinstance(choice, dict):
-                choice.pop("prompt_token_ids", None)
-                if self._policy.strip_ids:
-                    choice.pop("token_ids", None)
+                if "prompt_token_ids" in choice:
+                    choice["prompt_token_ids"] = None
+                if self._policy.strip_ids and "token_ids" in choice:
+                    choice["token_ids"] = None
         usage = payload.get("usage")
         if isinstance(usage, dict):
             self._as_one_usage(usage)
