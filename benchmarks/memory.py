@@ -13,6 +13,7 @@ C. What a hostile round leaves: fuzzed bodies, a burst of streams and streams dr
 
     python -m benchmarks.memory                    # about 5 minutes here
     python -m benchmarks.memory --parts probes --trace
+    python -m benchmarks.memory --parts probes --probes fuzz --rounds 4 --allocator malloc
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--probes", nargs="+", choices=memory_probes.PROBES, default=list(memory_probes.PROBES))
     parser.add_argument("--rounds", type=int, default=10, help="identical rounds of the probes (part C)")
+    parser.add_argument(
+        "--allocator", choices=["pymalloc", "malloc"], default="pymalloc",
+        help="Python's allocator in the router (part C): its arenas (default), or glibc's (PYTHONMALLOC=malloc)",
+    )  # fmt: skip
     parser.add_argument("--trace", action="store_true", help="part C again under tracemalloc: what holds the memory")
     parser.add_argument("--trace-rounds", type=int, default=3, help="rounds under tracemalloc (slow: a few)")
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)

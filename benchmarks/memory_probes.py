@@ -328,6 +328,8 @@ async def router_for_probes(args: argparse.Namespace, folder: Path, *, frames: i
         router.argv[1:3] = ["-m", "benchmarks.traced_router"]
         router.env["DPD_BENCH_SNAPSHOTS"] = str(folder)
         router.env["DPD_BENCH_TRACE_FRAMES"] = str(frames)
+        if getattr(args, "allocator", "pymalloc") == "malloc":
+            router.env["PYTHONMALLOC"] = "malloc"  # Python's objects from glibc's heaps, which the router trims
         try:
             # tracing every allocation from the first import makes the start take minutes
             await router.start(wait=600.0 if frames else 60.0)

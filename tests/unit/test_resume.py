@@ -63,17 +63,27 @@ def test_a_tape_the_client_asked_for_ids_of_keeps_them_in_the_events() -> None:
 )
 def test_ids_are_cut_wherever_the_field_stands(raw: bytes) -> None:
     tape = StreamTape(strip=True, max_tokens=100)
+    tape.keep(chat_chunk("", None, prompt=[1]))
     kept = orjson.loads(tape.keep(raw)[len(b"data: ") :])
     assert tape.output_ids() == [4, 5]
     assert kept["token_ids"] is None and kept == {**orjson.loads(raw[len(b"data: ") :]), "token_ids": None}
 
 
-def test_null_ids_and_errored_or_parsed_output_are_told_apart() -> None:
+def test_errored_or_parsed_output_is_told_apart() -> None:
     tape = StreamTape(strip=True, max_tokens=100)
-    tape.keep(b'data: {"prompt_token_ids":null,"choices":[{"finish_reason":"error","token_ids":null}]}')
-    assert tape.prompt is None and not tape.output and not tape.finished
-    tape.keep(b'data: {"choices":[{"delta":{"reasoning":"hm"}}]}')
+    tape.keep(chat_chunk("", None, prompt=[1]))
+    tape.keep(b'data: {"choices":[{"finish_reason":"error","token_ids":null}]}')
+    assert not tape.output and not tape.finished, "an error is no finish"
+    tape.keep(b'data: {"choices":[{"delta":{"reasoning":"hm"},"token_ids":[3]}]}')
     assert tape.parsed
+
+
+def test_an_engine_that_returns_no_ids_turns_the_tape_off_at_its_first_event() -> None:
+    for first in (chat_chunk("", None), b'data: {"prompt_token_ids":null,"choices":[]}'):
+        tape = StreamTape(strip=True, max_tokens=100)
+        tape.keep(first)
+        later = chat_chunk(" a", [4])
+        assert tape.off and tape.prompt is None and tape.keep(later) == later and not tape.output
 
 
 def test_past_its_bound_a_tape_keeps_nothing() -> None:

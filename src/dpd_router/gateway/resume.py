@@ -60,7 +60,8 @@ _OUTPUT_IDS = b'"token_ids":'
 _FINISHED = b'"finish_reason":"'
 _FAILED = b'"finish_reason":"error"'
 # Output the engine's parsers made of the text: a continuation (a text completion) would not parse it.
-_PARSED_OUTPUT = (b'"reasoning', b'"tool_calls":[')
+_REASONING, _TOOL_CALLS = b'"reasoning', b'"tool_calls":['
+
 # Chat-only fields a text completion does not take (the prompt is already token ids).
 _CHAT_ONLY_FIELDS = frozenset(CHAT_ONLY_FIELDS) | {"min_completion_tokens", "add_special_tokens"}
 # Continued from their text, through the chat API (gateway/resume_text.py): their engines return no ids.
@@ -138,7 +139,7 @@ class StreamTape:
     """What a stream has generated, kept as it passes: the prompt's ids, the output's ids (their
     JSON arrays' bytes, parsed only when a continuation needs them), and the first answer's id."""
 
-    __slots__ = ("_max", "_strip", "finished", "head", "output", "over", "parsed", "prompt", "tokens")
+    __slots__ = ("_max", "_strip", "finished", "head", "off", "output", "over", "parsed", "prompt", "tokens")
 
     def __init__(self, *, strip: bool, max_tokens: int) -> None:
         self._strip = strip
@@ -149,31 +150,37 @@ class StreamTape:
         self.finished = False  # a choice's finish_reason went by: the answer is complete
         self.parsed = False  # output the engine's parsers made (reasoning, tool calls)
         self.over = False  # more tokens than the bound: nothing more is kept
+        self.off = False  # nothing is kept: the engine sent no ids, or there were too many
         self.head: dict[str, Any] | None = None
 
     def keep(self, event: bytes) -> bytes:
         """One data event: its ids kept (and cut out where the client did not ask for them)."""
+        if self.off:
+            return event
         if self.prompt is None:
+            # The stream's first data event carries the prompt's ids, or no event will (an engine that
+            # does not return ids): then nothing is looked for again.
             event, ids = _cut_array(event, _PROMPT_IDS, self._strip)
-            if ids is not None:
-                self.prompt = ids
-                self._count(ids)
+            if ids is None:
+                self.off = True
+                return event
+            self.prompt = ids
+            self._count(ids)
         event, ids = _cut_array(event, _OUTPUT_IDS, self._strip)
         if ids is not None and len(ids) > 2 and not self.over:
             self.output.append(ids[1:-1])
             self._count(ids)
         if _FINISHED in event and _FAILED not in event:
             self.finished = True
-        if not self.parsed and any(marker in event for marker in _PARSED_OUTPUT):
+        if _REASONING in event or _TOOL_CALLS in event:
             self.parsed = True
         return event
 
     def _count(self, array: bytes) -> None:
         self.tokens += array.count(b",") + 1 if len(array) > 2 else 0
         if self.tokens > self._max:
-            self.over = True
+            self.over = self.off = True  # nothing is kept past the bound
             self.output.clear()
-            self.prompt = b""  # nothing is kept past the bound (not looked for again either)
 
     def seen(self, payload: dict[str, Any]) -> None:
         """A parsed event of the stream: the first one's id, creation time and model name are the answer's."""
