@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import anthropic
 import pytest
 
-from dpd_sim.vllm_cpu import VllmPair
-from tests.e2e_vllm.conftest import ask, long_text, metric_total, router_for
+from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair
+from tests.e2e_vllm.conftest import ANSWER_TOKENS, REQUEST_TIMEOUT, _say, ask, long_text, metric_total, router_for
 from tests.integration.cut_link import CutLinks
 
 # The first streamed answer through the links is cut after this many SSE events (the chat stream's role
@@ -40,3 +41,41 @@ async def test_a_stream_cut_off_its_decoder_continues_with_the_engines_uninterru
         reference_usage.prompt_tokens,
         reference_usage.completion_tokens,
     )
+
+
+async def test_a_messages_stream_cut_off_its_decoder_goes_on_as_one_message(nixl_pair: VllmPair) -> None:
+    """A Messages stream is continued from its text (the engine's Messages endpoint returns no ids): the chat
+    API continues the text said as the assistant's message. One message, no error, the engine's length;
+    whether the text is the engine's own at the cut depends on the text encoding back to the same ids, which
+    is reported, not asserted."""
+    decoder = nixl_pair.decode.url
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": ANSWER_TOKENS,
+        "messages": [{"role": "user", "content": "Say something about rivers and lakes."}],
+        "extra_body": {"temperature": 0},
+    }
+    async with (
+        CutLinks([decoder, decoder], after=CUT_AFTER) as links,
+        router_for(nixl_pair, decode_urls=links.urls) as router,
+    ):
+        async with (
+            anthropic.AsyncAnthropic(
+                base_url=router, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT
+            ) as client,
+            client.messages.stream(**body) as events,
+        ):
+            pieces = [text async for text in events.text_stream]
+            message = await events.get_final_message()
+        assert links.cut.is_set(), "the stream was cut"
+        assert await metric_total(router, "dpd_router_stream_continuations_total", outcome="continued") == 1
+    async with anthropic.AsyncAnthropic(
+        base_url=decoder, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT
+    ) as client:
+        reference = await client.messages.create(**body)
+    text, expected = "".join(pieces), reference.content[0].text
+    assert message.content[0].text == text and len(text) > len(pieces[0])
+    assert message.stop_reason == reference.stop_reason
+    assert abs(message.usage.output_tokens - reference.usage.output_tokens) <= 1
+    same = "the engine's own text" if text == expected else f"another text than the engine's {expected!r}"
+    _say(f"Messages stream continued from its text: {text!r}, {same}")

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from urllib.parse import urlsplit
 
-_STREAMED = b'"stream":true'
+_STREAMED = (b'"stream":true', b'"stream": true')
 
 
 class CutLinks:
@@ -16,7 +16,7 @@ class CutLinks:
     them is cut (its connections aborted) after `after` SSE events, as a decoder that dies mid-stream
     would leave it. Everything else passes untouched. `cut` is set once it happened.
 
-    The router's body is compact JSON: a call whose bytes hold `"stream":true` is a streamed one.
+    A call whose bytes hold `"stream":true` (or `"stream": true`, as a client's own body may) is a streamed one.
     """
 
     def __init__(self, targets: list[str], *, after: int) -> None:
@@ -78,7 +78,7 @@ class CutLinks:
         while data := await reader.read(65536):
             if b"POST /v1/" in data:
                 streamed[0] = False
-            if _STREAMED in data:
+            if any(marker in data for marker in _STREAMED):
                 streamed[0] = True
             writer.write(data)
             await writer.drain()

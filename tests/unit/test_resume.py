@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from dpd_router.client_request import parse_request
+from dpd_router.gateway.answer import StreamedAnswer
 from dpd_router.gateway.policy import PhaseTimeouts
+from dpd_router.gateway.relay import EventStream
 from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
 from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import RequestTrace
@@ -194,3 +198,78 @@ def test_streams_that_cannot_be_continued_ask_for_no_ids() -> None:
     assert resumer.why_not(saw_output=True) == "n"
     _, policy, request = resumer_of({**body, "n": 1}, left=0)
     assert policy.blocked == "disabled" and "return_token_ids" not in request.body
+
+
+async def relayed_with_a_resumer(open_continuation: Any) -> tuple[bytes, RequestTrace, RouterMetrics]:
+    """A chat stream whose decoder sends the prompt's ids and two tokens, then breaks, relayed with a
+    Resumer whose continuation `open_continuation` serves."""
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            yield chat_chunk("", None, prompt=[1, 2]) + b"\n\n"
+            yield chat_chunk(" a", [7]) + b"\n\n" + chat_chunk(" b", [8]) + b"\n\n"
+            raise httpx.ReadError("reset")
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    request = parse_request("chat", orjson.dumps(body))
+    policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
+    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    metrics = RouterMetrics()
+    resumer = Resumer(
+        request, trace, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(), strip_usage=False
+    )
+    stream = EventStream(
+        httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
+        resumer=resumer,
+    )  # fmt: skip
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    return b"".join([chunk async for chunk in stream]), trace, metrics
+
+
+async def test_a_broken_stream_goes_on_from_the_continuation_in_the_clients_api() -> None:
+    asked: list[dict[str, Any]] = []
+
+    async def open_continuation(request: Any, failed: Any, left: int) -> tuple[Any, str]:
+        asked.append(request.body)
+        events = [
+            event({"id": "cmpl-2", "created": 9, "choices": [{"index": 0, "text": " c", "finish_reason": None}]}),
+            event({"id": "cmpl-2", "choices": [{"index": 0, "text": " d", "finish_reason": "length"}]}),
+            event(
+                {
+                    "id": "cmpl-2",
+                    "choices": [],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+                }
+            ),
+            b"data: [DONE]",
+        ]
+
+        async def chunks() -> Any:
+            yield b"\n\n".join(events) + b"\n\n"
+
+        async def close() -> None:
+            pass
+
+        return StreamedAnswer(chunks(), close, {}), "elsewhere (direct)"
+
+    out, trace, metrics = await relayed_with_a_resumer(open_continuation)
+    assert asked[0]["prompt"] == [1, 2, 7, 8] and asked[0]["max_tokens"] == 3
+    payloads = [orjson.loads(part[len(b"data: ") :]) for part in out.split(b"\n\n") if part.startswith(b"data: {")]
+    text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p.get("choices"))
+    assert text == " a b c d" and out.endswith(b"data: [DONE]\n\n") and b'"error"' not in out
+    assert {p["id"] for p in payloads} == {"chatcmpl-1"}, "one answer, under the first answer's id"
+    assert payloads[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert trace.outcome == "ok" and trace.continuations == 1 and "after 2 tokens" in (trace.continued_after or "")
+    labels = {"api": "chat", "outcome": "continued", "reason": ""}
+    assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1
+
+
+async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_band() -> None:
+    async def open_continuation(request: Any, failed: Any, left: int) -> tuple[Any, str]:
+        raise RuntimeError("a bug")
+
+    out, trace, metrics = await relayed_with_a_resumer(open_continuation)
+    assert out.endswith(b"data: [DONE]\n\n") and b'"error"' in out
+    assert trace.outcome == "upstream_error" and "RuntimeError: a bug" in (trace.error or "")
+    labels = {"api": "chat", "outcome": "failed", "reason": "error"}
+    assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1

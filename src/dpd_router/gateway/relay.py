@@ -12,6 +12,7 @@ looks like, where the stream ends, how its usage counts, how an in-band error is
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,6 +27,8 @@ from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.transport import EngineAnswer
 from dpd_router.wires import OPENAI_WIRE, Wire
+
+log = logging.getLogger("dpd_router.gateway")
 
 Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -272,6 +275,10 @@ class EventStream:
             except RouterError as exc:
                 resumer.count("failed", "unserved")
                 detail = f"{detail}; its continuation failed: {exc.message}"
+            except Exception as exc:  # a bug, not the engines: the stream still ends, in-band
+                log.exception("request %s: the continuation after a failed decoder failed", trace.request_id)
+                resumer.count("failed", "error")
+                detail = f"{detail}; its continuation failed: {type(exc).__name__}: {exc}"
         elif resumer is not None:
             resumer.count("not_tried", reason or "")
             trace.continued_after = f"not continued ({reason})"

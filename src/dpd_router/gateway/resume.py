@@ -101,11 +101,11 @@ def why_not(request: ClientRequest) -> str | None:
 
 @dataclass(frozen=True)
 class ResumePolicy:
-    """Whether this request's stream may be continued, how often, and how it is opened.
+    """Whether this request's stream may be continued, and how often.
 
-    `blocked`: why not (None: it may). `left`: continuations left. `max_tokens`: the most tokens
-    (prompt and output) a stream keeps for it; beyond, it is not continued. `strip_ids`: the router
-    asked for the token ids, the client did not (they are cut out of what it is sent).
+    `api`: the client's (a metric label). `blocked`: why not (None: it may). `left`: continuations left.
+    `max_tokens`: the most tokens (prompt and output) a stream keeps for it; beyond, it is not continued.
+    `strip_ids`: the router asked for the token ids, the client did not (they are cut out of what it is sent).
     """
 
     api: str
@@ -127,12 +127,14 @@ class ResumePolicy:
         """The policy of a streamed request (`api`: the client's, where `request` is a continuation);
         asks the decoder for the ids it needs (changes the body)."""
         blocked = blocked or why_not(request) or (None if left > 0 else "disabled")
-        client_asked = request.body.get("return_token_ids") is True or request.kind in _TEXT_APIS
-        if blocked is None and not client_asked:
+        # A Messages or Responses stream is continued from its text: its engine endpoint returns no ids.
+        asks_ids = (
+            blocked is None and request.kind not in _TEXT_APIS and request.body.get("return_token_ids") is not True
+        )
+        if asks_ids:
             request.body["return_token_ids"] = True
             request.body_changed = True
-        strip = blocked is None and not client_asked
-        return cls(api or request.kind, blocked, left, max_tokens, strip_ids=strip)
+        return cls(api or request.kind, blocked, left, max_tokens, strip_ids=asks_ids)
 
 
 class StreamTape:
