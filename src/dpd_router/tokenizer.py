@@ -290,6 +290,15 @@ class LocalTokenizer:
         assert self._encode_batch is not None
         return list(self._encode_batch([text], add_special_tokens=False)[0].ids)
 
+    async def continued(self, request: ClientRequest, said: str) -> list[int]:
+        """The ids of a chat-like request's prompt followed by `said` (an answer's text so far), encoded as one
+        text as the engine encodes a rendered prompt: a continuation's prompt. Encoded apart, `said` could
+        start otherwise (SentencePiece puts a space before a text of its own)."""
+        rendered = await self._render_apart(request, None)
+        if rendered is None:
+            rendered = await self._render_in_lane(request)
+        return await self.encode_whole(rendered + said, special=False)
+
     async def encode_whole(self, text: str, *, special: bool) -> list[int]:
         """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
         lane = self._lane(len(text))

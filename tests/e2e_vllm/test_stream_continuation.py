@@ -44,10 +44,10 @@ async def test_a_stream_cut_off_its_decoder_continues_with_the_engines_uninterru
 
 
 async def test_a_messages_stream_cut_off_its_decoder_goes_on_as_one_message(nixl_pair: VllmPair) -> None:
-    """A Messages stream is continued from its text (the engine's Messages endpoint returns no ids): the chat
-    API continues the text said as the assistant's message. One message, no error, the engine's length;
-    whether the text is the engine's own at the cut depends on the text encoding back to the same ids, which
-    is reported, not asserted."""
+    """A Messages stream is continued from its text (the engine's Messages endpoint returns no ids): a text
+    completion of its prompt as the router renders it and the text said, encoded. One message, no error,
+    the engine's stop reason and usage; whether the text is the engine's own at the cut depends on the text
+    encoding back to the ids it was generated as, which is reported, not asserted."""
     decoder = nixl_pair.decode.url
     body = {
         "model": MODEL_NAME,
@@ -75,7 +75,7 @@ async def test_a_messages_stream_cut_off_its_decoder_goes_on_as_one_message(nixl
         reference = await client.messages.create(**body)
     text, expected = "".join(pieces), reference.content[0].text
     assert message.content[0].text == text and len(text) > len(pieces[0])
-    assert message.stop_reason == reference.stop_reason
-    assert abs(message.usage.output_tokens - reference.usage.output_tokens) <= 1
+    assert (message.stop_reason, message.usage.output_tokens) == (reference.stop_reason, reference.usage.output_tokens)
+    assert message.usage.input_tokens == reference.usage.input_tokens
     same = "the engine's own text" if text == expected else f"another text than the engine's {expected!r}"
     _say(f"Messages stream continued from its text: {text!r}, {same}")

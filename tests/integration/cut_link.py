@@ -94,11 +94,13 @@ class CutLinks:
         events = 0
         while data := await reader.read(65536):
             if streamed[0] and not self.cut.is_set():
-                events += data.count(b"\n\n")  # an SSE event's end (the headers end in \r\n\r\n)
+                end = 0
+                while events < self.after and (at := data.find(b"\n\n", end)) >= 0:
+                    events, end = events + 1, at + 2  # an SSE event's end (the headers end in \r\n\r\n)
                 if events >= self.after:
                     self.cut.set()
-                    # What the client had: the answer up to here, then a connection reset.
-                    writer.write(data)
+                    # What the client had: the answer up to the `after`-th event's end, then a connection reset.
+                    writer.write(data[:end])
                     await writer.drain()
                     writer.transport.abort()
                     engine_writer.transport.abort()

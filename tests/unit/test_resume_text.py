@@ -7,7 +7,14 @@ from typing import Any
 import orjson
 
 from dpd_router.client_request import parse_request
-from dpd_router.gateway.resume_text import EventTape, MessagesAnswer, ResponsesAnswer, chat_continuation
+from dpd_router.gateway.resume_text import (
+    EventTape,
+    MessagesAnswer,
+    ResponsesAnswer,
+    by_ids,
+    chat_continuation,
+    said_text,
+)
 
 
 def named(kind: str, **fields: Any) -> bytes:
@@ -125,3 +132,17 @@ def test_a_responses_continuation_completes_the_response_with_its_whole_text() -
     completed = end[-1]["response"]
     assert completed["status"] == "completed" and completed["output"][0]["content"][0]["text"] == "Rivers flow"
     assert completed["usage"]["input_tokens"] == 8 and completed["usage"]["output_tokens"] == 2
+
+
+def test_with_a_local_tokenizer_the_continuation_is_a_completion_of_the_prompt_and_the_text_said() -> None:
+    body = {"model": "m", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    said = messages_tape(MESSAGE_START, text_delta("Rivers"), text_delta(" flow")).said()
+    chat = chat_continuation(parse_request("messages", orjson.dumps(body)), said, with_ids=False)
+    assert chat is not None and said_text(chat) == "Rivers flow"
+    completion = by_ids(chat, [1, 2, 3, 40, 41])
+    assert completion.kind == "completion" and completion.stream
+    assert completion.body["prompt"] == [1, 2, 3, 40, 41] and completion.body["max_tokens"] == 38
+    assert not {"messages", "add_generation_prompt", "continue_final_message"} & set(completion.body)
+    answer = MessagesAnswer(said)
+    (delta,) = answer.chunk({"choices": [{"index": 0, "text": " to", "finish_reason": None}]})
+    assert delta["delta"] == {"type": "text_delta", "text": " to"}, "a text completion's chunks are read too"

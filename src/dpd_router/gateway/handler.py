@@ -36,6 +36,7 @@ from dpd_router.gateway.head_first import HeadFirst
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.gateway.resume import ResumePolicy
+from dpd_router.gateway.resume_text import by_ids, said_text
 from dpd_router.gateway.watch import EngineProbe
 from dpd_router.metrics import RouterMetrics, model_label
 from dpd_router.observe import Observer, RequestTrace
@@ -250,6 +251,8 @@ class Gateway:
         trace.model, trace.adapter, trace.arm, trace.tenant = first.model, first.adapter, first.arm, first.tenant
         done = Completion(trace, None, self._metrics)
         try:
+            if request.kind == "chat" and exchange.request.kind in ("messages", "responses"):
+                request = await self._by_ids(exchange, request) or request
             if request.kind == "completion":
                 ids = request.body["prompt"]  # the prompt's and the output's token ids
                 prompt = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
@@ -289,6 +292,15 @@ class Gateway:
             done()
             raise
         return answer, f"{trace.decoder} ({trace.path})"
+
+    async def _by_ids(self, exchange: Exchange, chat: ClientRequest) -> ClientRequest | None:
+        """A Messages or Responses stream's continuation as a text completion of ids: its prompt as the
+        router renders it (as the engine does) followed by the text said, encoded as one text. Without a local
+        tokenizer, None: the chat call continues the text."""
+        tokenizer = self.tokenizer_for(exchange.trace.tenant)
+        if not isinstance(tokenizer, LocalTokenizer):
+            return None
+        return by_ids(chat, await tokenizer.continued(exchange.request, said_text(chat)))
 
     async def _prepare(
         self, request: ClientRequest, principal: Principal, trace: RequestTrace, planner: Planner

@@ -1,12 +1,14 @@
-"""Continuing a Messages or Responses stream: from its text, through the chat API, back in its own events.
+"""Continuing a Messages or Responses stream: from its text, back in its own events.
 
 vLLM's Messages and Responses endpoints return no token ids, so these streams are continued from the text
-the client has seen: the request's chat conversation (as the engine renders it, `ClientRequest.converted`)
-with that text as a final assistant message the engine continues (`continue_final_message`), for the
-output left. A faithful continuation of the same text; not token-exact at the cut, as a chat or text
-completion stream is (gateway/resume.py). The chat stream that answers is written as the client's API's
-events: text deltas in the open block or item, then the events that close the answer, with usage that
-counts the prompt once and every output token.
+the client has seen. With a local tokenizer the continuation is a text completion of ids: the request's
+prompt as the router renders it (the engine's rendering, which the router's count already matches) followed
+by the text said, encoded as one text (`by_ids`). Without one, the chat API continues the conversation with
+that text as a final assistant message (`continue_final_message`); a template that trims its messages then
+continues a slightly different text. Either is a faithful continuation of the same text, not token-exact at the cut
+as a chat or text completion stream is (gateway/resume.py). The answer's chunks are written as the client's
+API's events: text deltas in the open block or item, then the events that close the answer, with usage that
+counts the prompt once and every output token (the output said counted by the events that carried it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ _MESSAGES_ENDS = (b"event: message_delta", b"event: message_stop")
 _RESPONSES_ENDS = (b"event: response.output_text.done", b"event: response.completed", b"event: response.incomplete")
 # What a Messages stop reason is for each chat finish reason.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# What a chat continuation has that a text completion of ids does not take.
+_NOT_COMPLETION_FIELDS = frozenset(
+    {"messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+)
 
 
 def _payload(event: bytes) -> dict[str, Any] | None:
@@ -140,6 +146,19 @@ def _read_response_event(kind: Any, payload: dict[str, Any], said: Said, texts: 
         said.parsed = True  # reasoning, a function call's arguments
 
 
+def by_ids(chat: ClientRequest, prompt_ids: list[int]) -> ClientRequest:
+    """The chat continuation (`chat_continuation`) as a text completion of `prompt_ids`: the prompt's and the
+    text said's, encoded as one text."""
+    body = {key: value for key, value in chat.body.items() if key not in _NOT_COMPLETION_FIELDS}
+    body["prompt"] = prompt_ids
+    return ClientRequest(kind="completion", body=body, raw=orjson.dumps(body), stream=True)
+
+
+def said_text(chat: ClientRequest) -> str:
+    """The text a chat continuation continues (its final assistant message's)."""
+    return str(chat.body["messages"][-1]["content"])
+
+
 def wanted_output(request: ClientRequest) -> int | None:
     """The client's output limit (None: unset)."""
     name = "max_tokens" if request.kind == "messages" else "max_output_tokens"
@@ -189,7 +208,8 @@ class _ChatAnswer:
         choice = choices[0]
         if choice.get("finish_reason") is not None:
             self._finish = (choice["finish_reason"], choice.get("stop_reason"))
-        text = (choice.get("delta") or {}).get("content")
+        # A chat chunk's delta, or a text completion's text.
+        text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
         if not text:
             return []
         self._continued += 1
@@ -203,6 +223,12 @@ class _ChatAnswer:
             return []
         self._ended = True
         return self._closing(usage)
+
+    def _output_tokens(self, usage: dict[str, Any] | None) -> int:
+        """Every output token: those said before the continuation (one an event) and its own (its usage's,
+        else one an event)."""
+        completion = None if usage is None else usage.get("completion_tokens")
+        return self._said.deltas + (completion if isinstance(completion, int) else self._continued)
 
     def _delta(self, text: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -220,8 +246,6 @@ class MessagesAnswer(_ChatAnswer):
         self._index = said.at.get("index", 0)
         usage = (said.head or {}).get("usage")
         self._usage = usage if isinstance(usage, dict) else {}
-        # The prompt as the first answer counted it: its uncached and cached input tokens.
-        self._prompt = sum(self._usage.get(name) or 0 for name in ("input_tokens", "cache_read_input_tokens"))
 
     def _delta(self, text: str) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": self._index, "delta": {"type": "text_delta", "text": text}}
@@ -229,8 +253,7 @@ class MessagesAnswer(_ChatAnswer):
     def _closing(self, usage: dict[str, Any] | None) -> list[dict[str, Any]]:
         finish, stop = self._finish
         reason = "stop_sequence" if finish == "stop" and isinstance(stop, str) else _STOP_REASONS.get(finish or "")
-        said = self._said.deltas + self._continued
-        output = {**self._usage, "output_tokens": _output_tokens(usage, self._prompt, said)}
+        output = {**self._usage, "output_tokens": self._output_tokens(usage)}
         delta = {"stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None}
         return [
             {"type": "content_block_stop", "index": self._index},
@@ -280,10 +303,10 @@ class ResponsesAnswer(_ChatAnswer):
         if not isinstance(prompt, int) or not isinstance(completion, int):
             return None
         first = self._said.head.get("usage") if self._said.head else None
-        # The first response tells no prompt count before its end: the continuation's, less its output so far.
+        # The first response tells no prompt count before its end: the continuation's, less the output said.
         input_tokens = first.get("input_tokens") if isinstance(first, dict) else None
         input_tokens = input_tokens if isinstance(input_tokens, int) else prompt - self._said.deltas
-        output = completion + prompt - input_tokens
+        output = self._output_tokens(usage)
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return {
@@ -306,19 +329,6 @@ class ResponsesAnswer(_ChatAnswer):
         payload = {"type": name, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return payload
-
-
-def _output_tokens(usage: dict[str, Any] | None, prompt: int, said: int) -> int:
-    """Every output token: the continuation's own and, counted in its prompt, those said before it (by the
-    events that carried them when its usage did not come)."""
-    if usage is None:
-        return said
-    completion, continued_prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-    if not isinstance(completion, int):
-        return said
-    if isinstance(continued_prompt, int) and prompt and continued_prompt >= prompt:
-        return completion + continued_prompt - prompt
-    return completion + said
 
 
 # Writes a continuation's chat chunks as the client's API's events (payloads, each with its "type").
