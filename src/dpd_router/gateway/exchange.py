@@ -47,8 +47,8 @@ class Exchange:
         return {"X-Request-Id": self.request_id}
 
 
-# Serves the continuation of an exchange's stream (a text completion of token ids) away from the failed
-# decoder, with so many continuations left: its answer, and where it is served.
+# Serves the continuation of an exchange's stream (a text completion of ids, or a chat call that continues the
+# text said) away from the failed decoder, with so many continuations left: its answer, and where it is served.
 ContinueWith = Callable[["Exchange", ClientRequest, Endpoint | None, int], Awaitable[tuple[Answer, str]]]
 
 
