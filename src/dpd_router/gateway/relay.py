@@ -282,6 +282,7 @@ class EventStream:
         elif resumer is not None:
             resumer.count("not_tried", reason or "")
             trace.continued_after = f"not continued ({reason})"
+        log.warning("request %s: %s; the stream ends (%s)", trace.request_id, detail, trace.continued_after)
         self._complete = True
         trace.fail(outcome, detail)
         yield self._error_event(message)
