@@ -23,8 +23,9 @@ from tests.integration.conftest import MODEL, cluster_settings, engine_stats, me
 from tests.integration.test_reliability import LONG, THRESHOLD
 
 TOKENS = 40
-# Slow enough that the client sees its first tokens long before the answer ends (20 ms a token).
-SLOW_DECODE = ["--decode-step-base", "0.02"]
+# Slow enough that the client sees its first tokens long before the answer ends (50 ms a token: a loaded
+# machine still kills the decoder mid-answer).
+SLOW_DECODE = ["--decode-step-base", "0.05"]
 SHORT_PROMPT = "Tell me about rivers."
 
 

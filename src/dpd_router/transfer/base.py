@@ -268,7 +268,8 @@ def one_token_body(request: ClientRequest) -> dict[str, Any]:
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     # The answer brings the prompt's ids: the router counts and indexes the prompt by the prefiller's own
-    # encoding instead of encoding it whole itself (the decode call is the client's body, without this).
+    # encoding instead of encoding it whole itself (the decode call is the client's body; a stream's asks for
+    # its ids too, to be continued elsewhere if its decoder fails: gateway/resume.py).
     body["return_token_ids"] = True
     return body
 
