@@ -155,7 +155,7 @@ async def _stream(generation: Generation, response: ResponseFormat, send: Send) 
                         parts.append(running_usage(response.role_chunk(choice, prompt_ids), 0))
                 for choice, token_id, last in tokens:
                     produced[choice] += 1
-                    prompt_ids = generation.prompts[0] if with_ids and not chat and produced[choice] == 1 else None
+                    prompt_ids = generation.prompts[choice] if with_ids and not chat and produced[choice] == 1 else None
                     if last:
                         stop = generation.stopped_by(choice)
                         text = "" if stop is not None else token_text[token_id]  # a stop token is not output
