@@ -141,19 +141,19 @@ class Completion:
         if self._decoder is not None:
             self._decoder.finish()
         self._metrics.in_flight.dec()
-        if self._observer is not None and self._report_after is None:
-            self._observer.finish(self._trace)
-        elif self._observer is not None and self._report_after is not None:
+        observer = self._observer
+        if observer is not None and self._report_after is None:
+            observer.finish(self._trace)
+        elif observer is not None and self._report_after is not None:
             ready, settle, unless = self._report_after
             ended = time.perf_counter()
             if ready.done() or unless():
-                self._report(settle, ended)
+                self._report(observer, settle, ended)
             else:
-                ready.add_done_callback(lambda _: self._report(settle, ended))
+                ready.add_done_callback(lambda _: self._report(observer, settle, ended))
         if self._on_finish is not None:
             self._on_finish()
 
-    def _report(self, settle: Callable[[], None], ended: float) -> None:
+    def _report(self, observer: Observer, settle: Callable[[], None], ended: float) -> None:
         settle()
-        assert self._observer is not None
-        self._observer.finish(self._trace, ended=ended)
+        observer.finish(self._trace, ended=ended)

@@ -41,6 +41,11 @@ class Exchange:
     resume: ResumePolicy | None = None
     continue_with: ContinueWith | None = None
 
+    def __post_init__(self) -> None:
+        # The request's judges look at its hops only while it is served: they close when it ends.
+        self.done.defer(self.prefill_judge.close)
+        self.done.defer(self.decode_judge.close)
+
     @property
     def headers(self) -> dict[str, str]:
         """The headers of the router's answer."""

@@ -209,8 +209,6 @@ class Gateway:
                 resume=self._resume_policy(request),
                 continue_with=self._continue,
             )
-            done.defer(exchange.prefill_judge.close)
-            done.defer(exchange.decode_judge.close)
             return await self._serve(exchange, plan)
         except RouterError as exc:
             trace.fail("error", exc.message, status=exc.status_code)
@@ -285,8 +283,6 @@ class Gateway:
                 resume=resume,
                 continue_with=self._continue,
             )
-            done.defer(sub.prefill_judge.close)
-            done.defer(sub.decode_judge.close)
             answer = await self._serve(sub, plan)
         except BaseException:
             done()

@@ -249,10 +249,9 @@ class Resumer:
         self._metrics = metrics
         self._strip_usage = strip_usage
         self._wire = wire
-        self._text_api = request.kind in _TEXT_APIS
         self.tape: StreamTape | EventTape | None = None
         if policy.blocked is None:
-            if self._text_api:
+            if request.kind in _TEXT_APIS:
                 self.tape = EventTape(request.kind, max_tokens=policy.max_tokens)
             else:
                 self.tape = StreamTape(strip=policy.strip_ids, max_tokens=policy.max_tokens)
@@ -382,8 +381,7 @@ class Resumer:
                 if not isinstance(payload, dict):
                     continue
                 if "error" in payload:
-                    error = payload["error"]
-                    message = str(error.get("message") if isinstance(error, dict) else error)
+                    message = OPENAI_WIRE.errored(payload) or "the continuation failed"
                     trace.fail("upstream_error", message)
                     return [*out, wire.error_event(message).removesuffix(_EVENT_END)]
                 payloads = writer.chunk(payload)
@@ -409,8 +407,7 @@ class Resumer:
         if not isinstance(payload, dict):
             return event
         if "error" in payload:
-            error = payload["error"]
-            trace.fail("upstream_error", str(error.get("message") if isinstance(error, dict) else error))
+            trace.fail("upstream_error", OPENAI_WIRE.errored(payload) or "the continuation failed")
             return event
         # The client had the prompt's ids (if it asked) with the first answer: the continuation's prompt is not
         # one it sent. Its output ids go on where the client asked for them (null where not, as vLLM writes).

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from dpd_router.client_request import ClientRequest
+from dpd_router.wires import MESSAGES_WIRE
 
 _DATA = b"\ndata: "
 _MESSAGES_ENDS = (b"event: message_delta", b"event: message_stop")
@@ -32,9 +33,8 @@ _NOT_COMPLETION_FIELDS = frozenset(
 
 
 def _payload(event: bytes) -> dict[str, Any] | None:
-    at = event.find(_DATA)
-    start = at + len(_DATA) if at >= 0 else (6 if event.startswith(b"data: ") else -1)
-    if start < 0:
+    start = MESSAGES_WIRE.data(event)  # a named event's data, as the relay finds it (Responses' too)
+    if start is None:
         return None
     try:
         payload = orjson.loads(event[start:])
