@@ -4,7 +4,7 @@ routes and closes them; build_server: the app behind the guarded listener."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -21,6 +21,7 @@ from dpd_router.api.guards import ErrorBoundary
 from dpd_router.api.openai import OpenAIApi
 from dpd_router.api.ops import OpsApi
 from dpd_router.api.tokenize import TokenizeApi
+from dpd_router.client_request import RequestKind
 from dpd_router.config import Settings
 from dpd_router.server import REASONS as REFUSAL_REASONS
 from dpd_router.server import ListenerLimits, RefusedConnections, guarded_protocol
@@ -62,44 +63,43 @@ def create_app(settings: Settings, *, refused_connections: RefusedConnections | 
 
 
 class CompletionsLane:
-    """The completion endpoints straight to their handler; every other request, and the lifespan, to `app`.
+    """The completion endpoints straight to the OpenAI API's raw ASGI handler; every other request, and the
+    lifespan, to `app`.
 
     A completion uses none of what FastAPI's stack does per request (routing tables, dependency
-    solving, exception-handler and exit-stack middlewares), and it is the request that arrives
-    hundreds of times a second: it pays for the one guard it needs (ErrorBoundary) and its handler.
-    A path the lane does not take (a trailing slash, another method) gets the app's answer as before.
+    solving, exception-handler and exit-stack middlewares, Request and Response objects), and it is the
+    request that arrives hundreds of times a second: it pays for its handler alone, which guards itself
+    (OpenAIApi.serve answers an unexpected failure with a 500 and keeps the connection). A path the lane
+    does not take (a trailing slash, another method) gets the app's answer as before.
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._routes: dict[str, Callable[[Request], Awaitable[Response]]] = {}
-        self._guarded = ErrorBoundary(self._serve)
+        self._api: OpenAIApi | None = None
 
     def open(self, api: OpenAIApi) -> None:
         """Serve the completion endpoints with `api` (once the components are built)."""
-        self._routes = {
-            "/v1/chat/completions": api.chat_completions,
-            "/v1/completions": api.completions,
-            "/v1/messages": api.messages,
-            "/v1/responses": api.responses,
-        }
+        self._api = api
 
     def close(self) -> None:
-        self._routes = {}
+        self._api = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self._routes:
-            await self._guarded(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        api = self._api
+        if api is not None and scope["type"] == "http" and scope["method"] == "POST":
+            kind = LANES.get(scope["path"])
+            if kind is not None:
+                await api.serve(scope, receive, send, kind)
+                return
+        await self.app(scope, receive, send)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self._routes.get(scope["path"])
-        if handler is None:  # closed while it waited: the app answers as for any other request
-            await self.app(scope, receive, send)
-            return
-        response = await handler(Request(scope, receive))
-        await response(scope, receive, send)
+
+LANES: dict[str, RequestKind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+}
 
 
 def add_routes(app: FastAPI, components: Components) -> OpenAIApi:

@@ -158,7 +158,7 @@ class PooledAnswer:
             elif self._error is not None:
                 raise self._error
             elif self._done:
-                self._give_back()  # read to its end: the connection is free before the caller closes
+                self.release()  # read to its end: the connection is free before the caller closes
                 return
             else:
                 self._waiter = self._connection.loop.create_future()
@@ -168,10 +168,10 @@ class PooledAnswer:
         return b"".join([chunk async for chunk in self.aiter_raw()])
 
     async def aclose(self) -> None:
-        """Give the connection back when the answer was read to its end and it may be kept, else close it."""
-        self._give_back()
+        self.release()
 
-    def _give_back(self) -> None:
+    def release(self) -> None:
+        """Give the connection back when the answer was read to its end and it may be kept, else close it."""
         if self._released:
             return
         self._released = True

@@ -1,10 +1,11 @@
-"""Logging setup: one JSON object per line by default, or plain text."""
+"""Logging setup: one JSON object per line by default, or plain text, written by a thread of its own."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+import threading
+from typing import Any, TextIO
 
 import orjson
 
@@ -43,10 +44,71 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class LineWriter(logging.Handler):
+    """Formats each record where it is logged and writes the lines from a thread of its own, those of
+    `interval` seconds at once.
+
+    A request's log line written at once costs the event loop a write to stderr (a syscall, and a wait if
+    the pipe behind it is full) on every request. Here the loop only appends the line; the writer thread
+    writes what has gathered every `interval` seconds, at once for a warning or worse (so nothing that
+    explains a failure waits), and when the handler is flushed or closed (logging's exit hook does both).
+    """
+
+    def __init__(self, stream: TextIO, *, interval: float = 0.05, most: int = 1024) -> None:
+        super().__init__()
+        self._stream = stream
+        self._interval = interval
+        self._most = most
+        self._lines: list[str] = []
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        self._lines.append(line)  # under the handler's lock (Handler.handle)
+        if record.levelno >= logging.WARNING or len(self._lines) >= self._most:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        # The lines are taken under the handler's lock and written outside it: a slow stderr holds up the
+        # writer, never a thread that logs.
+        with self.lock:  # type: ignore[union-attr]  # Handler.createLock made it
+            lines, self._lines = self._lines, []
+        if not lines:
+            return
+        try:
+            self._stream.write("\n".join(lines) + "\n")
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # stderr closed or gone: nowhere to write, and nothing to raise into
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self.flush()
+        super().close()
+
+
 def configure_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    # What every record would look up and the formatters never write: the process, thread and process name.
+    logging.logProcesses = logging.logThreads = logging.logMultiprocessing = False
+    handler = LineWriter(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger("dpd_router")
+    for old in root.handlers:
+        old.close()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False

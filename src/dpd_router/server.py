@@ -24,10 +24,11 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from dpd_router.api.departure import ON_LOST
 from dpd_router.api.errors import error_body
 from dpd_router.config import Settings
 
@@ -116,7 +117,12 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            cycle = self.cycle
+            scope = None if cycle is None or cycle.response_complete else cast(dict[str, Any], cycle.scope)
+            lost = None if scope is None else scope.get(ON_LOST)
             super().connection_lost(exc)
+            if lost is not None:
+                lost()  # the request's serving stops (api/departure.py)
 
         def data_received(self, data: bytes) -> None:
             if self._lingering >= 0:
@@ -175,6 +181,8 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            # This listener calls back when the connection is lost (api/departure.py).
+            cast(dict[str, Any], self.scope)[ON_LOST] = None
             self._arm(limits.body_timeout, "body_timeout")
             super().on_headers_complete()
 

@@ -16,12 +16,12 @@ from typing import Any, cast
 import httpx
 import orjson
 import pytest
-from starlette.requests import Request as StarletteRequest
 
 from dpd_router.api import openai
 from dpd_router.api.admission import Admissions
 from dpd_router.api.auth import Gatekeeper, KeyRing
-from dpd_router.api.responses import http_response
+from dpd_router.api.departure import Departure
+from dpd_router.api.responses import send_answer
 from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
@@ -177,7 +177,14 @@ async def play(answer: Answer, *, client_leaves_after: float | None = None) -> b
         if message["type"] == "http.response.body":
             body.append(message.get("body", b""))
 
-    await http_response(answer)({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    departure = Departure({"type": "http"}, receive)  # as the completions lane watches its client
+    try:
+        await send_answer(answer, send, departure)
+    except asyncio.CancelledError:
+        if not departure.left:
+            raise
+    finally:
+        departure.stop()
     return b"".join(body)
 
 
@@ -330,6 +337,11 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
         "path": "/v1/chat/completions",
         "headers": [],
     }
-    response = await api.chat_completions(StarletteRequest(scope, receive))
-    assert response.status_code == 499
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await api.serve(scope, receive, send, "chat")
+    assert sent[0]["status"] == 499
     assert released.is_set(), "its stream was closed and the request released"

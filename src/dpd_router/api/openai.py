@@ -9,19 +9,26 @@ request's refusals are written as that API writes its errors.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import secrets
 import time
-import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from dpd_router import messages_api
 from dpd_router.api.auth import ANONYMOUS, Gatekeeper, Principal
+from dpd_router.api.departure import Departure
+from dpd_router.api.errors import error_response as api_error_response
 from dpd_router.api.errors import response_for
 from dpd_router.api.limits import count_refusal
-from dpd_router.api.responses import discard, http_response
+from dpd_router.api.responses import discard, send_answer
 from dpd_router.client_request import (
     MANY_CONTAINERS,
     ClientRequest,
@@ -44,10 +51,14 @@ from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from dpd_router.api.admission import Admissions
+    from dpd_router.gateway.answer import Answer
     from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
     from dpd_router.responses_history import ResponsesHistory
+
+
+log = logging.getLogger("dpd_router.api")
 
 
 class OpenAIApi:
@@ -64,6 +75,7 @@ class OpenAIApi:
         responses: ResponsesHistory,
     ) -> None:
         self._responses = responses
+        self._ids = RequestIds()
         self._gatekeeper = gatekeeper
         self._admission = admission
         self._models = models
@@ -82,18 +94,18 @@ class OpenAIApi:
         return routes
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, "chat")
+        return LaneResponse(self, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "completion")
+        return LaneResponse(self, "completion")
 
     async def messages(self, request: Request) -> Response:
-        return await self._serve(request, "messages")
+        return LaneResponse(self, "messages")
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt tokens of a Messages body as the engine will count them, by the router's own
         tokenizer (or an engine's /tokenize, where the router has none): no engine generates anything."""
-        request_id = request_id_of(request)
+        request_id = self._ids.of(request.headers)
         try:
             principal = self._gatekeeper.caller(request)
             await principal.limits.take_request()
@@ -114,12 +126,12 @@ class OpenAIApi:
         return Response(orjson.dumps(self._models.listing()), media_type="application/json")
 
     async def responses(self, request: Request) -> Response:
-        return await self._serve(request, "responses")
+        return LaneResponse(self, "responses")
 
     async def stored_response(self, request: Request) -> Response:
         """A stored response retrieved (GET), deleted (DELETE), listed its input items (GET .../input_items) or
         cancelled (POST .../cancel: only a background response can be, and none is): each the caller's own."""
-        request_id = request_id_of(request)
+        request_id = self._ids.of(request.headers)
         response_id, _, rest = request.path_params.get("rest", "").partition("/")
         try:
             principal = self._gatekeeper.caller(request)
@@ -143,17 +155,44 @@ class OpenAIApi:
 
     def _caller(self, request: Request) -> tuple[str, Response | None]:
         """The request's id, and the refusal to send when the caller's key is not accepted."""
-        request_id = request_id_of(request)
+        request_id = self._ids.of(request.headers)
         try:
             self._gatekeeper.caller(request)
         except RouterError as exc:
             return request_id, self._error(exc, request_id)
         return request_id, None
 
-    async def _serve(self, request: Request, kind: RequestKind) -> Response:
+    async def serve(self, scope: Scope, receive: Receive, send: Send, kind: RequestKind) -> None:
+        """One completion request on raw ASGI, from its head to its answer's last byte (the completions lane's
+        work: app.CompletionsLane). A client that leaves before its answer is complete cancels this task
+        (Departure): the gateway stops both hops, and nothing is sent to nobody."""
         arrived = time.perf_counter()
+        request = Request(scope, receive)
+        departure: Departure | None = None
+        try:
+            made = await self._answer(request, kind, arrived, scope, receive)
+            if isinstance(made, Response):  # refused: the error's own response
+                await made(scope, receive, send)
+                return
+            answer, departure = made
+            await send_answer(answer, send, departure)
+        except asyncio.CancelledError:
+            if departure is None or not departure.left:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the client left: its request is over, and the task ends as usual
+        finally:
+            if departure is not None:
+                departure.stop()
+
+    async def _answer(
+        self, request: Request, kind: RequestKind, arrived: float, scope: Scope, receive: Receive
+    ) -> Response | tuple[Answer, Departure]:
+        """The gateway's answer, and the departure that watches its client from the body's end; or the response
+        of a refusal (an unexpected failure before the answer is a 500, the connection kept)."""
         settings = self._live.settings
-        request_id = request_id_of(request)
+        request_id = self._ids.of(request.headers)
         try:
             # Who is asking, from the headers alone: a body nobody may send is never read.
             principal = self._gatekeeper.caller(request)
@@ -166,16 +205,18 @@ class OpenAIApi:
             served, adapter = self._models.resolve(client_request, sticky=sticky)
             if kind == "responses":
                 await self._responses.begin(client_request, principal.key_id)
+            admission_started = time.perf_counter()
+            admission = self._admission.for_tenant(principal.tenant)
+            await admission.enter()
         except RouterError as exc:
             return self._error(exc, request_id, kind)
-        admission_started = time.perf_counter()
-        admission = self._admission.for_tenant(principal.tenant)
+        except ClientDisconnect:
+            return Response(status_code=499)  # left while its body was read: sent to nobody
+        except Exception:
+            return _internal_error(scope)
+        departure = Departure(scope, receive)
         try:
-            await admission.enter()
-        except AdmissionRejected as exc:
-            return self._error(exc, request_id, kind)
-        serving = asyncio.ensure_future(
-            served.gateway.handle(
+            answer = await served.gateway.handle(
                 client_request,
                 request_id,
                 request.headers,
@@ -185,27 +226,29 @@ class OpenAIApi:
                 queued=time.perf_counter() - admission_started,
                 adapter=adapter,
             )
-        )
-        watching = asyncio.ensure_future(_client_gone(request))
-        try:
-            await asyncio.wait((serving, watching), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watching.cancel()
-        if not serving.done():
-            # The client left before its answer began: stop both hops now instead of finishing for nobody.
-            serving.cancel()
-            await asyncio.wait({serving})  # a cancellation of this handler itself still propagates
-            if not serving.cancelled() and serving.exception() is None:
-                await discard(serving.result())  # it finished anyway: release what the answer holds
-            return Response(status_code=499)
-        try:
-            if client_request.turn is not None and serving.exception() is None:
-                await client_request.turn.settle()  # a whole answer's response kept before the client has it
-            return http_response(serving.result())
         except RouterError as exc:
+            departure.stop()
             if client_request.brackets > MANY_CONTAINERS:
                 _free_apart(client_request)
             return self._error(exc, request_id, kind)
+        except asyncio.CancelledError:
+            if not departure.left:
+                raise
+            departure.stop()
+            return Response(status_code=499)  # the gateway stopped both hops: nobody to answer
+        except Exception:
+            departure.stop()
+            return _internal_error(scope)
+        if departure.left:  # it finished its answer after the client left anyway: released, sent to nobody
+            await discard(answer)
+            return Response(status_code=499)
+        if client_request.turn is not None:
+            try:
+                await client_request.turn.settle()  # a whole answer's response kept before the client has it
+            except BaseException:
+                await discard(answer)
+                raise
+        return answer, departure
 
     async def _parse(self, raw: bytes, kind: RequestKind, *, counting: bool = False) -> ClientRequest:
         """The body parsed and checked; megabytes of JSON on another thread
@@ -230,15 +273,35 @@ def _free_apart(request: ClientRequest) -> None:
     asyncio.get_running_loop().run_in_executor(None, free_in_pieces, body)
 
 
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class LaneResponse(Response):
+    """A completion request reached through the app's routes (the lane takes them first): served as the lane
+    serves it, on raw ASGI."""
+
+    def __init__(self, api: OpenAIApi, kind: RequestKind) -> None:
+        super().__init__()
+        self._api = api
+        self._kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._api.serve(scope, receive, send, self._kind)
 
 
-def request_id_of(request: Request) -> str:
-    """The client's `X-Request-Id` (cleaned), else a new one: sent to the engines and back to the client."""
-    return clean_request_id(request.headers.get("x-request-id")) or f"dpd-{uuid.uuid4().hex}"
+def _internal_error(scope: Scope) -> Response:
+    log.exception("unhandled error serving %s", scope.get("path"))
+    return api_error_response("The router failed to serve this request.", "InternalServerError", 500)
+
+
+class RequestIds:
+    """Request ids: the client's `X-Request-Id` (cleaned), else a new one, sent to the engines and back to the
+    client. New ones are this process's random prefix and a count: unique among the router's replicas
+    (which share engines) without reading the system's randomness for each request."""
+
+    def __init__(self) -> None:
+        self._prefix = f"dpd-{secrets.token_hex(8)}"
+        self._count = itertools.count(1)
+
+    def of(self, headers: Mapping[str, str]) -> str:
+        return clean_request_id(headers.get("x-request-id")) or f"{self._prefix}{next(self._count):016x}"
 
 
 def error_response(

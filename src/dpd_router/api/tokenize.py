@@ -20,7 +20,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from dpd_router.api.openai import error_response, read_body, request_id_of
+from dpd_router.api.openai import RequestIds, error_response, read_body
 from dpd_router.errors import NoHealthyDecoder, RouterError, UpstreamError
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
@@ -48,6 +48,7 @@ class TokenizeApi:
         metrics: RouterMetrics,
     ) -> None:
         self._gatekeeper = gatekeeper
+        self._ids = RequestIds()
         self._models = models
         self._client = client
         self._live = live
@@ -68,7 +69,7 @@ class TokenizeApi:
         return await self._relay(request, "/detokenize")
 
     async def _relay(self, request: Request, path: str) -> Response:
-        request_id = request_id_of(request)
+        request_id = self._ids.of(request.headers)
         try:
             principal = self._gatekeeper.caller(request)
             await principal.limits.take_request()

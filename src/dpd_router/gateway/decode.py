@@ -19,6 +19,7 @@ import httpx
 
 from dpd_router.context_window import output_budget
 from dpd_router.deadlines import prior
+from dpd_router.engine_pool import PooledAnswer
 from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
@@ -430,5 +431,8 @@ async def read_refusal(upstream: EngineAnswer, decoder: Endpoint) -> bytes:
 
 async def close_quietly(response: EngineAnswer) -> None:
     """Close an upstream response even while the request is being cancelled."""
+    if isinstance(response, PooledAnswer):
+        response.release()  # at once: nothing to wait for, so nothing a cancellation could cut short
+        return
     with anyio.CancelScope(shield=True):
         await response.aclose()

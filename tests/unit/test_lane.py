@@ -1,0 +1,107 @@
+"""The completions lane's own parts: request ids, the answer's head as Starlette wrote it, the client's
+departure, and the log writer that keeps stderr off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from typing import Any
+
+from starlette.responses import Response, StreamingResponse
+
+from dpd_router.api.departure import ON_LOST, Departure
+from dpd_router.api.openai import RequestIds
+from dpd_router.api.responses import raw_headers
+from dpd_router.logs import JsonFormatter, LineWriter
+
+
+def test_a_request_keeps_its_clients_id_and_gets_a_unique_one_otherwise() -> None:
+    ids, other = RequestIds(), RequestIds()
+    assert ids.of({"x-request-id": "client-7"}) == "client-7"
+    made = [ids.of({}) for _ in range(1000)] + [other.of({}) for _ in range(1000)]
+    assert len(set(made)) == 2000, "unique within a process and between two (two replicas on one engine)"
+    assert all(len(made_id) == len("dpd-") + 32 and made_id.startswith("dpd-") for made_id in made)
+
+
+def test_an_answers_head_is_the_one_starlette_writes() -> None:
+    headers = {"X-Request-Id": "r-1"}
+    whole = Response(b'{"a":1}', media_type="application/json", headers=headers)
+    assert sorted(raw_headers(headers, "application/json", 7)) == sorted(whole.raw_headers)
+    stream = StreamingResponse(iter([b""]), media_type="text/event-stream", headers=headers)
+    assert sorted(raw_headers(headers, "text/event-stream", None)) == sorted(stream.raw_headers)
+    own_type = {"X-Request-Id": "r-1", "Content-Type": "text/plain"}
+    assert sorted(raw_headers(own_type, "application/json", 2)) == sorted(
+        Response(b"ab", media_type="application/json", headers=own_type).raw_headers
+    )
+
+
+async def test_the_listener_call_cancels_the_request_until_it_is_stopped() -> None:
+    scope: dict[str, Any] = {"type": "http", ON_LOST: None}
+
+    async def never() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    async def serving() -> bool:
+        departure = Departure(scope, never)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            return departure.left
+        return False
+
+    task = asyncio.ensure_future(serving())
+    await asyncio.sleep(0)
+    scope[ON_LOST]()  # the connection is lost
+    assert await task is True
+
+    async def finished() -> None:
+        departure = Departure(scope, never)
+        departure.stop()
+        assert scope[ON_LOST] is None, "a stopped departure is not called"
+
+    await finished()
+
+
+async def test_without_the_listener_a_disconnect_message_cancels_the_request() -> None:
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def serving() -> bool:
+        departure = Departure({"type": "http"}, receive)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            return departure.left
+        return False
+
+    assert await asyncio.wait_for(serving(), 5) is True
+
+
+def test_log_lines_are_written_in_order_a_warning_at_once_and_the_rest_on_close() -> None:
+    stream = io.StringIO()
+    writer = LineWriter(stream, interval=60)  # no timed write within the test
+    writer.setFormatter(JsonFormatter())
+    logger = logging.getLogger("dpd_router.test_lane")
+    logger.handlers[:] = [writer]
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("first")
+        logger.info("second")
+        assert stream.getvalue() == "", "an info line waits for the writer"
+        logger.warning("third")
+        for _ in range(500):
+            if "third" in stream.getvalue():
+                break
+            time.sleep(0.01)
+        lines = stream.getvalue().splitlines()
+        assert [line.split('"msg":"')[1].split('"')[0] for line in lines] == ["first", "second", "third"]
+        logger.info("fourth")
+    finally:
+        writer.close()
+        logger.handlers[:] = []
+    assert stream.getvalue().splitlines()[-1].count("fourth") == 1, "closing writes what is left"
