@@ -71,6 +71,12 @@ class Prompt:
         """Whether `token_ids` and `num_tokens` are the whole prompt's."""
         return self.at_most is None
 
+    @property
+    def wants_ids(self) -> bool:
+        """Whether the router wants the whole prompt's ids from the prefill answer: a prompt known in part
+        whose whole encoding is wanted (see PromptReader.rest); the count alone comes from the usage."""
+        return self.later is not None and self.later.wanted
+
 
 @dataclass(frozen=True)
 class Head:
@@ -841,6 +847,12 @@ class WholeLater:
         self._text: str | None = text
         self._special = special
         self._started = started
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the whole encoding is wanted (the caller asked for it): else it ends with None, unless an
+        engine's answer brings the ids anyway."""
+        return self._tokenizer is not None
 
     def supply(self, ids: list[int]) -> None:
         """The whole prompt's ids, counted by an engine."""

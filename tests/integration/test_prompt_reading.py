@@ -94,19 +94,17 @@ async def test_a_long_prompt_read_in_part_is_reported_and_indexed_whole(
     assert [(fields["path"], fields["prompt_tokens"]) for fields in logged] == [("disaggregated", engine_count)]
 
 
-@pytest.mark.parametrize("ids_in_answer", ["theirs", "none"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_under_a_static_threshold_a_long_prompt_is_never_encoded_whole_by_the_router(
     cluster: SimCluster,
     tokenizer_dir: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
-    ids_in_answer: str,
     stream: bool,
 ) -> None:
     """Read only as far as its plan needs, on or off the request's path: counted by the engine's usage (in
-    the metrics and the log line), indexed by the prefill answer's ids where it has them, else as far as
-    it was read."""
+    the metrics and the log line), indexed as far as it was read. Nothing reads its whole ids (its next
+    decisions read as far as they need), so the prefill answer is not asked for them."""
     caplog.set_level(logging.INFO, logger="dpd_router.request")
     text = long_text(4000, 11)
     read: list[int] = []
@@ -117,8 +115,14 @@ async def test_under_a_static_threshold_a_long_prompt_is_never_encoded_whole_by_
         return plain(self, text)
 
     monkeypatch.setattr(LocalTokenizer, "_plain", spy)
-    if ids_in_answer == "none":
-        answers_without_ids(monkeypatch)
+    answered_ids: list[bool] = []
+    prompt_ids = transfer_base.prefill_prompt_ids
+
+    def ids_of(payload: dict[str, Any], prompt_tokens: int | None) -> list[int] | None:
+        answered_ids.append("prompt_token_ids" in payload)
+        return prompt_ids(payload, prompt_tokens)
+
+    monkeypatch.setattr(transfer_base, "prefill_prompt_ids", ids_of)
     async with reading_router(cluster, tokenizer_dir, threshold_mode="static", prefill_strategy="roundrobin") as url:
         client = openai_client(url)
         messages = [{"role": "user", "content": text}]
@@ -137,17 +141,15 @@ async def test_under_a_static_threshold_a_long_prompt_is_never_encoded_whole_by_
             assert answer.usage is not None
             engine_count = answer.usage.prompt_tokens
         assert read and max(read) < len(text) / 2  # the router read a head, never the prompt whole
+        assert answered_ids == [False], "the prefill answer was not asked for the prompt's ids"
         for _ in range(100):
             if await metric(url, "dpd_router_prompt_tokens_count", {"path": "disaggregated"}) == 1:
                 break
             await asyncio.sleep(0.05)
         assert await metric(url, "dpd_router_prompt_tokens_sum", {"path": "disaggregated"}) == engine_count
+        # Shown long by its words, it was read only as far as its cached prefixes needed: a few blocks.
         indexed = await metric(url, "dpd_router_cache_index_blocks", {"index": "prefix"})
-        if ids_in_answer == "theirs":
-            assert indexed == engine_count // BLOCK_SIZE
-        else:
-            # Shown long by its words, it was read only as far as its cached prefixes needed: a few blocks.
-            assert REACH_HEAD_BLOCKS <= indexed < 512 // BLOCK_SIZE
+        assert REACH_HEAD_BLOCKS <= indexed < 512 // BLOCK_SIZE
     logged = [r.fields for r in caplog.records if r.getMessage().startswith("Conditional routing")]  # type: ignore[attr-defined]
     assert [(fields["path"], fields["prompt_tokens"]) for fields in logged] == [("disaggregated", engine_count)]
 

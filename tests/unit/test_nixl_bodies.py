@@ -57,6 +57,15 @@ def test_prefill_body_adds_max_completion_tokens_only_when_the_client_sent_it() 
     assert "max_completion_tokens" not in prefill_body(request)
 
 
+def test_the_prefill_answer_brings_the_prompts_ids_only_where_the_router_wants_them() -> None:
+    """Asked of the decoder (by the client, or for a stream's continuation), not of the prefiller: the router
+    decides whether thousands of prompt ids come back from the prefill call."""
+    request = parse_request("chat", orjson.dumps({**client_chat(), "return_token_ids": True}))
+    assert prefill_body(request, ids=True)["return_token_ids"] is True
+    assert "return_token_ids" not in prefill_body(request, ids=False)
+    assert request.body["return_token_ids"] is True, "the decode call still asks for them"
+
+
 def test_decode_body_is_the_original_plus_params_verbatim() -> None:
     request = parse_request("chat", orjson.dumps(client_chat()))
     body = decode_body(request, KV_PARAMS)

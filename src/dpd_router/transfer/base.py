@@ -252,11 +252,20 @@ def staged_from_prefill(payload: dict[str, Any], params: dict[str, Any]) -> Stag
     )
 
 
-_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
+# The prefill answer is not the client's (a sequential connector's): whether it brings the prompt's ids is the
+# router's choice (`one_token_body`), whatever the client (or a stream's continuation) asked of the decoder.
+_DROPPED_FOR_PREFILL = (
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    "kv_transfer_params",
+    "return_token_ids",
+)
 
 
-def one_token_body(request: ClientRequest) -> dict[str, Any]:
-    """The client's body cut to a prefill: one token, not streamed, no minimum length."""
+def one_token_body(request: ClientRequest, *, ids: bool = True) -> dict[str, Any]:
+    """The client's body cut to a prefill: one token, not streamed, no minimum length; `ids`: the answer
+    brings the prompt's ids (where the API has them)."""
     body = {key: value for key, value in request.body.items() if key not in _DROPPED_FOR_PREFILL}
     body["stream"] = False
     if request.kind == "responses":
@@ -267,10 +276,13 @@ def one_token_body(request: ClientRequest) -> dict[str, Any]:
         return body  # nor has its Messages answer
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    # The answer brings the prompt's ids: the router counts and indexes the prompt by the prefiller's own
-    # encoding instead of encoding it whole itself (the decode call is the client's body; a stream's asks for
-    # its ids too, to be continued elsewhere if its decoder fails: gateway/resume.py).
-    body["return_token_ids"] = True
+    # Where the router wants the whole prompt's ids (Prompt.wants_ids: a cache-aware threshold's prefix index
+    # holds every block), the answer brings them: indexed by the prefiller's own encoding instead of encoding
+    # the prompt whole here. Otherwise it is not asked for thousands of ids nobody reads (the count comes from
+    # the usage). The decode call is the client's body; a stream's asks for its ids to be continued elsewhere
+    # if its decoder fails (gateway/resume.py).
+    if ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -311,7 +323,7 @@ class SequentialConnector:
         return Handoff(request, prompt, prefiller, decoder, request_id)
 
     async def stage(self, handoff: Handoff) -> StagedKV:
-        return await self.prefill(handoff.request, handoff.prefiller, handoff.request_id)
+        return await self.prefill(handoff.request, handoff.prefiller, handoff.request_id, ids=handoff.prompt.wants_ids)
 
     def decode_call(self, handoff: Handoff, staged: StagedKV) -> DecodeCall:
         return DecodeCall(self._path_for[handoff.request.kind], self.decode_body(handoff.request, staged))
@@ -320,18 +332,21 @@ class SequentialConnector:
         """The body the decoder receives to pick up `staged`."""
         raise NotImplementedError
 
-    def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
+    def prefill_body(self, request: ClientRequest, *, ids: bool = True) -> dict[str, Any]:
+        """The prefill call's body; `ids`: its answer brings the prompt's ids."""
         raise NotImplementedError
 
     def read_answer(self, payload: dict[str, Any]) -> StagedKV:
         raise NotImplementedError
 
-    async def prefill(self, request: ClientRequest, prefiller: Endpoint, request_id: str) -> StagedKV:
+    async def prefill(
+        self, request: ClientRequest, prefiller: Endpoint, request_id: str, *, ids: bool = True
+    ) -> StagedKV:
         payload = await post_prefill(
             self._engines,
             prefiller,
             self._path_for[request.kind],
-            self.prefill_body(request),
+            self.prefill_body(request, ids=ids),
             request_id=request_id,
             limits=self._timeout,
         )

@@ -41,9 +41,10 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
-def prefill_body(request: ClientRequest) -> dict[str, Any]:
-    """The client's body turned into a KV-staging call: one token, not streamed, remote decode asked for."""
-    body = one_token_body(request)
+def prefill_body(request: ClientRequest, *, ids: bool = True) -> dict[str, Any]:
+    """The client's body turned into a KV-staging call: one token, not streamed, remote decode asked for;
+    `ids`: the prompt's ids asked for too."""
+    body = one_token_body(request, ids=ids)
     body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     return body
 
@@ -132,8 +133,8 @@ class NixlConnector(SequentialConnector):
             return
         self.released += 1
 
-    def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
-        return prefill_body(request)
+    def prefill_body(self, request: ClientRequest, *, ids: bool = True) -> dict[str, Any]:
+        return prefill_body(request, ids=ids)
 
     def read_answer(self, payload: dict[str, Any]) -> StagedKV:
         return staged_from_answer(payload)

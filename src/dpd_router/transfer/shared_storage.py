@@ -15,9 +15,10 @@ from dpd_router.errors import PrefillFailed
 from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, staged_from_prefill
 
 
-def prefill_body(request: ClientRequest) -> dict[str, Any]:
-    """The client's body turned into a KV-saving call: one token, not streamed."""
-    return one_token_body(request)
+def prefill_body(request: ClientRequest, *, ids: bool = True) -> dict[str, Any]:
+    """The client's body turned into a KV-saving call: one token, not streamed; `ids`: the prompt's ids asked
+    for too."""
+    return one_token_body(request, ids=ids)
 
 
 def staged_from_answer(payload: Any) -> StagedKV:
@@ -32,8 +33,8 @@ class SharedStorageConnector(SequentialConnector):
 
     name = "shared_storage"
 
-    def prefill_body(self, request: ClientRequest) -> dict[str, Any]:
-        return prefill_body(request)
+    def prefill_body(self, request: ClientRequest, *, ids: bool = True) -> dict[str, Any]:
+        return prefill_body(request, ids=ids)
 
     def read_answer(self, payload: dict[str, Any]) -> StagedKV:
         return staged_from_answer(payload)
