@@ -87,7 +87,8 @@ LOADS = (
 STAGE_MAP: dict[str, tuple[str, ...]] = {
     "listener & ASGI": (
         "uvicorn/", "httptools/", "h11/", "starlette/", "fastapi/",
-        "dpd_router/server.py", "dpd_router/app.py", "dpd_router/api/guards.py", "dpd_router/api/responses.py",
+        "dpd_router/server.py", "dpd_router/app.py", "dpd_router/api/guards.py", "dpd_router/api/answers.py",
+        "dpd_router/api/departure.py",
     ),
     "key, limits & admission": (
         "dpd_router/api/auth.py", "dpd_router/api/limits.py", "dpd_router/api/redis_limits.py",

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from dpd_router import messages_api, responses_api
+from dpd_router import messages_api
 from dpd_router.errors import InvalidRequest
+from dpd_router.responses import api as responses_api
 
 if TYPE_CHECKING:
-    from dpd_router.responses_api import Turn
+    from dpd_router.responses.api import Turn
 
 # chat and text completions and the Responses API (OpenAI's), and the Anthropic Messages API.
 RequestKind = Literal["chat", "completion", "messages", "responses"]
@@ -51,9 +52,9 @@ class ClientRequest:
     # A Messages or Responses body converted to the chat body the engine's template renders it as.
     converted: dict[str, Any] | None = field(default=None, repr=False)
     # A Responses request that asked to be stored (`store`, true by default): the router keeps it, and
-    # the engines are sent `store: false` (responses_history).
+    # the engines are sent `store: false` (responses.history).
     store_asked: bool = field(default=False)
-    # A Responses request the router keeps or continues (responses_history), set before it is served.
+    # A Responses request the router keeps or continues (responses.history), set before it is served.
     turn: Turn | None = field(default=None, repr=False)
 
     @property

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from dpd_router import messages_api, responses_api
+from dpd_router import messages_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.observe import RequestTrace
+from dpd_router.responses import api as responses_api
 
 if TYPE_CHECKING:
-    from dpd_router.responses_api import Turn
+    from dpd_router.responses.api import Turn
 
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
@@ -218,7 +219,7 @@ class ResponsesWire(MessagesWire):
 
 class KeptResponsesWire(ResponsesWire):
     """A Responses answer the router keeps or continues: each response object that passes (a whole answer,
-    or an event's `response`) is shown to the request's turn (responses_history), which tells it the
+    or an event's `response`) is shown to the request's turn (responses.history), which tells it the
     client's `store` and `previous_response_id` and holds the ended one to keep."""
 
     _ENDED = ("response.completed", "response.incomplete")

@@ -19,9 +19,9 @@ import pytest
 
 from dpd_router.api import openai
 from dpd_router.api.admission import Admissions
+from dpd_router.api.answers import send_answer
 from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.departure import Departure
-from dpd_router.api.responses import send_answer
 from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
@@ -30,7 +30,7 @@ from dpd_router.metrics import RouterMetrics
 from dpd_router.observe import Observer
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
-from dpd_router.responses_history import ResponsesHistory
+from dpd_router.responses.history import ResponsesHistory
 from dpd_router.routing.planner import build_planner
 from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.lmcache.connector import LMCacheConnector

@@ -11,9 +11,9 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
+from dpd_router.api.answers import raw_headers
 from dpd_router.api.departure import ON_LOST, Departure
 from dpd_router.api.openai import RequestIds
-from dpd_router.api.responses import raw_headers
 from dpd_router.logs import JsonFormatter, LineWriter
 
 

@@ -11,8 +11,8 @@ import pytest
 from dpd_router.client_request import parse_request
 from dpd_router.errors import ResponseNotFound, StoreUnavailable
 from dpd_router.metrics import RouterMetrics
-from dpd_router.responses_history import ResponsesHistory
-from dpd_router.responses_store import SqliteResponses, StoredResponse
+from dpd_router.responses.history import ResponsesHistory
+from dpd_router.responses.store import SqliteResponses, StoredResponse
 
 
 def request(body: dict[str, Any]):

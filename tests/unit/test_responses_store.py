@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from dpd_router.responses_store import RedisResponses, ResponseStore, SqliteResponses, StoredResponse
+from dpd_router.responses.store import RedisResponses, ResponseStore, SqliteResponses, StoredResponse
 from tests.redis_server import redis_server
 
 

@@ -23,12 +23,12 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from dpd_router import messages_api
+from dpd_router.api.answers import discard, send_answer
 from dpd_router.api.auth import ANONYMOUS, Gatekeeper, Principal
 from dpd_router.api.departure import Departure
 from dpd_router.api.errors import error_response as api_error_response
 from dpd_router.api.errors import response_for
 from dpd_router.api.limits import count_refusal
-from dpd_router.api.responses import discard, send_answer
 from dpd_router.client_request import (
     MANY_CONTAINERS,
     ClientRequest,
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
     from dpd_router.metrics import RouterMetrics
-    from dpd_router.responses_history import ResponsesHistory
+    from dpd_router.responses.history import ResponsesHistory
 
 
 log = logging.getLogger("dpd_router.api")

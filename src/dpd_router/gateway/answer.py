@@ -1,4 +1,4 @@
-"""What the gateway gives back: an answer as data. The HTTP edge (api/responses.py) turns it into a
+"""What the gateway gives back: an answer as data. The HTTP edge (api/answers.py) writes it as a
 response; the gateway never builds one."""
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class Shadow:
         if not self._choice.chosen(key):
             return
         model = request.body.get("model")
-        # A Responses request as the engines get it: its history expanded, stored nowhere (responses_history).
+        # A Responses request as the engines get it: its history expanded, stored nowhere (responses.history).
         raw = request.encoded() if request.kind == "responses" else request.raw
         copy = ShadowCopy(request_id, request.kind, raw, model if isinstance(model, str) else None, prompt_tokens)
         try:

@@ -29,8 +29,8 @@ from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
-from dpd_router.responses_history import ResponsesHistory, default_store_path
-from dpd_router.responses_store import open_store
+from dpd_router.responses.history import ResponsesHistory, default_store_path
+from dpd_router.responses.store import open_store
 from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms

@@ -11,10 +11,11 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router import messages_api, responses_api
+from dpd_router import messages_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.responses import api as responses_api
 from dpd_router.tokenizer import Prompt
 from dpd_router.transport import EngineCalls
 

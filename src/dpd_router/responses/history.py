@@ -1,13 +1,13 @@
 """The Responses API's history, kept by the router: stored responses, and conversations continued from them.
 
-The engines never store (each is sent `store: false`, responses_api): a response an engine kept would be
+The engines never store (each is sent `store: false`, responses.api): a response an engine kept would be
 known to that one process only, and the router spreads a conversation's turns over many. So the router
-keeps them (responses_store), and a request naming `previous_response_id` is expanded before it is
+keeps them (responses.store), and a request naming `previous_response_id` is expanded before it is
 counted or routed: the input of every response before it and their output, then its own input, sent to
 both hops as one explicit conversation. The engine renders what a client sending that history itself
 would have sent, token for token.
 
-A request's `Turn` (responses_api) is what the router remembers of it while it is served: who asked (a
+A request's `Turn` (responses.api) is what the router remembers of it while it is served: who asked (a
 stored response is its API key's alone), whether to keep it, what it continued and its own input. The
 relay shows it the answer's response objects as they pass (wires.KeptResponsesWire), which are told the
 router's own id and the client's `store` and `previous_response_id`; the whole response is kept before the
@@ -27,11 +27,11 @@ from typing import Any, TypeVar
 
 import orjson
 
-from dpd_router import responses_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import InvalidRequest, ResponseNotFound, StoreUnavailable
 from dpd_router.metrics import RouterMetrics
-from dpd_router.responses_store import ResponseStore, StoredResponse
+from dpd_router.responses import api as responses_api
+from dpd_router.responses.store import ResponseStore, StoredResponse
 from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 log = logging.getLogger("dpd_router.responses")

@@ -5,7 +5,7 @@ vLLM serves `/v1/responses` itself, `kv_transfer_params` on the request and on i
 hops send the client's body to the engines' own endpoint, as for chat. What the router adds: the chat
 conversation the engine renders of the instructions, input items and tools (the threshold counts its
 tokens), and the history: stored responses and `previous_response_id` are the router's
-(responses_history), and every engine is sent `store: false`.
+(responses.history), and every engine is sent `store: false`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dpd_router.errors import InvalidRequest
 
 
 class Keeper(Protocol):
-    """What keeps a turn's ended response (responses_history.ResponsesHistory)."""
+    """What keeps a turn's ended response (responses.history.ResponsesHistory)."""
 
     async def keep(self, turn: Turn, response: dict[str, Any]) -> None: ...
 
@@ -26,7 +26,7 @@ class Keeper(Protocol):
 @dataclass
 class Turn:
     """One Responses request the router keeps or continues: who asked (a stored response is its API key's
-    alone), whether to keep it, what it continued and its own input (responses_history)."""
+    alone), whether to keep it, what it continued and its own input (responses.history)."""
 
     history: Keeper
     owner: str
