@@ -12,6 +12,9 @@ from tests.integration.cut_link import CutLinks
 # The first streamed answer through the links is cut after this many SSE events (the chat stream's role
 # chunk and a few tokens).
 CUT_AFTER = 6
+# Every answer runs its full length: the CPU suite's model has random weights, and its greedy answer to a
+# prompt can end (EOS) within CUT_AFTER events, a complete answer there is nothing to continue then.
+FULL_LENGTH = {"extra_body": {"min_tokens": ANSWER_TOKENS}}
 
 
 @pytest.mark.parametrize(
@@ -29,12 +32,12 @@ async def test_a_stream_cut_off_its_decoder_continues_with_the_engines_uninterru
         CutLinks([decoder, decoder], after=CUT_AFTER) as links,
         router_for(nixl_pair, decode_urls=links.urls) as router,
     ):
-        text, usage = await ask(router, kind, prompt, stream=True)
+        text, usage = await ask(router, kind, prompt, stream=True, **FULL_LENGTH)
         assert links.cut.is_set(), "the stream was cut"
         assert await metric_total(router, "dpd_router_stream_continuations_total", outcome="continued") == 1
         if long:
             assert await metric_total(router, "dpd_router_route_decisions_total", path="disaggregated") == 2
-    reference, reference_usage = await ask(decoder, kind, prompt, stream=False)
+    reference, reference_usage = await ask(decoder, kind, prompt, stream=False, **FULL_LENGTH)
     assert text == reference
     assert usage is not None and reference_usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (
