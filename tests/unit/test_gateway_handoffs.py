@@ -183,6 +183,7 @@ async def play(answer: Answer, *, client_leaves_after: float | None = None) -> b
     except asyncio.CancelledError:
         if not departure.left:
             raise
+        departure.absorb()
     finally:
         departure.stop()
     return b"".join(body)

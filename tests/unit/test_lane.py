@@ -49,6 +49,9 @@ async def test_the_listener_call_cancels_the_request_until_it_is_stopped() -> No
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
+            departure.absorb()
+            current = asyncio.current_task()
+            assert current is not None and current.cancelling() == 0, "the task goes on as one never cancelled"
             return departure.left
         return False
 

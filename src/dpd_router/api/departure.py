@@ -46,6 +46,12 @@ class Departure:
             pass
         self._lost()
 
+    def absorb(self) -> None:
+        """The cancellation it caused has been handled (the request is over): the task that caught it goes on
+        as one never cancelled (a timeout or task group later in it would read the count)."""
+        if self.left and (task := asyncio.current_task()) is not None and task.cancelling():
+            task.uncancel()
+
     def stop(self) -> None:
         """The answer is complete (or the request over): a disconnect from now on cancels nothing."""
         self._task = None

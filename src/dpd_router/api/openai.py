@@ -179,9 +179,7 @@ class OpenAIApi:
         except asyncio.CancelledError:
             if departure is None or not departure.left:
                 raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()  # the client left: its request is over, and the task ends as usual
+            departure.absorb()  # the client left: its request is over, and the task ends as usual
         finally:
             if departure is not None:
                 departure.stop()
@@ -234,12 +232,14 @@ class OpenAIApi:
         except asyncio.CancelledError:
             if not departure.left:
                 raise
+            departure.absorb()
             departure.stop()
             return Response(status_code=499)  # the gateway stopped both hops: nobody to answer
         except Exception:
             departure.stop()
             return _internal_error(scope)
         if departure.left:  # it finished its answer after the client left anyway: released, sent to nobody
+            departure.absorb()
             await discard(answer)
             return Response(status_code=499)
         if client_request.turn is not None:
