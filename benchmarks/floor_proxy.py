@@ -17,7 +17,7 @@ import orjson
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from dpd_router.engine_pool import EnginePool
+from dpd_router.pool.engine_pool import EnginePool
 
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream")]

@@ -129,9 +129,9 @@ def index_child(args: argparse.Namespace) -> dict[str, Any]:
     import random
 
     from dpd_router.config import Settings
+    from dpd_router.prompt.tokenizer import Prompt
     from dpd_router.routing.prefix_index import PrefixIndex
     from dpd_router.routing.request import RoutingRequest
-    from dpd_router.tokenizer import Prompt
 
     class Where:
         def __init__(self, url: str) -> None:

@@ -95,24 +95,24 @@ STAGE_MAP: dict[str, tuple[str, ...]] = {
         "dpd_router/api/admission.py", "dpd_router/keys.py",
     ),
     "parse & checks": (
-        "dpd_router/client_request.py", "dpd_router/context_window.py", "dpd_router/api/openai.py:_read_body",
+        "dpd_router/client_request.py", "dpd_router/prompt/context_window.py", "dpd_router/api/openai.py:_read_body",
         "dpd_router/api/openai.py:_resolve_model",
     ),
     "tokenize": (
-        "dpd_router/tokenizer.py", "dpd_router/template_sandbox.py", "transformers/", "tokenizers/", "jinja2/",
-        "markupsafe/", "<template>",
+        "dpd_router/prompt/tokenizer.py", "dpd_router/prompt/template_sandbox.py", "transformers/", "tokenizers/",
+        "jinja2/", "markupsafe/", "<template>",
     ),
     "plan": ("dpd_router/routing/", "dpd_router/pool/"),
     "engine call": (
-        "dpd_router/engine_pool.py", "dpd_router/transport.py", "dpd_router/transfer/", "dpd_router/deadlines.py",
+        "dpd_router/pool/engine_pool.py", "dpd_router/pool/transport.py", "dpd_router/transfer/",
+        "dpd_router/deadlines.py",
         "dpd_router/gateway/decode.py", "dpd_router/gateway/prefill.py", "dpd_router/gateway/concurrent.py",
         "dpd_router/gateway/head_first.py", "dpd_router/gateway/judge.py", "dpd_router/gateway/policy.py",
         "dpd_router/gateway/watch.py",
     ),
     "relay": ("dpd_router/gateway/relay.py", "dpd_router/gateway/answer.py"),
     "finish": (
-        "dpd_router/metrics.py", "dpd_router/observe.py", "dpd_router/outcome.py", "dpd_router/logs.py",
-        "dpd_router/tracing.py", "dpd_router/gateway/completion.py", "dpd_router/routing/adaptive.py",
+        "dpd_router/record/", "dpd_router/gateway/completion.py", "dpd_router/routing/adaptive.py",
         "prometheus_client/", "opentelemetry/",
     ),
     "handler's own steps": ("dpd_router/",),  # gateway/handler.py, api/openai.py's _serve, and the rest

@@ -39,7 +39,7 @@ def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> st
         return markdown
     sys.path.insert(0, str(ROOT / "src"))
     try:
-        from dpd_router import metrics_reference
+        from dpd_router.record import metrics_reference
         from dpd_router.settings_reference import render_markdown
     finally:
         sys.path.remove(str(ROOT / "src"))

@@ -168,7 +168,7 @@ def port_taken(host: str, port: int) -> str | None:
 
 def _serve(settings: Settings) -> int:
     from dpd_router.app import build_server
-    from dpd_router.logs import configure_logging
+    from dpd_router.record.logs import configure_logging
 
     taken = port_taken(settings.host, settings.port)
     if taken is not None:
@@ -204,7 +204,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 async def _run_demo(args: argparse.Namespace, tokenizer: Path) -> int:
     from dpd_router.app import build_server
-    from dpd_router.logs import configure_logging
+    from dpd_router.record.logs import configure_logging
     from dpd_sim.demo import DemoUnavailable, demo_engines
 
     listen = _settings_from(args, decode_urls=["http://127.0.0.1:1"], tokenizer=str(tokenizer))

@@ -35,7 +35,7 @@ from dpd_router.config import (
 from dpd_router.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from dpd_router.metrics import RouterMetrics
+    from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.config")
 

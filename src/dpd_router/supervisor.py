@@ -52,7 +52,7 @@ from typing import Any
 
 from dpd_router import change_log
 from dpd_router.config import Settings, SettingsError, load_settings
-from dpd_router.metrics import MULTIPROC_DIR_ENV
+from dpd_router.record.metrics import MULTIPROC_DIR_ENV
 
 log = logging.getLogger("dpd_router.supervisor")
 
@@ -216,7 +216,7 @@ def run_worker(overrides: dict[str, Any], sock: socket.socket, index: int) -> No
     # Until the router's own handler is installed (live.py), a forwarded SIGHUP must not end the worker.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from dpd_router.app import build_server
-    from dpd_router.logs import configure_logging
+    from dpd_router.record.logs import configure_logging
 
     try:
         settings = load_settings(**overrides)

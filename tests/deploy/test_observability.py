@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, openai_client, running_router
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from dpd_router.client_request import parse_request
-from dpd_router.tokenizer import LocalTokenizer
+from dpd_router.prompt.tokenizer import LocalTokenizer
 from dpd_router.transfer.base import prefill_prompt_ids
 from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.advise.plot import matplotlib_available
-from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
+from dpd_router.record.metrics import PROMPT_LENGTH_BOUNDS
 from dpd_sim.cluster import SimCluster
 from dpd_sim.tokenizer_kit import VOCAB_SIZE
 from tests.integration.conftest import MODEL, openai_client, running_router

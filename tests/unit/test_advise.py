@@ -21,8 +21,8 @@ from dpd_router.advise.render import render_text
 from dpd_router.advise.report import Comparison, Options, Report
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.cli import main
-from dpd_router.metrics import PROMPT_LENGTH_BOUNDS, RouterMetrics
-from dpd_router.observe import Observer, RequestTrace
+from dpd_router.record.metrics import PROMPT_LENGTH_BOUNDS, RouterMetrics
+from dpd_router.record.observe import Observer, RequestTrace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -341,7 +341,7 @@ def test_adaptive_routers_effective_threshold_and_learned_costs_are_reported() -
     beside a static fixture: advise reports the effective threshold per decoder and every learned cost."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from dpd_router.metrics import _AdaptiveCollector
+    from dpd_router.record.metrics import _AdaptiveCollector
     from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy
 
     model = AdaptiveModel(AdaptivePolicy(), routing_threshold=2048)

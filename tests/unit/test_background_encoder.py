@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dpd_router.tokenizer import BackgroundEncoder, LocalTokenizer
+from dpd_router.prompt.tokenizer import BackgroundEncoder, LocalTokenizer
 from dpd_sim.tokenizer_kit import _WORDS
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from dpd_router.client_request import MANY_CONTAINERS, parse_request
 from dpd_router.errors import InvalidRequest
-from dpd_router.template_sandbox import RenderedTooLarge, TemplateSandbox
-from dpd_router.tokenizer import LocalTokenizer, PromptTooLong
+from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
+from dpd_router.prompt.tokenizer import LocalTokenizer, PromptTooLong
 
 MESSAGES = MANY_CONTAINERS // 2 + 100  # a message is two containers: {} and the content's []
 

@@ -14,7 +14,7 @@ from dpd_router import change_log
 from dpd_router.change_log import ChangeLog, Entry, settings_json
 from dpd_router.config import Settings, load_settings, updated_settings
 from dpd_router.live import ConfigRejected, LiveConfig
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 
 DECODERS = ["http://127.0.0.1:9000"]
 

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from dpd_router.chat_inputs import template_inputs
-from dpd_router.chat_render import PlainChatTemplate
+from dpd_router.prompt.chat_inputs import template_inputs
+from dpd_router.prompt.chat_render import PlainChatTemplate
 
 CHATML = (
     "{%- for message in messages %}"

@@ -7,7 +7,7 @@ import pytest
 from dpd_router.cli import _settings_from, build_parser
 from dpd_router.config import SettingsError, load_settings, without_password
 from dpd_router.live import LiveConfig
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 
 
 def test_defaults_match_the_managed_service(monkeypatch: pytest.MonkeyPatch) -> None:

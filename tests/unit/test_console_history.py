@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dpd_router.api.console import ConsoleHistory
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 
 
 def test_the_history_keeps_the_last_samples_of_the_charted_series() -> None:

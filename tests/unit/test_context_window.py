@@ -8,9 +8,9 @@ import orjson
 import pytest
 
 from dpd_router.client_request import RequestKind, parse_request
-from dpd_router.context_window import check_context_length
 from dpd_router.errors import InvalidRequest
-from dpd_router.tokenizer import Prompt
+from dpd_router.prompt.context_window import check_context_length
+from dpd_router.prompt.tokenizer import Prompt
 
 LIMIT = 4096
 

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from dpd_router.engine_pool import EnginePool
+from dpd_router.pool.engine_pool import EnginePool
 
 from .test_transport import Handler, Server, answer_once, keep_answering, serving, unaccepted_address
 

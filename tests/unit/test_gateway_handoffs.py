@@ -26,16 +26,16 @@ from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
 from dpd_router.gateway.models import Models, ServingModel
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer
 from dpd_router.responses.history import ResponsesHistory
 from dpd_router.routing.planner import build_planner
-from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.lmcache.connector import LMCacheConnector
 from dpd_router.transfer.lmcache.receivers import ReceiverMap
-from dpd_router.transport import EngineCalls
 
 PREFILLER = "http://10.0.0.1:8000"
 DECODER = "http://10.0.0.9:8000"

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest, val
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpd_router.metrics import LATENCY_BUCKETS, observe_each
+from dpd_router.record.metrics import LATENCY_BUCKETS, observe_each
 
 
 def samples() -> list[float]:

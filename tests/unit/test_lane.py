@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from dpd_router.api.answers import raw_headers
 from dpd_router.api.departure import ON_LOST, Departure
 from dpd_router.api.openai import RequestIds
-from dpd_router.logs import JsonFormatter, LineWriter
+from dpd_router.record.logs import JsonFormatter, LineWriter
 
 
 def test_a_request_keeps_its_clients_id_and_gets_a_unique_one_otherwise() -> None:

@@ -18,8 +18,9 @@ from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.startup.connectors import build_connector
-from dpd_router.tokenizer import Prompt
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import Handoff, StagedKV
 from dpd_router.transfer.lmcache.bodies import decode_body, prefill_body
@@ -28,7 +29,6 @@ from dpd_router.transfer.lmcache.connector import LMCacheConnector
 from dpd_router.transfer.lmcache.notify import ProxyNotifications
 from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
-from dpd_router.transport import EngineCalls
 from dpd_sim.ports import free_port
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
@@ -583,7 +583,7 @@ def test_lmcache_ports_need_one_pair_per_rank() -> None:
 
 async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_sent() -> None:
     from dpd_router.gateway.relay import EventStream
-    from dpd_router.observe import RequestTrace
+    from dpd_router.record.observe import RequestTrace
 
     def completion(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

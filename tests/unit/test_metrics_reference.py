@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dpd_router.metrics import RouterMetrics
-from dpd_router.metrics_reference import DETAILS, HELP_MAX_CHARS, families, render_markdown
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.metrics_reference import DETAILS, HELP_MAX_CHARS, families, render_markdown
 
 
 def test_every_help_text_is_one_short_line() -> None:

@@ -4,9 +4,9 @@ import pytest
 
 from dpd_router.errors import NoHealthyDecoder
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.routing.planner import Planner
 from dpd_router.routing.strategies import LeastLoaded, RoundRobin
-from dpd_router.tokenizer import Prompt
 
 
 def prompt(tokens: int) -> Prompt:

@@ -20,13 +20,10 @@ from tokenizers import normalizers
 
 from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
-from dpd_router.context_window import check_context_length
 from dpd_router.errors import InvalidRequest
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
-from dpd_router.routing.planner import REACH_HEAD_BLOCKS, Planner, build_planner
-from dpd_router.routing.request import RoutingRequest
-from dpd_router.tokenizer import (
+from dpd_router.prompt.context_window import check_context_length
+from dpd_router.prompt.tokenizer import (
     _BOUNDARY,
     WINDOW_LEFT_TO_ENGINES,
     LocalTokenizer,
@@ -37,6 +34,9 @@ from dpd_router.tokenizer import (
     head_cut,
     read_prompt,
 )
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.routing.planner import REACH_HEAD_BLOCKS, Planner, build_planner
+from dpd_router.routing.request import RoutingRequest
 from dpd_sim.tokenizer_kit import _WORDS
 
 CHATML = (

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, relay_body
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer, RequestTrace
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer, RequestTrace
 
 
 class Chunks(httpx.AsyncByteStream):
@@ -255,7 +255,7 @@ async def test_a_usage_chunk_the_client_did_not_ask_for_is_read_then_dropped() -
 
 
 def test_a_decoder_that_recomputed_the_staged_prompt_is_an_ineffective_transfer() -> None:
-    from dpd_router.observe import transfer_was_ineffective
+    from dpd_router.record.observe import transfer_was_ineffective
 
     def trace(decoder_cached: int | None, staged: int | None, path: str = "disaggregated") -> RequestTrace:
         t = RequestTrace(request_id="r", kind="chat", stream=True, path=path)

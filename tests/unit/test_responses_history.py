@@ -10,7 +10,7 @@ import pytest
 
 from dpd_router.client_request import parse_request
 from dpd_router.errors import ResponseNotFound, StoreUnavailable
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.responses.history import ResponsesHistory
 from dpd_router.responses.store import SqliteResponses, StoredResponse
 

@@ -14,8 +14,8 @@ from dpd_router.gateway.answer import StreamedAnswer
 from dpd_router.gateway.policy import PhaseTimeouts
 from dpd_router.gateway.relay import EventStream
 from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import RequestTrace
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import RequestTrace
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -15,11 +15,11 @@ from dpd_router.errors import PrefillFailed
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
 from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.startup.connectors import build_connector
-from dpd_router.tokenizer import Prompt
 from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.sglang import SGLangConnector, bootstrap_fields
-from dpd_router.transport import EngineCalls
 
 PREFILLER = Endpoint("http://10.0.0.1:8000", "prefill")
 OTHER_PREFILLER = Endpoint("http://10.0.0.2:8000", "prefill")

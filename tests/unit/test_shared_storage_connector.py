@@ -12,10 +12,10 @@ from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.transport import EngineCalls
 from dpd_router.startup.connectors import build_connector
 from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.shared_storage import SharedStorageConnector, prefill_body, staged_from_answer
-from dpd_router.transport import EngineCalls
 
 PREFILLER = Endpoint("http://127.0.0.1:9", "prefill")
 

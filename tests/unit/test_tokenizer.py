@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from dpd_router.client_request import parse_request
 from dpd_router.errors import InvalidRequest
-from dpd_router.tokenizer import LARGE_REQUEST_BYTES, EngineTokenizer, LocalTokenizer, PromptTooLong
+from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES, EngineTokenizer, LocalTokenizer, PromptTooLong
 
 
 @pytest.fixture(scope="module")

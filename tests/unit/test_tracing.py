@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpd_router.observe import RequestTrace
-from dpd_router.tracing import SpanExporter
+from dpd_router.record.observe import RequestTrace
+from dpd_router.record.tracing import SpanExporter
 
 sdk = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402

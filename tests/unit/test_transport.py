@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager, contextmanager
 import httpx
 import pytest
 
-from dpd_router.transport import AiohttpTransport, EngineCalls
+from dpd_router.pool.transport import AiohttpTransport, EngineCalls
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -17,7 +17,7 @@ from dpd_router.advise.report import PATHS, STATISTICS, LengthBucket, Options, P
 from dpd_router.advise.scrape import SHADOW_ARM, AdviseError, Scrape
 from dpd_router.advise.threshold import recommend
 from dpd_router.advise.verdict import go_no_go, promotion_check
-from dpd_router.metrics import PREFIX, PROMPT_LENGTH_BOUNDS
+from dpd_router.record.metrics import PREFIX, PROMPT_LENGTH_BOUNDS
 
 PROMPT_QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99)
 

@@ -19,7 +19,7 @@ from dpd_router.advise.histogram import Histogram, combined, parse_bound
 from dpd_router.advise.render import seconds_text
 from dpd_router.advise.report import LONG_PROMPT_TOKENS, ArmClassStats, ArmsReport, Comparison, Options
 from dpd_router.advise.scrape import SHADOW_ARM, Scrape, arm_of
-from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
+from dpd_router.record.metrics import PROMPT_LENGTH_BOUNDS
 
 ALL_PATHS = "all"
 TTFT_FAMILY = "time_to_first_token_seconds"

@@ -26,7 +26,7 @@ from dpd_router.advise.report import (
     Options,
 )
 from dpd_router.advise.scrape import AdviseError, Scrape
-from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
+from dpd_router.record.metrics import PROMPT_LENGTH_BOUNDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

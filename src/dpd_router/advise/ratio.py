@@ -9,7 +9,7 @@ from collections import defaultdict
 from dpd_router.advise.histogram import Histogram
 from dpd_router.advise.report import Options, PoolLoad, RatioAdvice
 from dpd_router.advise.scrape import Scrape
-from dpd_router.metrics import PREFIX
+from dpd_router.record.metrics import PREFIX
 
 # The load check: a pool "queues" at this many waiting requests per engine, is "idle" below the other.
 QUEUEING_WAITING = 1.0

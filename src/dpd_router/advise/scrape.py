@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpd_router.advise.histogram import Histogram, parse_bound
-from dpd_router.metrics import PREFIX, UNKNOWN_LENGTH
+from dpd_router.record.metrics import PREFIX, UNKNOWN_LENGTH
 
 # The adaptive model's learned costs: its `model` label names a cost model (handoff, interference), not a served one.
 ADAPTIVE_COST = f"{PREFIX}_adaptive_cost"

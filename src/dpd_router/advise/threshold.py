@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from dpd_router.advise.render import seconds_text
 from dpd_router.advise.report import PATHS, LengthBucket, Options, PathStats, Recommendation
-from dpd_router.metrics import PROMPT_LENGTH_BOUNDS
+from dpd_router.record.metrics import PROMPT_LENGTH_BOUNDS
 
 RULE = (
     "A prompt-length bucket counts when both paths have at least {min} requests in it. There the "

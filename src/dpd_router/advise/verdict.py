@@ -47,7 +47,7 @@ from dpd_router.advise.report import (
     Verdict,
 )
 from dpd_router.advise.scrape import SHADOW_ARM, Scrape, arm_of
-from dpd_router.metrics import PREFIX, PROMPT_LENGTH_BOUNDS
+from dpd_router.record.metrics import PREFIX, PROMPT_LENGTH_BOUNDS
 
 P95 = 0.95
 P99 = 0.99

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from dpd_router.api.errors import error_response, response_for
 from dpd_router.errors import RateLimited, RouterError
 from dpd_router.live import ConfigRejected
-from dpd_router.metrics import model_label
+from dpd_router.record.metrics import model_label
 from dpd_router.routing.adaptive import LEARNED_HOPS, LEARNING_EXPLORE_SHARE
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from dpd_router.config import Settings
     from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
-    from dpd_router.metrics import RouterMetrics
+    from dpd_router.record.metrics import RouterMetrics
     from dpd_router.routing.adaptive import AdaptiveModel
     from dpd_router.routing.planner import Planner
 

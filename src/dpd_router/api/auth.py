@@ -26,7 +26,7 @@ from dpd_router.keys import hash_key as hash_key  # where tests and scripts have
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from dpd_router.metrics import RouterMetrics
+    from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.auth")
 

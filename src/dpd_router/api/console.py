@@ -30,15 +30,15 @@ from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.api.admin import authorize
 from dpd_router.api.errors import response_for
 from dpd_router.errors import RouterError
-from dpd_router.metrics import PREFIX, RouterMetrics, model_label
+from dpd_router.record.metrics import PREFIX, RouterMetrics, model_label
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
     from dpd_router.gateway.models import Models, ServingModel
     from dpd_router.live import LiveConfig
-    from dpd_router.observe import Observer
     from dpd_router.pool.endpoint import Endpoint
     from dpd_router.pool.pool import Pool
+    from dpd_router.record.observe import Observer
 
 # Histograms the page charts, by their name without the prefix, and the label it splits them by.
 HISTOGRAMS = {

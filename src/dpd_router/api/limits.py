@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from dpd_router.errors import RateLimit, RateLimited
 
 if TYPE_CHECKING:
-    from dpd_router.metrics import RouterMetrics
+    from dpd_router.record.metrics import RouterMetrics
 
 # Refusals counted where they happen, not by `count_refusal`: the gatekeeper counts its throttled
 # addresses (auth_throttled).

@@ -22,7 +22,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from dpd_router import messages_api
 from dpd_router.api.answers import discard, send_answer
 from dpd_router.api.auth import ANONYMOUS, Gatekeeper, Principal
 from dpd_router.api.departure import Departure
@@ -46,15 +45,16 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
+from dpd_router.messages import api as messages_api
+from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.routing.request import session_key
-from dpd_router.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from dpd_router.api.admission import Admissions
     from dpd_router.gateway.answer import Answer
     from dpd_router.gateway.models import Models
     from dpd_router.live import LiveConfig
-    from dpd_router.metrics import RouterMetrics
+    from dpd_router.record.metrics import RouterMetrics
     from dpd_router.responses.history import ResponsesHistory
 
 

@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 if TYPE_CHECKING:
     from dpd_router.gateway.models import Models
-    from dpd_router.metrics import RouterMetrics
     from dpd_router.pool.pool import Pool
+    from dpd_router.record.metrics import RouterMetrics
 
 
 class OpsApi:

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from dpd_router.config import without_password
 
 if TYPE_CHECKING:
-    from dpd_router.metrics import RouterMetrics
+    from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.limits")
 

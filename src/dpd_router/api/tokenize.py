@@ -22,15 +22,15 @@ from starlette.responses import Response
 
 from dpd_router.api.openai import RequestIds, error_response, read_body
 from dpd_router.errors import NoHealthyDecoder, RouterError, UpstreamError
-from dpd_router.tokenizer import LARGE_REQUEST_BYTES
+from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper
     from dpd_router.gateway.models import Models, ServingModel
     from dpd_router.live import LiveConfig
-    from dpd_router.metrics import RouterMetrics
     from dpd_router.pool.endpoint import Endpoint
     from dpd_router.pool.pool import Pool
+    from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.tokenize")
 

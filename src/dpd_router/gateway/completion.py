@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer, RequestTrace
 from dpd_router.transfer.base import Connector, StagedKV
 
 # Seconds from a cut decode call to the release of the KV it may have been reading: far longer than a

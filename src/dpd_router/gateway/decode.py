@@ -17,9 +17,7 @@ from collections.abc import Iterator
 import anyio
 import httpx
 
-from dpd_router.context_window import output_budget
 from dpd_router.deadlines import prior
-from dpd_router.engine_pool import PooledAnswer
 from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
@@ -29,11 +27,13 @@ from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
 from dpd_router.gateway.resume import Resumer
 from dpd_router.gateway.watch import EngineProbe, HopWatch
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.engine_pool import PooledAnswer
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.pool.transport import EngineAnswer, EngineCalls
+from dpd_router.prompt.context_window import output_budget
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
-from dpd_router.transport import EngineAnswer, EngineCalls
 from dpd_router.wires import wire_of
 
 log = logging.getLogger("dpd_router.gateway")

@@ -12,10 +12,10 @@ from dpd_router.gateway.completion import Completion
 from dpd_router.gateway.judge import FailureJudge
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.resume import ResumePolicy
-from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.observe import RequestTrace
 from dpd_router.routing.planner import Planner
-from dpd_router.tokenizer import Prompt
 
 
 @dataclass(frozen=True)

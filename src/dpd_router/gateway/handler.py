@@ -23,7 +23,6 @@ from dataclasses import replace
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.client_request import ClientRequest
 from dpd_router.config import Settings
-from dpd_router.context_window import check_context_length, prompt_too_long
 from dpd_router.deadlines import HopDeadlines
 from dpd_router.errors import PrefillFailed, PrefillUnavailable, RouterError
 from dpd_router.gateway.answer import Answer
@@ -38,18 +37,19 @@ from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.gateway.resume_text import by_ids, said_text
 from dpd_router.gateway.watch import EngineProbe
-from dpd_router.metrics import RouterMetrics, model_label
-from dpd_router.observe import Observer, RequestTrace
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.context_window import check_context_length, prompt_too_long
+from dpd_router.prompt.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
+from dpd_router.record.metrics import RouterMetrics, model_label
+from dpd_router.record.observe import Observer, RequestTrace
 from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
 from dpd_router.shadow import LiveShadow, Shadow
-from dpd_router.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
-from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.gateway")
 

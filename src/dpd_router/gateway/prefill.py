@@ -21,9 +21,9 @@ from dpd_router.gateway.completion import HeldKV
 from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
-from dpd_router.metrics import RouterMetrics, model_label
-from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.record.metrics import RouterMetrics, model_label
+from dpd_router.record.observe import RequestTrace
 from dpd_router.routing.planner import PREFILL_FAILED, Plan
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.transfer.base import Connector, Handoff, StagedKV

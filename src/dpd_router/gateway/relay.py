@@ -23,9 +23,9 @@ import orjson
 
 from dpd_router.errors import RouterError
 from dpd_router.gateway.resume import Resumer
-from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.transport import EngineAnswer
+from dpd_router.pool.transport import EngineAnswer
+from dpd_router.record.observe import RequestTrace
 from dpd_router.wires import OPENAI_WIRE, Wire
 
 log = logging.getLogger("dpd_router.gateway")

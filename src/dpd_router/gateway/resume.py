@@ -42,9 +42,9 @@ from dpd_router.gateway.resume_text import (
     chat_continuation,
     named_event,
 )
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import RequestTrace
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import RequestTrace
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.lmcache.bodies import CHAT_ONLY_FIELDS, requested_max_tokens, requested_min_tokens
 from dpd_router.transfer.lmcache.compat import unsupported_field

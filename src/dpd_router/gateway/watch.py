@@ -36,7 +36,7 @@ import httpx
 import orjson
 
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.transport import EngineCalls
+from dpd_router.pool.transport import EngineCalls
 
 Verdict = Literal["slow", "hung"]
 

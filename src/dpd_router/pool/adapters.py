@@ -15,10 +15,10 @@ import httpx
 import orjson
 
 from dpd_router.errors import UpstreamError
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.models")
 

@@ -27,9 +27,9 @@ from lightkube.core.generic_client import ListAsyncIterable
 from lightkube.resources.core_v1 import Pod
 
 from dpd_router.config import Settings, SettingsError
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.discovery")

@@ -7,9 +7,9 @@ import logging
 
 import httpx
 
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.health")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, EngineLoad
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.scrape")
 

@@ -74,7 +74,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from dpd_router.outcome import Outcome
+from dpd_router.record.outcome import Outcome
 
 _T = TypeVar("_T")
 

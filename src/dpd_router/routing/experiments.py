@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dpd_router.config import ARM_OVERRIDES, Settings
-from dpd_router.observe import DEFAULT_ARM
-from dpd_router.outcome import Outcome
+from dpd_router.record.observe import DEFAULT_ARM
+from dpd_router.record.outcome import Outcome
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.planner import Planner, adaptive_policy
 from dpd_router.routing.rendezvous import rendezvous_weight

@@ -16,9 +16,10 @@ from typing import Any, Literal, Protocol
 
 from dpd_router.config import Settings, ThresholdMode
 from dpd_router.errors import NoHealthyDecoder
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy
 from dpd_router.routing.cache import CacheLocator, CacheSource, KVHintSource
 from dpd_router.routing.load import Balance
@@ -26,7 +27,6 @@ from dpd_router.routing.prefix_index import PrefixIndex
 from dpd_router.routing.request import KVHint, RoutingRequest, session_key
 from dpd_router.routing.strategies import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session, Strategy
 from dpd_router.routing.threshold import PrefillBusyGate, Threshold
-from dpd_router.tokenizer import Prompt
 
 log = logging.getLogger("dpd_router.planner")
 

@@ -6,8 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.routing.blocks import ROOT_SEED, block_hashes
-from dpd_router.tokenizer import Prompt
 
 T = TypeVar("T")
 

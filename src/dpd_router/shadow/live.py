@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from dpd_router.config import Settings, ShadowSettings
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer
 from dpd_router.shadow.copies import Shadow
 
 

@@ -18,11 +18,12 @@ from dpd_router.change_log import ChangeLog
 from dpd_router.config import Settings
 from dpd_router.gateway.models import Models
 from dpd_router.live import LiveConfig, Reconfigurable
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer
-from dpd_router.outcome import Outcome
 from dpd_router.pool.discovery import EngineOwners
 from dpd_router.pool.pool import Pool
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer
+from dpd_router.record.outcome import Outcome
 from dpd_router.shadow import LiveShadow
 from dpd_router.startup.families import (
     Access,
@@ -38,7 +39,6 @@ from dpd_router.startup.families import (
 from dpd_router.startup.live_parts import LogLevel, ThresholdGauge
 from dpd_router.startup.model_stack import ModelParts, ModelServices, ModelStack, build_model_stack, watch_adaptive
 from dpd_router.startup.upkeep import Upkeep
-from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.app")
 

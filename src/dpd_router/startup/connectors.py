@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from dpd_router.config import Settings
+from dpd_router.pool.transport import EngineCalls
 from dpd_router.transfer.base import ENGINE_PATHS, Connector
 from dpd_router.transfer.lmcache.connector import LMCacheConnector
 from dpd_router.transfer.lmcache.notify import ProxyNotifications
@@ -16,7 +17,6 @@ from dpd_router.transfer.lmcache.receivers import Receiver, ReceiverMap
 from dpd_router.transfer.nixl import NixlConnector
 from dpd_router.transfer.sglang import SGLangConnector
 from dpd_router.transfer.shared_storage import SharedStorageConnector
-from dpd_router.transport import EngineCalls
 
 # The logger operators know these warnings under (they were logged by app.py).
 log = logging.getLogger("dpd_router.app")

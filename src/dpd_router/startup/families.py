@@ -19,9 +19,6 @@ from dpd_router.api.console import ConsoleHistory
 from dpd_router.config import Settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.models import Models
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer
-from dpd_router.outcome import Outcome
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.breaker import BreakerPolicy
 from dpd_router.pool.discovery import Discovery, EngineOwners
@@ -29,6 +26,12 @@ from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.pool.transport import AiohttpTransport, EngineCalls
+from dpd_router.prompt.tokenizer import TokenCounter
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer
+from dpd_router.record.outcome import Outcome
+from dpd_router.record.tracing import SpanExporter
 from dpd_router.responses.history import ResponsesHistory, default_store_path
 from dpd_router.responses.store import open_store
 from dpd_router.routing.adapters import AdapterPlanners
@@ -40,10 +43,7 @@ from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
 from dpd_router.shadow import LiveShadow
 from dpd_router.startup.allocator import MemoryReturn
 from dpd_router.startup.upkeep import Upkeep
-from dpd_router.tokenizer import TokenCounter
-from dpd_router.tracing import SpanExporter
 from dpd_router.transfer.base import Connector
-from dpd_router.transport import AiohttpTransport, EngineCalls
 
 if TYPE_CHECKING:
     from dpd_router.api.redis_limits import RedisBuckets

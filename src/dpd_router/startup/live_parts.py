@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics, model_label
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.record.metrics import RouterMetrics, model_label
 
 
 class ThresholdGauge:

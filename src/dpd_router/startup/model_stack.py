@@ -11,19 +11,19 @@ import httpx
 from dpd_router.config import Settings
 from dpd_router.gateway.models import ServingModel
 from dpd_router.live import Reconfigurable
-from dpd_router.metrics import RouterMetrics
-from dpd_router.observe import Observer
-from dpd_router.outcome import Outcome
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.discovery import EngineOwners
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import TokenCounter
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.observe import Observer
+from dpd_router.record.outcome import Outcome
 from dpd_router.shadow import LiveShadow
 from dpd_router.startup.connectors import build_connector, warn_about_connector
 from dpd_router.startup.families import Engines, Routing, build_engines, build_gateway, build_routing
 from dpd_router.startup.tokenizers import load_tokenizers
-from dpd_router.tokenizer import TokenCounter
 from dpd_router.transfer.base import Connector
-from dpd_router.transport import EngineCalls
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 import httpx
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
-from dpd_router.template_sandbox import BODY_MEMORY_PER_BYTE, WORKER_MEMORY_BYTES, TemplateSandbox
-from dpd_router.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
+from dpd_router.prompt.template_sandbox import BODY_MEMORY_PER_BYTE, WORKER_MEMORY_BYTES, TemplateSandbox
+from dpd_router.prompt.tokenizer import EngineTokenizer, LocalTokenizer, TokenCounter
+from dpd_router.record.metrics import RouterMetrics
 
 log = logging.getLogger("dpd_router.app")
 

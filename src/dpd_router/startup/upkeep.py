@@ -10,12 +10,12 @@ from collections.abc import Sequence
 import httpx
 
 from dpd_router.api.console import ConsoleHistory
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.adapters import learn_adapters
 from dpd_router.pool.health import HealthChecker
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.startup.allocator import MemoryReturn
 from dpd_router.tasks import cancel_and_wait

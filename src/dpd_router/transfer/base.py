@@ -11,13 +11,13 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router import messages_api
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
+from dpd_router.messages import api as messages_api
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.responses import api as responses_api
-from dpd_router.tokenizer import Prompt
-from dpd_router.transport import EngineCalls
 
 ENGINE_PATHS = {
     "chat": "/v1/chat/completions",

@@ -21,9 +21,9 @@ import orjson
 
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
+from dpd_router.pool.transport import EngineCalls
 from dpd_router.tasks import cancel_and_wait
 from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, staged_from_prefill
-from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.transfer.nixl")
 

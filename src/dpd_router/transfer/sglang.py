@@ -23,9 +23,9 @@ import orjson
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.tokenizer import Prompt
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.transfer.base import DecodeCall, Handoff, StagedKV, prefill_usage, send_prefill
-from dpd_router.transport import EngineCalls
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 _ROOM_BITS = 63

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from dpd_router.observe import RequestTrace, outcome_of
-from dpd_router.outcome import Outcome
+from dpd_router.record.observe import RequestTrace, outcome_of
+from dpd_router.record.outcome import Outcome
 from dpd_router.routing.adaptive import LEARNED_HOPS, AdaptiveModel, AdaptivePolicy, GapBudget, LinearCost
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 import time
 
 from dpd_router.config import load_settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import EngineLoad
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
-from dpd_router.tokenizer import Prompt
 
 BASE: dict[str, object] = {
     "prefill_urls": ["http://127.0.0.1:8101", "http://127.0.0.1:8102"],

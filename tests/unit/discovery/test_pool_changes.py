@@ -8,12 +8,12 @@ import pytest
 
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.routing.cache import CacheLocator
 from dpd_router.routing.load import Balance
 from dpd_router.routing.prefix_index import PrefixIndex
 from dpd_router.routing.request import RoutingRequest
 from dpd_router.routing.strategies import PrefixAware, Session
-from dpd_router.tokenizer import Prompt
 
 
 def url(i: int) -> str:

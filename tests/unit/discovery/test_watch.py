@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from dpd_router.config import SettingsError, load_settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.discovery import ROLES, Discovery, kubernetes_client, parse_selector, role_selector
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 from tests.unit.discovery.kube_api import PORT_ANNOTATION, FakeKubernetes
 
 TOKEN = "stand-in-token"

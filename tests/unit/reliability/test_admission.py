@@ -7,7 +7,7 @@ import pytest
 from dpd_router.api.admission import Admission, Admissions
 from dpd_router.config import load_settings
 from dpd_router.errors import AdmissionRejected
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 
 
 def admission(max_in_flight: int, max_queued: int, queue_timeout: float = 5.0) -> Admission:

@@ -14,7 +14,7 @@ import pytest
 
 from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.transport import EngineCalls
+from dpd_router.pool.transport import EngineCalls
 
 
 class Engine:

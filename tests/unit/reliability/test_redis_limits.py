@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from dpd_router.api.limits import TokenBucket
 from dpd_router.api.redis_limits import KEY_PREFIX, RedisBuckets
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 from tests.redis_server import RedisServer
 
 

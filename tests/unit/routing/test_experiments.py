@@ -12,13 +12,13 @@ from typing import Any, get_args
 import pytest
 
 from dpd_router.config import ARM_OVERRIDES, ExperimentArm, Settings, SettingsError, load_settings, updated_settings
-from dpd_router.metrics import RouterMetrics
-from dpd_router.outcome import Outcome
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
+from dpd_router.record.outcome import Outcome
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms, arm_position
 from dpd_router.routing.planner import adaptive_policy, build_planner
-from dpd_router.tokenizer import Prompt
 
 P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"
 TWO_ARMS = {

@@ -8,8 +8,8 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController, parse_layout
 
 A, B, C = "http://10.0.0.1:8100", "http://10.0.0.2:8100", "http://10.0.0.3:8100"

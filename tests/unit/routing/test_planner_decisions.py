@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, EngineLoad
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.routing.request import KVHint, RoutingRequest
-from dpd_router.tokenizer import Prompt
 
 SYSTEM_PROMPT = list(range(1000, 1000 + 4096))
 

@@ -4,9 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.routing.prefix_index import PrefixIndex, matched_depths
 from dpd_router.routing.request import RoutingRequest
-from dpd_router.tokenizer import Prompt
 
 
 def request(ids: list[int]) -> RoutingRequest:
@@ -83,9 +83,9 @@ def test_matched_depths_reports_where_each_endpoint_drops_out() -> None:
 
 def test_an_index_that_has_seen_too_many_endpoint_urls_starts_afresh() -> None:
     from dpd_router.pool.endpoint import Endpoint
+    from dpd_router.prompt.tokenizer import Prompt
     from dpd_router.routing import prefix_index as module
     from dpd_router.routing.request import RoutingRequest
-    from dpd_router.tokenizer import Prompt
 
     index = module.PrefixIndex(block_size=4, capacity=1000)
     request = RoutingRequest(Prompt(token_ids=list(range(16)), num_tokens=16, seconds=0.0))

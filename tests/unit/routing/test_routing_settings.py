@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from dpd_router.config import Settings, SettingsError, load_settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber, publishers_from_settings
 from dpd_router.startup import Components

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.scrape import LoadScraper, UnreadableMetrics, parse_engine_metrics
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.load import load_score
 
 V1_PAGE = """\

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint, EngineLoad
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.cache import CacheLocator, KVHintSource
 from dpd_router.routing.load import Balance, load_score
 from dpd_router.routing.planner import build_planner
@@ -22,7 +23,6 @@ from dpd_router.routing.rendezvous import rendezvous_choice
 from dpd_router.routing.request import RoutingRequest, session_key
 from dpd_router.routing.strategies import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session
 from dpd_router.routing.strategies.prefixaware import KEY_TOKENS
-from dpd_router.tokenizer import Prompt
 
 BALANCE = Balance(abs_threshold=32, rel_threshold=1.5)
 

@@ -12,9 +12,10 @@ import zmq
 import zmq.asyncio
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
+from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.kv_sources.vllm_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,7 +27,6 @@ from dpd_router.routing.kv_sources.vllm_events import (
 )
 from dpd_router.routing.planner import Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
-from dpd_router.tokenizer import Prompt
 from dpd_sim.kv import block_hashes as sim_block_hashes
 from dpd_sim.kv_events import EventFormat, encode_batch
 from dpd_sim.kv_events import all_blocks_cleared as sim_cleared

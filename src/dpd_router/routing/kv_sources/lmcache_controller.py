@@ -22,8 +22,8 @@ import httpx
 import orjson
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.request import KVHint
 
 log = logging.getLogger("dpd_router.lmcache")

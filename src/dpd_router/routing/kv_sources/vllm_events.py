@@ -33,9 +33,9 @@ import zmq
 import zmq.asyncio
 
 from dpd_router.config import Settings
-from dpd_router.metrics import RouterMetrics
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.blocks import ROOT_SEED, block_hashes
 from dpd_router.routing.prefix_index import EndpointBits, matched_depths
 from dpd_router.routing.request import RoutingRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpd_router.client_request import ClientRequest
-from dpd_router.tokenizer import Prompt
+from dpd_router.prompt.tokenizer import Prompt
 
 # Chat-only fields a text completion does not take (the prompt is already rendered to token ids).
 CHAT_ONLY_FIELDS = (

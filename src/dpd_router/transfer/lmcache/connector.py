@@ -14,7 +14,8 @@ import orjson
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
-from dpd_router.tokenizer import Prompt
+from dpd_router.pool.transport import EngineCalls
+from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.transfer.base import (
     DecodeCall,
     Handoff,
@@ -28,7 +29,6 @@ from dpd_router.transfer.lmcache.compat import unsupported
 from dpd_router.transfer.lmcache.notify import ProxyNotifications
 from dpd_router.transfer.lmcache.receivers import ReceiverMap
 from dpd_router.transfer.lmcache.rewrite import Continuation, FirstToken, answered_by_prefill
-from dpd_router.transport import EngineCalls
 
 log = logging.getLogger("dpd_router.lmcache")
 

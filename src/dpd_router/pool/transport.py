@@ -23,7 +23,7 @@ from typing import NoReturn, Protocol
 import aiohttp
 import httpx
 
-from dpd_router.engine_pool import EnginePool, PooledAnswer
+from dpd_router.pool.engine_pool import EnginePool, PooledAnswer
 
 # A connection limit of 0 or None: as good as none.
 _UNLIMITED = 1 << 30

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from dpd_router.metrics import RouterMetrics, model_label, observe_each, prompt_length_bucket
-from dpd_router.outcome import Outcome
+from dpd_router.record.metrics import RouterMetrics, model_label, observe_each, prompt_length_bucket
+from dpd_router.record.outcome import Outcome
 
 log = logging.getLogger("dpd_router.request")
 

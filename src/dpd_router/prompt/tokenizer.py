@@ -31,11 +31,11 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router.chat_inputs import client_template, template_inputs
-from dpd_router.chat_render import PlainChatTemplate
 from dpd_router.client_request import MANY_CONTAINERS, ClientRequest
 from dpd_router.errors import InvalidRequest, UpstreamError
-from dpd_router.template_sandbox import RenderedTooLarge, TemplateSandbox
+from dpd_router.prompt.chat_inputs import client_template, template_inputs
+from dpd_router.prompt.chat_render import PlainChatTemplate
+from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
 
 
 @dataclass(frozen=True)

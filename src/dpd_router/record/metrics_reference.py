@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from dpd_router.metrics import RouterMetrics
+from dpd_router.record.metrics import RouterMetrics
 
 # The longer account of a family, by its name, for the reference.
 DETAILS: dict[str, str] = {

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from dpd_router.observe import RequestTrace
+from dpd_router.record.observe import RequestTrace
 
 log = logging.getLogger("dpd_router.tracing")
 
@@ -45,7 +45,7 @@ class SpanExporter:
             "dpd_router.request_id": trace.request_id,
             "dpd_router.path": trace.path,
             "dpd_router.reason": trace.reason,
-            "dpd_router.outcome": trace.outcome,
+            "dpd_router.record.outcome": trace.outcome,
             "dpd_router.prompt_tokens": trace.prompt_tokens or 0,
             "dpd_router.completion_tokens": trace.completion_tokens or 0,
             "http.response.status_code": trace.status,

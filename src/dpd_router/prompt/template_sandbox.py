@@ -30,8 +30,8 @@ from typing import Any
 
 import orjson
 
-from dpd_router.chat_inputs import client_template, template_inputs
 from dpd_router.errors import InvalidRequest
+from dpd_router.prompt.chat_inputs import client_template, template_inputs
 
 log = logging.getLogger("dpd_router.tokenizer")
 
@@ -149,7 +149,7 @@ class TemplateSandbox:
         worker = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "dpd_router.template_sandbox",
+            "dpd_router.prompt.template_sandbox",
             str(self._tokenizer_dir),
             str(self._max_output_chars),
             str(self._memory_bytes),

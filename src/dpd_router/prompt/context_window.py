@@ -20,7 +20,7 @@ from typing import Any
 
 from dpd_router.client_request import ClientRequest
 from dpd_router.errors import InvalidRequest
-from dpd_router.tokenizer import Prompt
+from dpd_router.prompt.tokenizer import Prompt
 
 
 def check_context_length(request: ClientRequest, prompt: Prompt, limit: int) -> None:
