@@ -273,3 +273,44 @@ async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_b
     assert trace.outcome == "upstream_error" and "RuntimeError: a bug" in (trace.error or "")
     labels = {"api": "chat", "outcome": "failed", "reason": "error"}
     assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1
+
+
+@pytest.mark.parametrize("client_asked_usage", [True, False])
+async def test_a_complete_answer_whose_decoder_broke_before_its_end_ends_as_the_decoder_would_have(
+    client_asked_usage: bool,
+) -> None:
+    """The finish went by, then the connection broke before the usage and [DONE]: nothing to continue, and
+    nothing the client lacks but the end, which the tape's counts write (no error for a complete answer)."""
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            yield chat_chunk("", None, prompt=[1, 2, 3]) + b"\n\n"
+            yield chat_chunk(" a", [7]) + b"\n\n" + chat_chunk(" b", [8], finish="stop") + b"\n\n"
+            raise httpx.ReadError("reset")
+
+    async def never(request: Any, failed: Any, left: int) -> tuple[Any, str]:
+        raise AssertionError("a complete answer is not continued")
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    request = parse_request("chat", orjson.dumps(body))
+    policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
+    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    metrics = RouterMetrics()
+    resumer = Resumer(
+        request, trace, policy, None, metrics, open=never, timeouts=PhaseTimeouts(), strip_usage=not client_asked_usage
+    )
+    stream = EventStream(
+        httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
+        resumer=resumer,
+    )  # fmt: skip
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    out = b"".join([chunk async for chunk in stream])
+    assert out.endswith(b"data: [DONE]\n\n") and b'"error"' not in out
+    payloads = [orjson.loads(part[len(b"data: ") :]) for part in out.split(b"\n\n") if part.startswith(b"data: {")]
+    usage = [p["usage"] for p in payloads if p.get("usage")]
+    assert usage == ([{"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}] if client_asked_usage else [])
+    if client_asked_usage:
+        assert payloads[-1]["id"] == "chatcmpl-1" and payloads[-1]["object"] == "chat.completion.chunk"
+    assert trace.outcome == "ok" and (trace.engine_prompt_tokens, trace.completion_tokens) == (3, 2)
+    labels = {"api": "chat", "outcome": "not_tried", "reason": "answer_complete"}
+    assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1

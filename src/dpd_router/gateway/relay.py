@@ -282,6 +282,17 @@ class EventStream:
         elif resumer is not None:
             resumer.count("not_tried", reason or "")
             trace.continued_after = f"not continued ({reason})"
+            ending = resumer.ending(self.cached_tokens) if reason == "answer_complete" else None
+            if ending is not None:
+                # The client has the whole answer: it ends as the decoder would have ended it, not with an error.
+                log.warning(
+                    "request %s: %s after the answer's last token; its usage and end written from what was kept",
+                    trace.request_id,
+                    detail,
+                )
+                self._complete = True
+                yield ending
+                return
         log.warning("request %s: %s; the stream ends (%s)", trace.request_id, detail, trace.continued_after)
         self._complete = True
         trace.fail(outcome, detail)

@@ -189,6 +189,13 @@ class StreamTape:
         if self.head is None and "id" in payload:
             self.head = {key: payload.get(key) for key in ("id", "created", "model")}
 
+    def counts(self) -> tuple[int, int] | None:
+        """The prompt's and the output's tokens as kept (None: not kept, so not known)."""
+        if self.off or self.prompt is None:
+            return None
+        prompt = self.prompt.count(b",") + 1 if len(self.prompt) > 2 else 0
+        return prompt, sum(part.count(b",") + 1 for part in self.output if part)
+
     def output_ids(self) -> list[int]:
         ids: list[int] = orjson.loads(b"[" + b",".join(self.output) + b"]")
         return ids
@@ -283,6 +290,24 @@ class Resumer:
         if time.perf_counter() - trace.started >= self._timeouts.total:
             return "deadline"
         return None
+
+    def ending(self, cached_tokens: int | None) -> bytes | None:
+        """The end of an answer that was complete (its finish went by) when its decoder broke before the usage
+        and `[DONE]`: the usage its tape counts (recorded, and sent where the client asked for it), then
+        `[DONE]`. None where the tape cannot tell (no ids kept, a Messages or Responses stream)."""
+        tape = self.tape
+        if not isinstance(tape, StreamTape) or not tape.finished or tape.head is None:
+            return None
+        counts = tape.counts()
+        if counts is None:
+            return None
+        prompt, completion = counts
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        kind = "chat.completion.chunk" if self._chat else "text_completion"
+        payload: dict[str, Any] = {**tape.head, "object": kind, "choices": [], "usage": usage}
+        reconcile_usage(payload, self._trace, cached_tokens)
+        usage_event = b"" if self._strip_usage else _DATA + orjson.dumps(payload) + _EVENT_END
+        return usage_event + _DONE + _EVENT_END
 
     def count(self, outcome: str, reason: str = "") -> None:
         self._metrics.stream_continuations.labels(self._policy.api, outcome, reason).inc()
