@@ -200,14 +200,18 @@ def test_streams_that_cannot_be_continued_ask_for_no_ids() -> None:
     assert policy.blocked == "disabled" and "return_token_ids" not in request.body
 
 
-async def relayed_with_a_resumer(open_continuation: Any) -> tuple[bytes, RequestTrace, RouterMetrics]:
-    """A chat stream whose decoder sends the prompt's ids and two tokens, then breaks, relayed with a
-    Resumer whose continuation `open_continuation` serves."""
+async def relayed_with_a_resumer(
+    open_continuation: Any, sent: tuple[bytes, ...] | None = None, *, strip_usage: bool = False
+) -> tuple[bytes, RequestTrace, RouterMetrics]:
+    """A chat stream whose decoder sends `sent` (by default the prompt's ids and two tokens), then breaks,
+    relayed with a Resumer whose continuation `open_continuation` serves."""
+    if sent is None:
+        sent = (chat_chunk("", None, prompt=[1, 2]), chat_chunk(" a", [7]) + b"\n\n" + chat_chunk(" b", [8]))
 
     class Broken(httpx.AsyncByteStream):
         async def __aiter__(self) -> Any:
-            yield chat_chunk("", None, prompt=[1, 2]) + b"\n\n"
-            yield chat_chunk(" a", [7]) + b"\n\n" + chat_chunk(" b", [8]) + b"\n\n"
+            for chunk in sent:
+                yield chunk + b"\n\n"
             raise httpx.ReadError("reset")
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
@@ -216,7 +220,7 @@ async def relayed_with_a_resumer(open_continuation: Any) -> tuple[bytes, Request
     trace = RequestTrace(request_id="r", kind="chat", stream=True)
     metrics = RouterMetrics()
     resumer = Resumer(
-        request, trace, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(), strip_usage=False
+        request, trace, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(), strip_usage=strip_usage
     )
     stream = EventStream(
         httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
@@ -282,29 +286,11 @@ async def test_a_complete_answer_whose_decoder_broke_before_its_end_ends_as_the_
     """The finish went by, then the connection broke before the usage and [DONE]: nothing to continue, and
     nothing the client lacks but the end, which the tape's counts write (no error for a complete answer)."""
 
-    class Broken(httpx.AsyncByteStream):
-        async def __aiter__(self) -> Any:
-            yield chat_chunk("", None, prompt=[1, 2, 3]) + b"\n\n"
-            yield chat_chunk(" a", [7]) + b"\n\n" + chat_chunk(" b", [8], finish="stop") + b"\n\n"
-            raise httpx.ReadError("reset")
-
     async def never(request: Any, failed: Any, left: int) -> tuple[Any, str]:
         raise AssertionError("a complete answer is not continued")
 
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
-    request = parse_request("chat", orjson.dumps(body))
-    policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
-    metrics = RouterMetrics()
-    resumer = Resumer(
-        request, trace, policy, None, metrics, open=never, timeouts=PhaseTimeouts(), strip_usage=not client_asked_usage
-    )
-    stream = EventStream(
-        httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
-        resumer=resumer,
-    )  # fmt: skip
-    await stream.prime(asyncio.get_running_loop().time() + 5)
-    out = b"".join([chunk async for chunk in stream])
+    sent = (chat_chunk("", None, prompt=[1, 2, 3]), chat_chunk(" a", [7]), chat_chunk(" b", [8], finish="stop"))
+    out, trace, metrics = await relayed_with_a_resumer(never, sent, strip_usage=not client_asked_usage)
     assert out.endswith(b"data: [DONE]\n\n") and b'"error"' not in out
     payloads = [orjson.loads(part[len(b"data: ") :]) for part in out.split(b"\n\n") if part.startswith(b"data: {")]
     usage = [p["usage"] for p in payloads if p.get("usage")]
