@@ -132,8 +132,11 @@ async def test_the_transfer_wait_alarm_waits_for_a_minute_of_enough_streams(chro
                 assert answer.status_code == 200
                 await answer.aread()
 
+    # The prefill takes 50 ms a call: most of a stream's TTFT however loaded the machine is (with the default
+    # 5 ms, a busy test run's router steps made the share fall to the line).
+    slow_prefill = {"prefill-0": ["--prefill-overhead", "0.05"]}
     async with (
-        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SimCluster(prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL, engine_args=slow_prefill) as cluster,
         running_router(**cluster_settings(cluster, tokenizer_dir, threshold=THRESHOLD)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
         async_playwright() as playwright,
