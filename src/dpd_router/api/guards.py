@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpd_router.api.errors import error_response
@@ -41,8 +42,13 @@ class ErrorBoundary:
         except ClientDisconnect:
             return  # the client left (or the listener closed it) while its body was read: nobody to answer
         except Exception:
-            log.exception("unhandled error serving %s", scope.get("path"))
+            response = internal_error(scope)
             if started:
                 raise
-            response = error_response("The router failed to serve this request.", "InternalServerError", 500)
             await response(scope, receive, send)
+
+
+def internal_error(scope: Scope) -> Response:
+    """Log the exception being handled, and the OpenAI-style 500 a client gets for it."""
+    log.exception("unhandled error serving %s", scope.get("path"))
+    return error_response("The router failed to serve this request.", "InternalServerError", 500)

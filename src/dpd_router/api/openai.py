@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import secrets
 import time
 from collections.abc import Mapping
@@ -25,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 from dpd_router.api.answers import discard, send_answer
 from dpd_router.api.auth import ANONYMOUS, Gatekeeper, Principal
 from dpd_router.api.departure import Departure
-from dpd_router.api.errors import error_response as api_error_response
 from dpd_router.api.errors import response_for
+from dpd_router.api.guards import internal_error
 from dpd_router.api.limits import count_refusal
 from dpd_router.client_request import (
     MANY_CONTAINERS,
@@ -56,9 +55,6 @@ if TYPE_CHECKING:
     from dpd_router.live import LiveConfig
     from dpd_router.record.metrics import RouterMetrics
     from dpd_router.responses.history import ResponsesHistory
-
-
-log = logging.getLogger("dpd_router.api")
 
 
 class OpenAIApi:
@@ -211,7 +207,7 @@ class OpenAIApi:
         except ClientDisconnect:
             return Response(status_code=499)  # left while its body was read: sent to nobody
         except Exception:
-            return _internal_error(scope)
+            return internal_error(scope)
         departure = Departure(scope, receive)
         try:
             answer = await served.gateway.handle(
@@ -237,7 +233,7 @@ class OpenAIApi:
             return Response(status_code=499)  # the gateway stopped both hops: nobody to answer
         except Exception:
             departure.stop()
-            return _internal_error(scope)
+            return internal_error(scope)
         if departure.left:  # it finished its answer after the client left anyway: released, sent to nobody
             departure.absorb()
             await discard(answer)
@@ -284,11 +280,6 @@ class LaneResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._api.serve(scope, receive, send, self._kind)
-
-
-def _internal_error(scope: Scope) -> Response:
-    log.exception("unhandled error serving %s", scope.get("path"))
-    return api_error_response("The router failed to serve this request.", "InternalServerError", 500)
 
 
 class RequestIds:
