@@ -701,8 +701,9 @@ class Settings(BaseSettings):
         description="Characters of chat prompts' pieces (the text between the chat template's markers, each of "
         "which a tokenizer encodes alone) kept with their encodings, so a conversation sent again every turn "
         "encodes only its new messages; about 1.7 bytes of memory a character (14 MB) in each worker process. "
-        "0 turns it off. Used only with a byte-level BPE tokenizer whose startup check shows its texts encode as "
-        "their pieces do.",
+        "0 turns it off. Used only with a tokenizer whose prompts are read in part (a byte-level BPE, a "
+        "SentencePiece BPE whose tokens keep to words) and whose startup check shows its texts encode as their "
+        "pieces do.",
         json_schema_extra=_meta("server"),
     )
     tokenize_background_max_chars: int = Field(

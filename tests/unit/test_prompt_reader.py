@@ -16,7 +16,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import normalizers
 
 from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
@@ -30,7 +29,6 @@ from dpd_router.prompt.tokenizer import (
     Prompt,
     PromptReader,
     PromptTooLong,
-    byte_level_specials,
     head_cut,
     read_prompt,
 )
@@ -38,6 +36,8 @@ from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.planner import REACH_HEAD_BLOCKS, Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
 from dpd_sim.tokenizer_kit import _WORDS
+from tests.tokenizer_families import FAMILIES
+from tests.tokenizer_families import build as build_family
 
 CHATML = (
     "{%- for message in messages %}"
@@ -105,6 +105,18 @@ def chatml(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Loc
     return LocalTokenizer.load(directory, inline_max_chars=2048, threads=1, count_whole=True)
 
 
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LocalTokenizer]:
+    """Tokenizers of the other families whose bytes bound their tokens (tests/tokenizer_families.py), as
+    `local` is loaded."""
+    return {
+        family: LocalTokenizer.load(
+            build_family(family, tmp_path_factory.mktemp(family)), inline_max_chars=2048, threads=1, count_whole=True
+        )
+        for family in FAMILIES
+    }
+
+
 texts = st.builds(text_of, st.integers(1, 1500), st.integers(0, 2**32))
 
 
@@ -116,8 +128,8 @@ def test_a_head_read_starts_the_whole_encoding_and_its_bytes_bound_the_rest(
     whole = local._encode(text, special=special)
 
     async def read() -> list[Prompt]:
-        specials = byte_level_specials(local._backend) if special else 0
-        assert specials is not None
+        assert local.bound is not None
+        specials = local.bound.specials if special else 0
         reader = PromptReader(local, text, special=special, specials=specials, started=0.0)
         prompts = [reader.prompt]
         step = wanted
@@ -145,8 +157,8 @@ def test_a_prompts_words_bound_its_tokens_from_below(
     tokens, and at_least says so of every count up to there, and of none past it, however it is asked."""
     assert local.words_bound
     whole = local._encode(text, special=special)
-    specials = byte_level_specials(local._backend) if special else 0
-    assert specials is not None
+    assert local.bound is not None
+    specials = local.bound.specials if special else 0
     shown = len(text.split()) + specials
     assert shown <= len(whole)
     reader = PromptReader(local, text, special=special, specials=specials, started=0.0)
@@ -158,7 +170,8 @@ def test_a_prompts_words_bound_its_tokens_from_below(
 @dataclass(frozen=True)
 class Case:
     chat: bool
-    chatml: bool
+    # The tokenizer: the simulator's (byte-level BPE), its vocabulary behind ChatML, or another family's.
+    family: str
     pieces: int
     seed: int
     # The threshold as a share of the prompt's whole count (1e6: above every prompt).
@@ -175,7 +188,7 @@ class Case:
 cases = st.builds(
     Case,
     chat=st.booleans(),
-    chatml=st.booleans(),
+    family=st.sampled_from(("byte", "chatml", *FAMILIES)),
     pieces=st.one_of(st.integers(1, 2000), st.integers(2000, 12000)),
     seed=st.integers(0, 2**32),
     threshold=st.one_of(st.floats(0.0, 0.3), st.floats(0.0, 1.5), st.just(1e6)),
@@ -210,9 +223,9 @@ def planner_for(case: Case, whole: Prompt) -> Planner:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases)
 def test_the_plan_of_a_prompt_read_in_part_is_the_plan_of_the_whole_prompt(
-    local: LocalTokenizer, chatml: LocalTokenizer, case: Case
+    local: LocalTokenizer, chatml: LocalTokenizer, families: dict[str, LocalTokenizer], case: Case
 ) -> None:
-    tokenizer = chatml if case.chatml else local
+    tokenizer = {"byte": local, "chatml": chatml, **families}[case.family]
     text = text_of(case.pieces, case.seed)
     if case.chat:
         body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
@@ -379,14 +392,10 @@ async def test_a_small_prompt_is_encoded_whole_at_once_rather_than_in_the_backgr
     assert read.token_ids == (await local.tokenize(request)).token_ids
 
 
-@pytest.mark.parametrize("chars", [200, 3000, 80000])
-async def test_a_static_threshold_has_a_prompt_encoded_no_further_than_its_plan_needs(
-    deciding: LocalTokenizer, chars: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Small (inline), mid-sized and long prompts, direct or bound for the prefill hop: read as far as the
-    plan needs and no further, on or off the request's path; what was read starts the whole encoding."""
+def spy_encodings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the texts every LocalTokenizer encodes from now on (heads, whole texts, pieces), in turn."""
     encoded: list[int] = []
-    ids_and_offsets, encode = LocalTokenizer._ids_and_offsets, LocalTokenizer._encode
+    ids_and_offsets, encode, plain = LocalTokenizer._ids_and_offsets, LocalTokenizer._encode, LocalTokenizer._plain
 
     def spy_head(self: LocalTokenizer, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
         encoded.append(len(text))
@@ -396,11 +405,26 @@ async def test_a_static_threshold_has_a_prompt_encoded_no_further_than_its_plan_
         encoded.append(len(text))
         return encode(self, text, special=special)
 
+    def spy_plain(self: LocalTokenizer, text: str) -> list[int]:
+        encoded.append(len(text))
+        return plain(self, text)
+
+    monkeypatch.setattr(LocalTokenizer, "_ids_and_offsets", spy_head)
+    monkeypatch.setattr(LocalTokenizer, "_encode", spy_whole)
+    monkeypatch.setattr(LocalTokenizer, "_plain", spy_plain)
+    return encoded
+
+
+@pytest.mark.parametrize("chars", [200, 3000, 80000])
+async def test_a_static_threshold_has_a_prompt_encoded_no_further_than_its_plan_needs(
+    deciding: LocalTokenizer, chars: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small (inline), mid-sized and long prompts, direct or bound for the prefill hop: read as far as the
+    plan needs and no further, on or off the request's path; what was read starts the whole encoding."""
     text = text_of(chars // 4, chars)
     request = parse_request("completion", orjson.dumps({"prompt": text}))
     whole = await deciding.tokenize(request)
-    monkeypatch.setattr(LocalTokenizer, "_ids_and_offsets", spy_head)
-    monkeypatch.setattr(LocalTokenizer, "_encode", spy_whole)
+    encoded = spy_encodings(monkeypatch)
     settings = load_settings(
         decode_urls=["http://127.0.0.1:8200", "http://127.0.0.1:8201"],
         prefill_urls=["http://127.0.0.1:8100"],
@@ -460,13 +484,6 @@ async def test_adaptive_mode_reads_the_whole_prompt(local: LocalTokenizer) -> No
     assert reader is not None
     read = await read_prompt(reader, planner.tokens_to_settle, None)
     assert read.at_most is None and read.token_ids == (await local.tokenize(request)).token_ids
-
-
-def test_only_a_byte_level_bpe_is_read_in_part(local: LocalTokenizer) -> None:
-    assert byte_level_specials(local._backend) == 1  # the test tokenizer's BOS
-    normalized = local._backend.__class__.from_str(local._backend.to_str())
-    normalized.normalizer = normalizers.NFKC()  # one character may become many: bytes bound nothing
-    assert byte_level_specials(normalized) is None
 
 
 async def test_a_prompt_cached_on_its_decoder_is_read_past_the_cached_prefix_by_the_threshold(
@@ -547,7 +564,7 @@ def test_a_cached_prefix_running_past_the_known_tokens_leaves_the_plan_unsettled
     rng = random.Random(5)
     ids = [rng.randrange(4000) for _ in range(4000)]
     whole = Prompt(token_ids=ids, num_tokens=len(ids), seconds=0.0)
-    case = Case(False, False, 1, 1, 1e6, "static", "roundrobin", 1, 2, None, cached=((0.5, 1), (0.75, 2)))
+    case = Case(False, "byte", 1, 1, 1e6, "static", "roundrobin", 1, 2, None, cached=((0.5, 1), (0.75, 2)))
     for known, settled in ((1000, False), (1900, False), (2500, True), (3100, True)):
         part = Prompt(token_ids=ids[:known], num_tokens=known, seconds=0.0, at_most=5000)
         planner = planner_for(case, whole)

@@ -313,8 +313,8 @@ class Gateway:
     async def _read(self, request: ClientRequest, principal: Principal, planner: Planner) -> Prompt:
         """The prompt read from its start only as far as the plan and the context window need (the rest
         encoded in the background only for a cache-aware threshold's prefix index, see PromptReader.rest);
-        whole where a local byte-level tokenizer cannot read it in part, or the key's prompt-token budget
-        needs the exact count."""
+        whole where no local tokenizer's bytes bound its tokens (prompt/bounds.py), or the key's prompt-token
+        budget needs the exact count."""
         tokenizer = self.tokenizer_for(principal.tenant)
         if not isinstance(tokenizer, LocalTokenizer) or principal.limits.prompt_tokens is not None:
             return await self._tokenize(request, principal.tenant)

@@ -5,8 +5,9 @@ then encoded without extra special tokens (what vLLM does); text prompts are enc
 Long prompts are tokenized in a worker thread so the event loop keeps relaying other streams.
 Without a local tokenizer, the engines' own `POST /tokenize` answers.
 
-Routing rarely needs the whole count: a `PromptReader` reads a byte-level tokenizer's prompt from its
-start only as far as the decision needs (see `PromptReader`). The rest is encoded in the background
+Routing rarely needs the whole count: a prompt's bytes bound its tokens (for the tokenizers `bounds.py`
+proves it of), and a `PromptReader` reads a prompt from its start only as far as the decision needs
+(see `PromptReader`). The rest is encoded in the background
 only where a decision to come needs it (a cache-aware threshold's prefix index) and no prefill answer
 brought the prompt's ids, or where `count_whole` (the `count_whole_prompts` setting) asks for every
 prompt; otherwise the exact count comes from the engine's usage. A chat's pieces between added tokens
@@ -33,6 +34,7 @@ import orjson
 
 from dpd_router.client_request import MANY_CONTAINERS, ClientRequest
 from dpd_router.errors import InvalidRequest, UpstreamError
+from dpd_router.prompt.bounds import Bound, longest_token_bytes, prompt_bound
 from dpd_router.prompt.chat_inputs import client_template, template_inputs
 from dpd_router.prompt.chat_render import PlainChatTemplate
 from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
@@ -151,16 +153,18 @@ class LocalTokenizer:
         # tokens their plan wants. None until a head was read.
         self.chars_per_token: float | None = None
         self._pieces: PieceCache | None = None  # set below, once heads are known to read right without it
-        # Special tokens the post-processor adds to an encoding, when every other token stands for at
-        # least one byte of the text (None: not such a tokenizer, so no prompt is read in part).
-        self._added_specials = None if self._backend is None else byte_level_specials(self._backend)
-        if self._added_specials is not None and not self._heads_agree(_PROBE_TEXT):
-            self._added_specials = None  # a pre-tokenizer pattern crossed a boundary: count prompts whole
+        # What the tokenizer's shape proves of a text's tokens by its bytes (None: nothing, so every prompt
+        # is counted whole), as far as the probe text shows it too.
+        self.bound = None if self._backend is None else prompt_bound(self._backend)
+        if self.bound is not None and not self._bound_holds(_PROBE_TEXT, self.bound):
+            self.bound = None
+        # Whether a prompt can be read from its start only as far as a decision needs (PromptReader.more).
+        self.reads_heads = self.bound is not None and self.bound.heads and self._heads_agree(_PROBE_TEXT)
         # Whether a prompt holds at least as many tokens as words (PromptReader.at_least).
-        self.words_bound = self._added_specials is not None and self._words_apart(_PROBE_TEXT)
+        self.words_bound = self.bound is not None and self.bound.words and self._words_apart(_PROBE_TEXT)
         # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
         # messages only. Only where the startup check shows a text encodes as its pieces do.
-        if self._backend is not None and self._added_specials is not None and piece_cache_chars > 0:
+        if self._backend is not None and self.reads_heads and piece_cache_chars > 0:
             pieces = PieceCache(self._backend, max_chars=piece_cache_chars, encode=lambda text: self._plain(text))
             if pieces.splits and self._pieces_agree(pieces, _piece_probe(pieces)):
                 self._pieces = pieces
@@ -172,13 +176,20 @@ class LocalTokenizer:
             else BackgroundEncoder(self._encode, max_chars=background_max_chars, on_skip=on_background_skip)
         )
 
+    def _bound_holds(self, text: str, bound: Bound) -> bool:
+        """Whether `text`, and every part of it up to a boundary, encodes in no more tokens than its bound."""
+        for special in (False, True):
+            for end in [match.start() for match in _BOUNDARY.finditer(text)] + [len(text)]:
+                whole, _ = self._ids_and_offsets(text[:end], special)
+                if len(whole) > bound.at_most(utf8_size(text[:end]), special=special):
+                    return False
+        return True
+
     def _heads_agree(self, text: str) -> bool:
         """Whether the heads of `text` cut at every boundary PromptReader cuts at (with the tokens it
-        keeps of each) start as the whole text's encoding does, and its bytes bound its tokens."""
+        keeps of each) start as the whole text's encoding does."""
         for special in (False, True):
             whole, _ = self._ids_and_offsets(text, special)
-            if len(whole) > len(text.encode("utf-8")) + (self._added_specials or 0):
-                return False
             for match in _BOUNDARY.finditer(text):
                 known = self._head(text, match.start(), special).ids
                 if known != whole[: len(known)]:
@@ -205,6 +216,21 @@ class LocalTokenizer:
             if known != whole[: len(known)]:
                 return False
         return True
+
+    def reading(self) -> str:
+        """How this tokenizer's prompts are read, in words for the startup log."""
+        bound = self.bound
+        if bound is None:
+            return "every prompt is encoded whole (its shape bounds no prompt's tokens by its bytes)"
+        parts = [f"{bound.kind}: a prompt's bytes bound its tokens"]
+        parts.append(
+            "prompts are read in part" if self.reads_heads else "a prompt its bytes do not settle is encoded whole"
+        )
+        if self.words_bound:
+            parts.append("words bound them from below")
+        if self._pieces is not None:
+            parts.append("chat pieces are kept")
+        return ", ".join(parts)
 
     @classmethod
     def load(cls, directory: Path, **options: Any) -> LocalTokenizer:
@@ -243,9 +269,10 @@ class LocalTokenizer:
 
     async def reader(self, request: ClientRequest, *, max_tokens: int | None = None) -> PromptReader | None:
         """A reader of the request's prompt from its start; None where only the whole count will do (a
-        tokenizer that is not byte-level BPE, a batch, token ids). A prompt whose size already shows it
+        tokenizer whose bytes bound nothing, a batch, token ids). A prompt whose size already shows it
         holds more than `max_tokens` raises PromptTooLong, as `tokenize` does."""
-        if self._added_specials is None:
+        bound = self.bound
+        if bound is None:
             return None
         started = time.perf_counter()
         if request.template_body is not None:
@@ -258,7 +285,13 @@ class LocalTokenizer:
             text, special = prompt, True
         self._check_size(text, max_tokens)
         return PromptReader(
-            self, text, special=special, specials=self._added_specials if special else 0, started=started
+            self,
+            text,
+            special=special,
+            specials=bound.specials if special else 0,
+            extra=bound.extra,
+            heads=self.reads_heads,
+            started=started,
         )
 
     def _lane(self, size: int) -> ThreadPoolExecutor | None:
@@ -581,7 +614,7 @@ PIECE_OVERHEAD_CHARS = 64
 def _piece_probe(pieces: PieceCache) -> str:
     """Ordinary text with added tokens of the tokenizer before, inside and after it: the first and last
     eight (a vocabulary may have hundreds, split alike; whether any strips spaces is checked apart, by
-    `byte_level_specials`), so the check at startup stays a matter of milliseconds."""
+    `bounds.prompt_bound`), so the check at startup stays a matter of milliseconds."""
     lines = _PROBE_TEXT.splitlines(keepends=True)
     tokens = pieces.added_tokens
     parts = []
@@ -694,19 +727,34 @@ class PromptReader:
 
     Every token of a byte-level BPE stands for at least one byte of the text, but the few special
     tokens its post-processor adds: the text's UTF-8 size bounds its tokens before anything is
-    encoded. A head of the text cut just before a space that follows a non-space character splits
+    encoded (a SentencePiece BPE's and a WordPiece's too, with a token or so more: see bounds.py).
+    A head of the text cut just before a space that follows a non-space character splits
     into the same pre-tokens as the whole text up to that boundary (no pre-tokenizer pattern runs from
-    a non-space character into a space, and BPE encodes each pre-token alone), so the head's tokens are
+    a non-space character into a space, and BPE encodes each pre-token alone; a SentencePiece BPE
+    whose vocabulary has no token running into a space merges nothing across it), so the head's tokens are
     the whole encoding's first tokens (with a post-processor's special tokens, those up to the head's
     last such boundary before the cut), and the bytes after them bound the rest
-    (tests/unit/test_prompt_reader.py checks both over random texts; the tokenizer, at startup).
+    (tests/unit/test_prompt_reader.py checks both over random texts; the tokenizer, at startup). Where
+    heads are not read so (`heads` false), a prompt the bound does not settle is encoded whole.
     """
 
-    def __init__(self, tokenizer: LocalTokenizer, text: str, *, special: bool, specials: int, started: float) -> None:
+    def __init__(
+        self,
+        tokenizer: LocalTokenizer,
+        text: str,
+        *,
+        special: bool,
+        specials: int,
+        started: float,
+        extra: int = 0,
+        heads: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._text = text
         self._special = special
-        self._specials = specials
+        self._specials = specials  # the post-processor's tokens: in every encoding of the text
+        self._over = specials + extra  # the most tokens the whole text has over its bytes (Bound)
+        self._heads = heads  # whether a head is read as the whole encoding's start; else the text is read whole
         self._started = started
         self._size = utf8_size(text)
         self._chars = 0  # characters of the last head encoded
@@ -725,7 +773,7 @@ class PromptReader:
         text = self._text
         margin = 1.1 if self._chars else self._first_margin  # a guessed size errs long, to read in one step
         chars = max(2 * self._chars, math.ceil(wanted * self._per_token * margin) + 64)
-        cut = head_cut(text, chars) if chars < len(text) else 0
+        cut = head_cut(text, chars) if chars < len(text) and self._heads else 0
         if cut <= 0:
             ids = await self._tokenizer.encode_whole(text, special=self._special)
             self.prompt = self._whole(ids)
@@ -817,7 +865,7 @@ class PromptReader:
         """The prompt known by its first `ids`, which stand for `text[:end]`."""
         head = utf8_size(self._text[:end])
         after = self._size - head
-        at_most = len(ids) + after + self._specials
+        at_most = len(ids) + after + self._over
         per_token = head / len(ids) if ids and head else self._per_token
         estimate = min(max(len(ids) + round(after / per_token), len(ids), self._floor), at_most)
         seconds = time.perf_counter() - self._started
@@ -971,56 +1019,6 @@ def head_cut(text: str, chars: int) -> int:
             return at
         at = text.rfind(" ", start, at)
     return 0
-
-
-def byte_level_specials(backend: Any) -> int | None:
-    """For a byte-level BPE whose every token but the post-processor's stands for at least one byte of
-    the text and whose heads encode as the whole text's start (see PromptReader): the special tokens
-    its post-processor adds. None for any other tokenizer: its prompts are only ever counted whole.
-
-    A normalizer may grow the text (NFKC turns one character into many); a prefix space is added to
-    every piece between special tokens; special tokens with spaces in them, or that strip spaces
-    around them, could straddle a cut; dropout is not repeatable."""
-    spec = orjson.loads(backend.to_str())
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("dropout") or spec.get("normalizer") is not None:
-        return None
-    pre = spec.get("pre_tokenizer") or {}
-    parts = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
-    if not any(part.get("type") == "ByteLevel" for part in parts):
-        return None
-    if not any(
-        part.get("type") == "Split" or (part.get("type") == "ByteLevel" and part.get("use_regex", True))
-        for part in parts
-    ):
-        return None  # no pattern splits the text: BPE merges could run across spaces
-    for part in parts:
-        if part.get("type") not in ("ByteLevel", "Split", "Digits") or part.get("add_prefix_space"):
-            return None
-    for token in spec.get("added_tokens") or []:
-        content = str(token.get("content", ""))
-        if not content or any(ch.isspace() for ch in content) or token.get("lstrip") or token.get("rstrip"):
-            return None
-        if token.get("single_word"):
-            return None
-    processor = backend.post_processor
-    return 0 if processor is None else int(processor.num_special_tokens_to_add(False))
-
-
-def longest_token_bytes(tokenizer: Any) -> int:
-    """A bound on the bytes of text one token can stand for: its longest token's, plus one for a
-    leading space a decoder drops, times three when a normalizer may shrink the text first (NFKC
-    and lowercasing map some three-byte characters to one byte)."""
-    backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
-    if backend is not None:
-        size = backend.get_vocab_size(with_added_tokens=True)
-        pieces = backend.decode_batch([[token] for token in range(size)], skip_special_tokens=False)
-        shrinks = backend.normalizer is not None
-    else:
-        pieces = [tokenizer.convert_tokens_to_string([token]) for token in tokenizer.get_vocab()]
-        shrinks = True
-    longest = max((len(piece.encode("utf-8", "surrogatepass")) for piece in pieces), default=1)
-    return (longest + 1) * (3 if shrinks else 1)
 
 
 class EngineTokenizer:

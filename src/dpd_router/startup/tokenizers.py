@@ -67,6 +67,7 @@ async def load_tokenizers(
         count_whole=settings.count_whole_prompts,
         piece_cache_chars=settings.tokenize_piece_cache_chars,
     )
+    log.info("tokenizer %s: %s", settings.tokenizer, local.reading())
     return {tenant: local for tenant in pools}
 
 
