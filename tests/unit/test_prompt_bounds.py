@@ -164,15 +164,17 @@ async def test_a_prompt_the_bound_settles_is_routed_with_nothing_encoded_and_a_l
 ) -> None:
     tokenizer = families[family]
     encoded = spy_encodings(monkeypatch)
-    settings = load_settings(
-        decode_urls=["http://127.0.0.1:8200"],
-        prefill_urls=["http://127.0.0.1:8100"],
-        routing_threshold=4096,
-        threshold_mode="static",
-        prefill_strategy="roundrobin",
-    )
-    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
     for pieces, path in ((400, "direct"), (10000, "disaggregated")):
+        settings = load_settings(
+            # One decoder to take a short prompt; two for a long one, whose first blocks tell which of them
+            # holds more of it (with one decoder, a prompt its words show long has nothing read).
+            decode_urls=[f"http://127.0.0.1:82{i:02d}" for i in range(1 if path == "direct" else 2)],
+            prefill_urls=["http://127.0.0.1:8100"],
+            routing_threshold=4096,
+            threshold_mode="static",
+            prefill_strategy="roundrobin",
+        )
+        planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
         encoded.clear()
         text = text_of(pieces, 1)
         assert (utf8_size(text) < 4000) == (path == "direct")

@@ -316,6 +316,31 @@ async def test_a_long_prompt_is_read_only_as_far_as_its_plan_needs(
         assert fresh.plan(replace(read, num_tokens=count)).reason == "long_prompt"
 
 
+@pytest.mark.parametrize("decoders", [1, 2])
+async def test_under_a_static_threshold_one_endpoint_of_each_role_reads_no_ids_of_a_prompt_long_by_its_words(
+    local: LocalTokenizer, decoders: int
+) -> None:
+    """A static threshold weighs no cached prefix, and one decoder and one prefiller leave nothing to rank by
+    one: a prompt its words show long is planned with no id read. With two decoders, its first blocks tell
+    which holds more of it."""
+    request = parse_request("completion", orjson.dumps({"prompt": text_of(20000, 1)}))
+    settings = load_settings(
+        decode_urls=[f"http://127.0.0.1:82{i:02d}" for i in range(decoders)],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=2048,
+        threshold_mode="static",
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    reader = await local.reader(request)
+    assert reader is not None
+    read = await read_prompt(reader, planner.tokens_to_settle, None)
+    assert read.floor >= 2048 and planner.plan(read).reason == "long_prompt"
+    if decoders == 1:
+        assert list(read.token_ids) == []
+    else:
+        assert REACH_HEAD_BLOCKS * 16 <= len(read.token_ids) < 2048 / 8
+
+
 async def test_a_prompt_bound_for_the_prefill_hop_waits_for_its_ids_or_is_encoded_when_asked(
     local: LocalTokenizer,
 ) -> None:

@@ -196,3 +196,24 @@ def threads_that_encode(local: LocalTokenizer) -> list[str]:
 
     local._encode = spy  # type: ignore[method-assign]
     return seen
+
+
+@pytest.mark.parametrize(("messages", "chars", "on_loop"), [(1, 12_000, True), (16, 4_000, True), (200, 60, False)])
+async def test_a_body_of_few_messages_is_rendered_on_the_loop_whatever_its_size_and_one_of_many_in_a_thread(
+    local: LocalTokenizer, messages: int, chars: int, on_loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A render costs by its messages (a 12 kB message renders in microseconds, less than handing it to a
+    thread costs); a body of many goes to the tokenizing threads, past the inline size as before."""
+    threads: list[threading.Thread] = []
+    render = LocalTokenizer._render
+
+    def spy(self: LocalTokenizer, body: dict[str, object]) -> str:
+        threads.append(threading.current_thread())
+        return render(self, body)
+
+    monkeypatch.setattr(LocalTokenizer, "_render", spy)
+    conversation = [{"role": ("user", "assistant")[i % 2], "content": "word " * (chars // 5)} for i in range(messages)]
+    request = parse_request("chat", orjson.dumps({"messages": conversation}))
+    assert len(request.raw) > 2048  # past the inline size for encoding
+    assert await local.reader(request) is not None
+    assert (threads == [threading.main_thread()]) == on_loop and len(threads) == 1

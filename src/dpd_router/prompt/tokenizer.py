@@ -102,6 +102,11 @@ class TokenCounter(Protocol):
 # Requests of more bytes than this are tokenized in a lane of their own, so that a few huge prompts
 # cannot keep every other long prompt waiting for a thread.
 LARGE_REQUEST_BYTES = 1 << 20
+# A chat body of at most so many containers (messages, content parts, tools) and bytes is rendered on the event
+# loop whatever its size: measured, 32 messages of 8 kB through the template engine take 0.3 ms, a lone
+# 256 kB message through the plain template 22 us.
+INLINE_RENDER_CONTAINERS = 64
+INLINE_RENDER_BYTES = 256 * 1024
 
 
 class PromptTooLong(Exception):
@@ -410,11 +415,15 @@ class LocalTokenizer:
         return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
 
     async def _render_in_lane(self, request: ClientRequest) -> str:
-        """The tokenizer's template over the request's messages: on the event loop for a small body, else in
-        the lane its size calls for (a body of many short messages renders for seconds)."""
+        """The tokenizer's template over the request's messages: on the event loop for a body of few messages
+        and bounded size, else in the lane its size calls for (a body of many short messages renders for
+        seconds). A render's cost follows its messages, not its bytes: a 12 kB message renders in 11 us
+        here, where handing it to a thread and waking the loop after costs 80 us of CPU."""
         chat = request.template_body
         assert chat is not None
-        lane = self._lane(len(request.raw))
+        size = len(request.raw)
+        few = request.brackets <= INLINE_RENDER_CONTAINERS and size <= INLINE_RENDER_BYTES
+        lane = None if few else self._lane(size)
         if lane is None:
             return self._render(chat)
         return await asyncio.get_running_loop().run_in_executor(lane, self._render, chat)

@@ -252,6 +252,8 @@ class Planner:
         """
         if self.cache is None:
             return 0
+        if not self._threshold.cache_aware and len(self.pool.decoders) <= 1 and len(self.pool.healthy("prefill")) <= 1:
+            return 0  # nothing weighs a cached prefix, and no role has endpoints to rank by one
         block_size = self.cache.block_size
         assert prompt.at_most is not None
         if prompt.at_most < block_size:
