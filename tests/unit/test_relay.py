@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 import httpx
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, relay_body
 from dpd_router.record.metrics import RouterMetrics
@@ -316,3 +318,23 @@ async def test_a_cancel_from_outside_during_a_read_stays_a_cancel() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert trace.outcome == "client_disconnect"
+
+
+@given(reads=st.lists(st.tuples(st.floats(0.0, 5.0), st.integers(0, 400)), max_size=30))
+def test_the_chunks_of_one_read_marked_together_leave_the_trace_as_marked_one_by_one(
+    reads: list[tuple[float, int]],
+) -> None:
+    """A read's token chunks reached the router together: one call for them records the same first token,
+    gaps (bounded) and count as a call for each."""
+    together, apart = RequestTrace("a", "chat", True), RequestTrace("b", "chat", True)
+    hooks: list[str] = []
+    together.on_first_token, apart.on_first_token = (lambda: hooks.append("together")), (lambda: hooks.append("apart"))
+    now = 0.0
+    for wait, count in reads:
+        now += wait
+        together.mark_token_chunks(now, count)
+        for _ in range(count):
+            apart.mark_token_chunk(now)
+    for field in ("first_token_at", "last_chunk_at", "token_chunks", "gaps"):
+        assert getattr(together, field) == getattr(apart, field), field
+    assert sorted(hooks) == (["apart", "together"] if apart.token_chunks else [])

@@ -305,12 +305,14 @@ class EventStream:
 
     def _relay_events(self, events: list[bytes]) -> bytes:
         trace, wire = self._trace, self._wire
+        data, ends, only_tokens = wire.data, wire.ends, wire.only_tokens
         now = time.perf_counter()
+        tokens = 0  # chunks of output in this read: they reached the router together, so are marked together
         for index, event in enumerate(events):
-            start = wire.data(event)
+            start = data(event)
             if start is None:
                 continue
-            if wire.ends(event):
+            if ends(event):
                 self._saw_done = True
                 if event.startswith(_DONE):
                     continue  # a Responses stream's last event is the whole response, its usage included
@@ -319,8 +321,8 @@ class EventStream:
             if self._rewrite is not None:
                 event = events[index] = self._rewritten(event)
             first = not self._saw_token
-            if not first and wire.only_tokens(event):
-                trace.mark_token_chunk(now)
+            if not first and only_tokens(event):
+                tokens += 1
                 continue
             try:
                 payload = orjson.loads(event[start:])
@@ -346,7 +348,7 @@ class EventStream:
                     trace.fail("upstream_error", failure)
             if wire.has_token(payload):
                 self._saw_token = True
-                trace.mark_token_chunk(now)
+                tokens += 1
             if wire.reconcile(payload, trace, self.cached_tokens):
                 events[index] = event[:start] + orjson.dumps(payload)
             if self._strip_usage and "usage" in payload:
@@ -355,6 +357,7 @@ class EventStream:
                     events[index] = _DATA + orjson.dumps(payload)
                 else:
                     events[index] = b""  # the usage-only chunk the router asked for, not the client
+        trace.mark_token_chunks(now, tokens)
         kept = [event for event in events if event]
         return _EVENT_END.join(kept) + _EVENT_END if kept else b""
 

@@ -87,15 +87,25 @@ class RequestTrace:
     on_first_token: Callable[[], None] | None = field(default=None, repr=False)
 
     def mark_token_chunk(self, now: float) -> None:
+        self.mark_token_chunks(now, 1)
+
+    def mark_token_chunks(self, now: float, count: int) -> None:
+        """`count` chunks with output tokens that reached the router together at `now` (one read's): the first
+        ends the gap since the last chunk (or is the first token), the others follow it with none."""
+        if count <= 0:
+            return
+        gaps = self.gaps
         if self.first_token_at is None:
             self.first_token_at = now
             hook, self.on_first_token = self.on_first_token, None
             if hook is not None:
                 hook()
-        elif self.last_chunk_at is not None and len(self.gaps) < MAX_RECORDED_GAPS:
-            self.gaps.append(now - self.last_chunk_at)
+        elif self.last_chunk_at is not None and len(gaps) < MAX_RECORDED_GAPS:
+            gaps.append(now - self.last_chunk_at)
+        if count > 1:
+            gaps.extend([0.0] * min(count - 1, MAX_RECORDED_GAPS - len(gaps)))
         self.last_chunk_at = now
-        self.token_chunks += 1
+        self.token_chunks += count
 
     def fail(self, outcome: str, error: str, status: int | None = None) -> None:
         self.outcome = outcome
