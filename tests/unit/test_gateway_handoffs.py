@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -129,9 +129,11 @@ class Engines:
         ]
 
 
-def gateway(engines: Engines, *, decoders: tuple[str, ...] = (DECODER,)) -> tuple[Gateway, RouterMetrics]:
+def gateway(
+    engines: Engines, *, decoders: tuple[str, ...] = (DECODER,), threshold: int = 8
+) -> tuple[Gateway, RouterMetrics]:
     settings = load_settings(
-        prefill_urls=[PREFILLER], decode_urls=list(decoders), routing_threshold=8, threshold_mode="static"
+        prefill_urls=[PREFILLER], decode_urls=list(decoders), routing_threshold=threshold, threshold_mode="static"
     )
     metrics = RouterMetrics()
     transport = httpx.MockTransport(engines)
@@ -346,3 +348,34 @@ async def test_an_answer_that_finished_after_its_client_left_is_released() -> No
     await api.serve(scope, receive, send, "chat")
     assert sent[0]["status"] == 499
     assert released.is_set(), "its stream was closed and the request released"
+
+
+async def test_a_streamed_direct_prompt_waits_in_its_decoders_queue_until_its_first_token() -> None:
+    """Counted in the queue of the decoder computing it (what adaptive mode reads), released when that
+    decoder fails before its first token (the next one counts it), at the first token, never twice."""
+    asked, first_token = asyncio.Event(), asyncio.Event()
+
+    async def refused_then_slow(request: httpx.Request) -> httpx.Response:
+        if str(request.url).startswith(OTHER_DECODER):
+            raise httpx.ConnectError("refused")
+        asked.set()
+
+        async def events() -> AsyncIterator[bytes]:
+            await first_token.wait()
+            yield completion_events(" flows", " on")
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    built, _ = gateway(Engines(refused_then_slow), decoders=(OTHER_DECODER, DECODER), threshold=1000)
+    refusing, serving = built.planners[None].pool.decoders
+    serving.in_flight += 40  # swamped: the plan takes the one that refuses first
+    handled = asyncio.create_task(built.handle(chat(stream=True), "req-1"))
+    async with asyncio.timeout(5):
+        await asyncio.wait({asyncio.ensure_future(asked.wait()), handled}, return_when=asyncio.FIRST_COMPLETED)
+    assert asked.is_set(), handled
+    assert (refusing.queued_tokens, serving.queued_tokens) == (0, len(PROMPT_IDS))
+    first_token.set()
+    answer = await handled
+    assert serving.queued_tokens == 0  # its first token came: out of the queue while the answer streams on
+    assert b" flows" in await play(answer)
+    assert (refusing.queued_tokens, serving.queued_tokens) == (0, 0)

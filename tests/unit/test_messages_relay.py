@@ -90,8 +90,9 @@ async def test_an_error_event_before_any_token_fails_the_stream_early() -> None:
 def test_a_whole_message_has_its_usage_reconciled() -> None:
     answer = {"type": "message", "content": [{"type": "text", "text": "hi"}], "usage": dict(END_USAGE)}
     trace = RequestTrace(request_id="r", kind="messages", stream=False)
-    content = relay_body(orjson.dumps(answer), trace, 40, wire=MESSAGES_WIRE)
+    content, output = relay_body(orjson.dumps(answer), trace, 40, wire=MESSAGES_WIRE)
     usage = orjson.loads(content)["usage"]
+    assert output == 2  # what the decode hop learns its deadline by
     assert usage == {"input_tokens": 260, "output_tokens": 2, "cache_read_input_tokens": 40}
     assert trace.completion_tokens == 2 and trace.engine_prompt_tokens == 300
 

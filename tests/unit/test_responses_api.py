@@ -106,7 +106,7 @@ async def test_a_stream_is_read_for_its_tokens_and_its_usage_reconciled_at_its_e
 def test_a_whole_response_with_no_error_is_not_a_failure() -> None:
     trace = RequestTrace(request_id="r", kind="responses", stream=False)
     answer = {"id": "r", "object": "response", "status": "completed", "error": None, "usage": dict(USAGE)}
-    content = relay_body(orjson.dumps(answer), trace, 10, wire=RESPONSES_WIRE)
+    content = relay_body(orjson.dumps(answer), trace, 10, wire=RESPONSES_WIRE).content
     assert trace.outcome == "ok"
     assert orjson.loads(content)["usage"]["input_tokens_details"]["cached_tokens"] == 10
     assert prefill_usage(answer) == (300, 300)
@@ -155,7 +155,7 @@ def test_a_whole_answer_is_held_to_keep_and_a_failed_one_is_not() -> None:
         turn = Turn(Keeper(), "alice", True, None, [])
         answer = {"id": "r", "object": "response", "status": status, "error": None, "store": False, "usage": USAGE}
         content = relay_body(orjson.dumps(answer), RequestTrace(request_id="r", kind="responses", stream=False), None,
-                             wire=KeptResponsesWire(turn))  # fmt: skip
+                             wire=KeptResponsesWire(turn)).content  # fmt: skip
         assert orjson.loads(content)["store"] is True
         assert (turn.final is not None) is kept, status
 

@@ -151,7 +151,7 @@ class DecodeHop:
         if not exchange.request.stream:
             rewrite = None if call.answer is None else call.answer.body
             wire = wire_of(exchange.request)
-            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire)
+            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire).content
             exchange.done()
             return WholeAnswer(content, exchange.headers)
         stream = self.answered_stream(exchange, call, staged)
@@ -202,6 +202,7 @@ class DecodeHop:
             on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
             wire=wire,
             resumer=resumer,
+            on_first_token=exchange.first_token.reach,
         )
 
     async def _whole_answer(
@@ -233,11 +234,11 @@ class DecodeHop:
                 in_band=True,
             )
         rewrite = None if call.answer is None else call.answer.body
-        content = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire)
+        relayed = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire)
         exchange.decode_judge.succeeded(decoder)
-        self._learn(exchange, deadline, staged)
+        self._learn(exchange, deadline, staged, relayed.output_tokens)
         exchange.done()
-        return WholeAnswer(content, exchange.headers)
+        return WholeAnswer(relayed.content, exchange.headers)
 
     async def _engine_refusal(self, exchange: Exchange, upstream: EngineAnswer, decoder: Endpoint) -> Answer:
         """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
@@ -263,7 +264,7 @@ class DecodeHop:
         started = asyncio.get_running_loop().time()
         # Judged as if the decoder held none of the prompt it is to compute (it may have evicted what
         # the router believes it caches); learned by the router's estimate of what it computed.
-        tokens = exchange.prompt.num_tokens if not with_kv else (exchange.trace.uncached_tokens or 0)
+        tokens = exchange.prompt.num_tokens if not with_kv else exchange.uncached_tokens
         cap = timeouts.first_token if request.stream else timeouts.total
         learned = None
         others = exchange.planner.pool.healthy("decode")
@@ -317,16 +318,16 @@ class DecodeHop:
         return max(limit, 1) * sequences
 
     @staticmethod
-    def _learn(exchange: Exchange, deadline: Deadline, staged: StagedKV | None) -> None:
-        """Learn from a decoder that answered in time: its first token, or its whole answer."""
+    def _learn(exchange: Exchange, deadline: Deadline, staged: StagedKV | None, output: int | None = None) -> None:
+        """Learn from a decoder that answered in time: its first token, or its whole answer (of `output`
+        tokens, as its usage counts them)."""
         seconds = asyncio.get_running_loop().time() - deadline.started
-        tokens = exchange.trace.uncached_tokens or 0
+        tokens = exchange.uncached_tokens
         with_kv = staged is not None
         if exchange.request.stream:
             exchange.deadlines.learn("first_token", (tokens,), seconds, with_kv=with_kv)
-        elif exchange.trace.completion_tokens is not None:
-            size = (tokens, exchange.trace.completion_tokens)
-            exchange.deadlines.learn("answer", size, seconds, with_kv=with_kv)
+        elif output is not None:
+            exchange.deadlines.learn("answer", (tokens, output), seconds, with_kv=with_kv)
 
 
 class DecoderReplacement:

@@ -18,12 +18,41 @@ from dpd_router.record.observe import RequestTrace
 from dpd_router.routing.planner import Planner
 
 
+class FirstToken:
+    """The request's first output token as its client gets it (a decoder's, or a head the router sent
+    itself), and what waits for it: a streamed direct call's prompt counts in its decoder's prefill queue
+    until then (`hold`), or until the request ends without one."""
+
+    def __init__(self) -> None:
+        self.reached = False
+        self._release: Callable[[], None] | None = None
+
+    def hold(self, release: Callable[[], None]) -> None:
+        """Run `release` at the first token, or at the request's end before one; what was held before (an
+        earlier decoder's queue: it failed before its first token) is released now."""
+        earlier, self._release = self._release, release
+        if earlier is not None:
+            earlier()
+
+    def reach(self) -> None:
+        if not self.reached:
+            self.reached = True
+            self.release()
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 @dataclass(frozen=True)
 class Exchange:
     """A request being served, with the policies it started under (a live change applies to the next)."""
 
     request: ClientRequest
     prompt: Prompt
+    # The prompt tokens its plan found no engine to hold (the planner's estimate): what its hops are sized by.
+    uncached_tokens: int
     planner: Planner
     request_id: str
     trace: RequestTrace
@@ -40,11 +69,13 @@ class Exchange:
     # serves the continuation (the gateway's).
     resume: ResumePolicy | None = None
     continue_with: ContinueWith | None = None
+    first_token: FirstToken = field(default_factory=FirstToken)
 
     def __post_init__(self) -> None:
         # The request's judges look at its hops only while it is served: they close when it ends.
         self.done.defer(self.prefill_judge.close)
         self.done.defer(self.decode_judge.close)
+        self.done.defer(self.first_token.release)
 
     @property
     def headers(self) -> dict[str, str]:

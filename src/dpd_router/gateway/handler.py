@@ -198,6 +198,7 @@ class Gateway:
             exchange = Exchange(
                 request,
                 prompt,
+                plan.uncached_tokens,
                 planner,
                 request_id,
                 trace,
@@ -272,6 +273,7 @@ class Gateway:
             sub = Exchange(
                 request,
                 prompt,
+                plan.uncached_tokens,
                 planner,
                 trace.request_id,
                 trace,
@@ -524,16 +526,11 @@ class Gateway:
     @staticmethod
     def _await_first_token(exchange: Exchange, plan: Plan) -> None:
         """A streamed direct call's prompt counts in its decoder's queue until the first token (or the
-        request's end): the prefill a new direct prompt there waits behind (adaptive mode reads it)."""
-        trace = exchange.trace
-        if trace.first_token_at is not None:
-            return
-        earlier = trace.on_first_token
-        if earlier is not None:
-            earlier()  # an earlier decoder failed before its first token: the prompt left its queue
-        release = plan.decoder.queue_prefill(plan.uncached_tokens)
-        trace.on_first_token = release
-        exchange.done.defer(release)
+        request's end): the prefill a new direct prompt there waits behind (adaptive mode reads it). An
+        earlier decoder's count (it failed before its first token) is released as this one's is taken."""
+        first = exchange.first_token
+        if not first.reached:  # (a head the router sent itself is the client's first token)
+            first.hold(plan.decoder.queue_prefill(plan.uncached_tokens))
 
     def _decodes_alone(self, staged: StagedKV) -> bool:
         """Whether a decoder that could not load `staged` may compute the prompt itself instead: a

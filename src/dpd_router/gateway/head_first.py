@@ -46,6 +46,7 @@ class HeadFirst:
 
         async def events() -> AsyncGenerator[bytes, None]:
             trace.mark_token_chunk(time.perf_counter())
+            exchange.first_token.reach()
             yield head
             try:
                 stream = await self._continuation(exchange, plan, call, staged)

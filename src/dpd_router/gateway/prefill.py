@@ -165,7 +165,7 @@ class PrefillHop:
         prefiller = handoff.prefiller
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
-        tokens = trace.uncached_tokens or 0
+        tokens = exchange.uncached_tokens
         queued_ahead = prefiller.queued_tokens
         watch = self._watch(exchange, prefiller, tried, queued_ahead)
         limit = exchange.timeouts.prefill

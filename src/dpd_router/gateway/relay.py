@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import httpx
@@ -68,8 +68,11 @@ class EventStream:
         engine: Endpoint | None = None,
         wire: Wire = OPENAI_WIRE,
         resumer: Resumer | None = None,
+        on_first_token: Callable[[], None] | None = None,
     ) -> None:
         self._upstream = upstream
+        # Told of this stream's first token (Exchange.first_token: what waits for the request's).
+        self._on_first_token = on_first_token
         # Continues the stream on another decoder when this one fails after output (gateway/resume.py).
         self._resumer = resumer
         self._tape = None if resumer is None else resumer.tape
@@ -357,7 +360,11 @@ class EventStream:
                     events[index] = _DATA + orjson.dumps(payload)
                 else:
                     events[index] = b""  # the usage-only chunk the router asked for, not the client
-        trace.mark_token_chunks(now, tokens)
+        if tokens:
+            trace.mark_token_chunks(now, tokens)
+            if self._on_first_token is not None:
+                reached, self._on_first_token = self._on_first_token, None
+                reached()
         kept = [event for event in events if event]
         return _EVENT_END.join(kept) + _EVENT_END if kept else b""
 
@@ -391,20 +398,27 @@ def failed_before_output(content: bytes, wire: Wire = OPENAI_WIRE) -> str | None
     return failure if wire.output_tokens(payload) in (None, 0) else None
 
 
+class RelayedBody(NamedTuple):
+    """A whole answer as the client gets it, and the output tokens its usage counts (None: it counts none)."""
+
+    content: bytes
+    output_tokens: int | None
+
+
 def relay_body(
     content: bytes,
     trace: RequestTrace,
     cached_tokens: int | None,
     rewrite: Rewrite | None = None,
     wire: Wire = OPENAI_WIRE,
-) -> bytes:
-    """Inspect a whole (non-streamed) answer; reconcile its usage; return the bytes to send."""
+) -> RelayedBody:
+    """Inspect a whole (non-streamed) answer; reconcile its usage; the bytes to send."""
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return content
+        return RelayedBody(content, None)
     if not isinstance(payload, dict):
-        return content
+        return RelayedBody(content, None)
     if rewrite is not None:
         payload = rewrite(payload)
         content = orjson.dumps(payload)
@@ -413,5 +427,5 @@ def relay_body(
         trace.fail("upstream_error", failure)
     trace.mark_token_chunk(time.perf_counter())
     if wire.reconcile(payload, trace, cached_tokens):
-        return orjson.dumps(payload)
-    return content
+        content = orjson.dumps(payload)
+    return RelayedBody(content, wire.output_tokens(payload))

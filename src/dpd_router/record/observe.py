@@ -83,8 +83,6 @@ class RequestTrace:
     finished: bool = False
 
     gaps: list[float] = field(default_factory=list, repr=False)
-    # Called once, at the first token (a streamed direct request leaving its decoder's prefill queue).
-    on_first_token: Callable[[], None] | None = field(default=None, repr=False)
 
     def mark_token_chunk(self, now: float) -> None:
         self.mark_token_chunks(now, 1)
@@ -97,9 +95,6 @@ class RequestTrace:
         gaps = self.gaps
         if self.first_token_at is None:
             self.first_token_at = now
-            hook, self.on_first_token = self.on_first_token, None
-            if hook is not None:
-                hook()
         elif self.last_chunk_at is not None and len(gaps) < MAX_RECORDED_GAPS:
             gaps.append(now - self.last_chunk_at)
         if count > 1:
