@@ -16,6 +16,7 @@ from dpd_router.gateway.relay import EventStream
 from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import RequestTrace
+from dpd_router.wires import MESSAGES_WIRE
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -300,3 +301,58 @@ async def test_a_complete_answer_whose_decoder_broke_before_its_end_ends_as_the_
     assert trace.outcome == "ok" and (trace.engine_prompt_tokens, trace.completion_tokens) == (3, 2)
     labels = {"api": "chat", "outcome": "not_tried", "reason": "answer_complete"}
     assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1
+
+
+@pytest.mark.parametrize("complete", [True, False])
+async def test_a_complete_message_whose_decoder_broke_before_its_stop_ends_with_its_message_stop(
+    complete: bool,
+) -> None:
+    """A Messages stream whose stop reason and usage went by (message_delta) lacks only its message_stop:
+    written, not an error event; one that broke before its message_delta cannot tell its stop reason."""
+
+    async def never(request: Any, failed: Any, left: int) -> tuple[Any, str]:
+        raise AssertionError("a complete answer is not continued")
+
+    def named(kind: str, **fields: Any) -> bytes:
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields})
+
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": []}
+    sent = [
+        named("message_start", message={**message, "usage": {"input_tokens": 7}}),
+        named("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+        named("content_block_delta", index=0, delta={"type": "text_delta", "text": "hi"}),
+    ]
+    if complete:
+        sent += [
+            named("content_block_stop", index=0),
+            named("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 1}),
+        ]
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for chunk in sent:
+                yield chunk + b"\n\n"
+            raise httpx.ReadError("reset")
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    request = parse_request("messages", orjson.dumps(body))
+    trace = RequestTrace(request_id="r", kind="messages", stream=True)
+    # Complete: nothing to continue, whatever is left. Not: none left to continue it, so it ends in error.
+    policy = ResumePolicy.arm(
+        request, left=1 if complete else 0, max_tokens=1000, blocked=None if complete else "limit"
+    )
+    resumer = Resumer(
+        request, trace, policy, None, RouterMetrics(), open=never, timeouts=PhaseTimeouts(), strip_usage=False,
+        wire=MESSAGES_WIRE,
+    )  # fmt: skip
+    stream = EventStream(
+        httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
+        resumer=resumer, wire=MESSAGES_WIRE,
+    )  # fmt: skip
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    out = b"".join([chunk async for chunk in stream])
+    if complete:
+        assert out.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n') and b"error" not in out
+        assert trace.outcome == "ok" and trace.completion_tokens == 1
+    else:
+        assert b"event: error" in out and trace.outcome != "ok"

@@ -294,8 +294,11 @@ class Resumer:
     def ending(self, cached_tokens: int | None) -> bytes | None:
         """The end of an answer that was complete (its finish went by) when its decoder broke before the usage
         and `[DONE]`: the usage its tape counts (recorded, and sent where the client asked for it), then
-        `[DONE]`. None where the tape cannot tell (no ids kept, a Messages or Responses stream)."""
+        `[DONE]`; a Messages stream's message_stop, once its stop reason and usage went by. None where the
+        tape cannot tell (no ids kept, a Responses stream)."""
         tape = self.tape
+        if isinstance(tape, EventTape):
+            return tape.ending() if tape.finished else None
         if not isinstance(tape, StreamTape) or not tape.finished or tape.head is None:
             return None
         counts = tape.counts()

@@ -69,7 +69,7 @@ class EventTape:
     """A Messages or Responses stream's events, kept as they pass (read only if its decoder fails), within
     a bound on their bytes."""
 
-    __slots__ = ("_api", "_max", "_size", "events", "finished", "over")
+    __slots__ = ("_api", "_max", "_size", "_stopped", "events", "finished", "over")
 
     def __init__(self, api: str, *, max_tokens: int) -> None:
         self._api = api
@@ -78,10 +78,12 @@ class EventTape:
         self.events: list[bytes] = []
         self.over = False
         self.finished = False
+        self._stopped = False  # a Messages stream's message_delta went by: its stop reason and usage
 
     def keep(self, event: bytes) -> bytes:
         if event.startswith(_MESSAGES_ENDS if self._api == "messages" else _RESPONSES_ENDS):
             self.finished = True
+            self._stopped = self._stopped or event.startswith(_MESSAGES_ENDS[0])
         if not self.over:
             self.events.append(event)
             self._size += len(event)
@@ -92,6 +94,14 @@ class EventTape:
 
     def seen(self, payload: dict[str, Any]) -> None:
         """The relay's parsed events are read again from the tape."""
+
+    def ending(self) -> bytes | None:
+        """What a finished answer lacks when its decoder broke before its last event: a Messages stream
+        whose message_delta (its stop reason and usage) went by lacks only its message_stop. None for a
+        Responses stream: its last event is the whole response, which no event before it holds."""
+        if self._api != "messages" or not self._stopped:
+            return None
+        return named_event({"type": "message_stop"}) + b"\n\n"
 
     def said(self) -> Said:
         said = Said()
