@@ -105,7 +105,7 @@ STAGE_MAP: dict[str, tuple[str, ...]] = {
     "plan": ("dpd_router/routing/", "dpd_router/pool/"),
     "engine call": (
         "dpd_router/pool/engine_pool.py", "dpd_router/pool/transport.py", "dpd_router/transfer/",
-        "dpd_router/deadlines.py",
+        "dpd_router/gateway/deadlines.py",
         "dpd_router/gateway/decode.py", "dpd_router/gateway/prefill.py", "dpd_router/gateway/concurrent.py",
         "dpd_router/gateway/head_first.py", "dpd_router/gateway/judge.py", "dpd_router/gateway/policy.py",
         "dpd_router/gateway/watch.py",

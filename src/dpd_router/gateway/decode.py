@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import anyio
 import httpx
 
-from dpd_router.deadlines import prior
 from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
+from dpd_router.gateway.deadlines import prior
 from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learned_deadline
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline

@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dpd_router.client_request import ClientRequest
-from dpd_router.deadlines import HopDeadlines
 from dpd_router.gateway.answer import Answer
 from dpd_router.gateway.completion import Completion
+from dpd_router.gateway.deadlines import HopDeadlines
 from dpd_router.gateway.judge import FailureJudge
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.resume import ResumePolicy

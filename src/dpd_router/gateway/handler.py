@@ -23,11 +23,11 @@ from dataclasses import replace
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.client_request import ClientRequest
 from dpd_router.config import Settings
-from dpd_router.deadlines import HopDeadlines
 from dpd_router.errors import PrefillFailed, PrefillUnavailable, RouterError
 from dpd_router.gateway.answer import Answer
 from dpd_router.gateway.completion import Completion, HeldKV
 from dpd_router.gateway.concurrent import abandon
+from dpd_router.gateway.deadlines import HopDeadlines
 from dpd_router.gateway.decode import DecodeHop, DecoderReplacement
 from dpd_router.gateway.errors import DecodeFailed
 from dpd_router.gateway.exchange import Exchange, ask_for_usage

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from dpd_router.config import Settings
-from dpd_router.deadlines import DeadlinePolicy
+from dpd_router.gateway.deadlines import DeadlinePolicy
 from dpd_router.gateway.watch import Bound, HopWatch
 
 

@@ -15,9 +15,9 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
-from dpd_router.deadlines import prior
 from dpd_router.errors import PrefillFailed, PrefillUnavailable
 from dpd_router.gateway.completion import HeldKV
+from dpd_router.gateway.deadlines import prior
 from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch

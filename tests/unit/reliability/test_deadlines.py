@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from dpd_router.deadlines import CostBound, DeadlinePolicy, HopDeadlines
+from dpd_router.gateway.deadlines import CostBound, DeadlinePolicy, HopDeadlines
 
 POLICY = DeadlinePolicy(factor=4.0, floor=0.5, samples=3)
 
