@@ -4,7 +4,7 @@ Three families of tokenizers make no more tokens of a text than it has UTF-8 byt
 they add themselves:
 
 - a byte-level BPE (GPT-2, Llama 3, Qwen, Mistral's Tekken): every token stands for at least one byte;
-- a SentencePiece-style BPE (Llama 2, Mistral v1-v3, Gemma) with byte fallback or an unknown token:
+- a SentencePiece-style BPE (Llama 2, Mistral v1-v3) with byte fallback or an unknown token:
   every token stands for at least one character, a character the vocabulary lacks becomes at most its
   UTF-8 bytes' tokens, a space becomes the one-character `▁`, and a `▁` put before the text (or before
   each piece between added tokens) is one token more;
