@@ -632,9 +632,11 @@ async def test_a_prompts_first_head_is_cut_by_the_density_of_the_prompts_read_be
         assert reader is not None
         steps: list[int] = []
 
-        async def counted(wanted: int, more: Any = reader.more, steps: list[int] = steps) -> Prompt:
+        async def counted(
+            wanted: int, *, onward: bool = False, more: Any = reader.more, steps: list[int] = steps
+        ) -> Prompt:
             steps.append(wanted)
-            return await more(wanted)  # type: ignore[no-any-return]
+            return await more(wanted, onward=onward)  # type: ignore[no-any-return]
 
         reader.more = counted  # type: ignore[method-assign]
         read = await read_prompt(reader, planner.tokens_to_settle, None)
@@ -672,11 +674,14 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
     for _ in range(2):  # the second time, every piece is kept
         assert tokenizer._encode(text, special=False) == whole
         cuts = sorted(head_cut(text, data.draw(st.integers(0, len(text)))) for _ in range(2))
+        onward = data.draw(st.booleans())  # on through the pieces kept, past the cut
         earlier = None
         for cut in cuts:
             if not cut:
                 continue
-            head = tokenizer._head(text, cut, False, earlier)
+            if onward and earlier is not None and cut <= earlier.end:
+                continue  # read on past its cut already (the reader's next cut is always past its last head)
+            head = tokenizer._head(text, cut, False, earlier, onward)
             known = head.ids
             assert known == whole[: len(known)] and head.count >= len(known)
             assert head.end <= cut or head.whole_end == head.end  # past the cut: a kept piece taken whole
@@ -684,8 +689,58 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
                 tokenizer._backend.encode_batch([text[: head.end]], add_special_tokens=False)[0].ids
             )
             assert head.whole_ids <= len(known) and head.whole_end <= head.end
-            assert head == tokenizer._head(text, cut, False)  # going on from a shorter head reads as afresh
+            assert head == tokenizer._head(
+                text, cut, False, None, onward
+            )  # going on from a shorter head reads as afresh
             earlier = head
+
+
+@pytest.mark.parametrize("decoders", [1, 2, 3])
+async def test_a_conversations_turns_read_their_history_from_the_pieces_kept_and_plan_as_the_whole_prompt(
+    deciding: LocalTokenizer, decoders: int
+) -> None:
+    """Turn after turn, under a cache-aware threshold whose decoder holds the conversation so far: a turn's
+    history is read from the pieces kept (nothing encoded), its new messages are bounded by their bytes, and
+    its plan is the whole prompt's: direct while what the decoder would compute stays below the threshold."""
+    settings = load_settings(
+        decode_urls=[f"http://127.0.0.1:82{i:02d}" for i in range(decoders)],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=700,
+        threshold_mode="cache_aware",
+    )
+    history: list[tuple[Prompt, list[int]]] = []  # each turn's whole prompt, and where its plan put it
+
+    def fresh() -> Planner:
+        planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+        assert planner.cache is not None
+        endpoints = planner.pool.endpoints()
+        for prompt, placed in history:
+            planner.cache.record(RoutingRequest(prompt), [endpoints[index] for index in placed])
+        return planner
+
+    messages: list[dict[str, str]] = []
+    read_in_part = 0
+    for turn in range(10):
+        # Texts of their own in each parametrization: the tokenizer's pieces are kept across tests.
+        messages.append({"role": "user", "content": text_of(60 + 40 * (turn % 3), 1000 * decoders + turn)})
+        request = parse_request("chat", orjson.dumps({"messages": messages}))
+        # Encoded whole by the Rust core alone: the piece cache keeps only what the router's own reading met.
+        assert request.template_body is not None
+        ids, _ = deciding._ids_and_offsets(deciding._render(request.template_body), False)
+        whole = Prompt(ids, len(ids), 0.0)
+        planner = fresh()
+        reader = await deciding.reader(request)
+        assert reader is not None
+        read = await read_prompt(reader, planner.tokens_to_settle, None, whole=planner.weighs_whole_prefixes)
+        assert list(read.token_ids) == list(whole.token_ids)[: len(read.token_ids)]
+        read_in_part += read.at_most is not None
+        fast, full = planner.plan(read), fresh().plan(whole)
+        assert (fast.path, fast.reason, fast.decoder.url) == (full.path, full.reason, full.decoder.url), turn
+        urls = [endpoint.url for endpoint in planner.pool.endpoints()]
+        placed = [urls.index(full.decoder.url)] + ([] if full.prefiller is None else [urls.index(full.prefiller.url)])
+        history.append((whole, placed))
+        messages.append({"role": "assistant", "content": text_of(12, 1000 * decoders + 500 + turn)})
+    assert read_in_part >= 4  # the later turns: their history from the pieces kept, their new message bounded
 
 
 async def test_a_conversation_sent_again_encodes_only_its_new_messages(tokenizer_dir: Path) -> None:

@@ -305,22 +305,28 @@ class LocalTokenizer:
             return None
         return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
 
-    async def read_head(self, text: str, cut: int, *, special: bool, after: Head | None = None) -> Head:
+    async def read_head(
+        self, text: str, cut: int, *, special: bool, after: Head | None = None, onward: bool = False
+    ) -> Head:
         """What `text`'s head `text[:cut]` settles of its whole encoding (see Head), in the lane the head's
-        size calls for; `after`: a shorter head of the same text read before, whose whole pieces are kept."""
-        lane = self._lane(cut)
+        size calls for; `after`: a shorter head of the same text read before, whose whole pieces are kept;
+        `onward`: on past the cut through the pieces kept (see PieceCache.head)."""
+        # With the piece cache, a head goes on from the shorter one's whole pieces: only the text after them
+        # is looked up or encoded (an encoding with special tokens starts from the text's start).
+        start = after.whole_end if after is not None and self._pieces is not None and not special else 0
+        lane = self._lane(cut - start)
         if lane is None:
-            return self._head(text, cut, special, after)
-        return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special, after)
+            return self._head(text, cut, special, after, onward)
+        return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special, after, onward)
 
-    def _head(self, text: str, cut: int, special: bool, after: Head | None = None) -> Head:
+    def _head(self, text: str, cut: int, special: bool, after: Head | None = None, onward: bool = False) -> Head:
         """A head's settled tokens (see PromptReader), the character they end at and its tokens in all.
         Without special tokens, every token of `text[:cut]` (with the piece cache, every piece before its
         last added token from the cache where it was seen before), encoded without offsets. With them, those
         up to its last boundary before `cut`: a post-processor may end an encoding with its own tokens."""
         if not special:
             if self._pieces is not None:
-                return self._pieces.head(text, cut, after)
+                return self._pieces.head(text, cut, after, onward=onward)
             ids = self._plain(text[:cut])
             return Head(ids, cut, len(ids))
         ids, offsets = self._ids_and_offsets(text[:cut], special)
@@ -532,13 +538,15 @@ class PieceCache:
             ids.extend(self._ids_of([text[end:]]))
         return ids
 
-    def head(self, text: str, cut: int, after: Head | None = None) -> Head:
+    def head(self, text: str, cut: int, after: Head | None = None, *, onward: bool = False) -> Head:
         """As LocalTokenizer._head without special tokens: the tokens of the head `text[:cut]` (cut at a
         boundary), its pieces up to its last added token from the cache (an added token holds no space, and
         the cut is at one, so none runs past the cut), the text after it encoded and not kept (it is not a
         whole piece), unless that piece is kept: then it is taken whole, with the added token after it (the
-        head ends there, past the cut, for nothing). `after`: a shorter head's, whose whole pieces are not
-        looked up again."""
+        head ends there, past the cut, for nothing), and with `onward` every kept piece after it too, up to
+        the first piece not kept: a conversation's history up to its new messages, found with nothing
+        encoded (what a cache-aware threshold reads on for). `after`: a shorter head's, whose whole pieces
+        are not looked up again."""
         start = 0 if after is None else after.whole_end
         ids = [] if after is None else after.ids[: after.whole_ids]
         parts, end = self._parts(text, cut, start)
@@ -554,10 +562,31 @@ class PieceCache:
             if after_piece is not None:
                 ids.append(self._ids[after_piece.group()])
             end = len(text) if after_piece is None else after_piece.end()
+            if onward:
+                end = self._onward(text, end, ids)
             return Head(ids, end, len(ids), len(ids), end)
         whole_ids = len(ids)
         ids += self._encode(text[end:cut])
         return Head(ids, cut, len(ids), whole_ids, end)
+
+    def _onward(self, text: str, end: int, ids: list[int]) -> int:
+        """Where the kept pieces of `text` from `end` on (and the added tokens between them) end, their ids
+        added to `ids`: the first piece not kept stops it, unread."""
+        assert self._split is not None
+        while end < len(text):
+            token = self._split.search(text, end)
+            stop = len(text) if token is None else token.start()
+            if stop > end:
+                piece = text[end:stop]
+                kept = self._kept_ids([piece]).get(piece)
+                if kept is None:
+                    break
+                ids.extend(kept)
+            if token is None:
+                return len(text)
+            ids.append(self._ids[token.group()])
+            end = token.end()
+        return end
 
     def _parts(self, text: str, stop: int, start: int = 0) -> tuple[list[str | int], int]:
         """The pieces and added tokens' ids of `text[start:stop]` up to its last added token, and where it
@@ -767,6 +796,7 @@ class PromptReader:
         self._started = started
         self._size = utf8_size(text)
         self._chars = 0  # characters of the last head encoded
+        self._end = 0  # characters the known ids stand for
         self._head: Head | None = None  # the last head read
         self._blocks: dict[int, list[int]] = {}  # the block hashes of the ids read (Prompt.blocks)
         self._words_bound = tokenizer.words_bound
@@ -777,30 +807,40 @@ class PromptReader:
         self._first_margin = 1.5 if tokenizer.chars_per_token is None else 1.2
         self.prompt = self._known([], 0)
 
-    async def more(self, wanted: int) -> Prompt:
-        """The prompt read on, to about `wanted` known tokens (at least twice as far as before), or whole."""
+    async def more(self, wanted: int, *, onward: bool = False) -> Prompt:
+        """The prompt read on, to about `wanted` known tokens (encoding at least twice as far as before), or
+        whole; `onward`: on through the chat pieces the tokenizer kept too, which cost no encoding
+        (PieceCache.head), so the next step may start past them."""
         text = self._text
         margin = 1.1 if self._chars else self._first_margin  # a guessed size errs long, to read in one step
-        chars = max(2 * self._chars, math.ceil(wanted * self._per_token * margin) + 64)
+        known = len(self.prompt.token_ids)
+        # The tokens still wanted, at the text's density, past the characters the known ones stand for.
+        ahead = math.ceil(max(wanted - known, 1) * self._per_token * margin) + 64
+        chars = max(2 * self._chars, self._end + ahead)
         cut = head_cut(text, chars) if chars < len(text) and self._heads else 0
+        if cut <= self._end:  # (no boundary past what is known: nothing to read in part)
+            cut = 0
         if cut <= 0:
             ids = await self._tokenizer.encode_whole(text, special=self._special)
             self.prompt = self._whole(ids)
             return self.prompt
-        head = await self._tokenizer.read_head(text, cut, special=self._special, after=self._head)
+        head = await self._tokenizer.read_head(text, cut, special=self._special, after=self._head, onward=onward)
         self._head = head
-        known, end, count = head.ids, head.end, head.count
+        ids, end, count = head.ids, head.end, head.count
         if end >= len(text):  # a kept last piece took the head to the text's end: it is whole
-            self.prompt = self._whole(known)
+            self.prompt = self._whole(ids)
             return self.prompt
-        self._chars = max(cut, end)
+        self._end = end
+        # What the next step doubles: the characters encoded (or looked up) up to the cut, not the kept pieces
+        # an onward head went on through after it.
+        self._chars = cut if onward else max(cut, end)
         if count:
-            self._per_token = max(self._chars / count, 1.0)
+            self._per_token = max(max(cut, end) / count, 1.0)
             learned = self._tokenizer.chars_per_token
             self._tokenizer.chars_per_token = (
                 self._per_token if learned is None else learned + DENSITY_WEIGHT * (self._per_token - learned)
             )
-        self.prompt = self._known(known, end)
+        self.prompt = self._known(ids, end)
         return self.prompt
 
     def at_least(self, count: int) -> bool:
@@ -990,7 +1030,8 @@ async def read_prompt(
             wanted = max(wanted, reader.tokens_to_bound(limit))
         if wanted == 0:
             return reader.rest(later=later(prompt), whole=whole)
-        prompt = await reader.more(wanted)
+        # A threshold that weighs cached prefixes reads a conversation's history on to its new messages at once.
+        prompt = await reader.more(wanted, onward=whole)
     return prompt
 
 

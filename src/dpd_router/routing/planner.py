@@ -203,6 +203,8 @@ class Planner:
 
         Settled: a prompt below the threshold whatever its count, when the cached prefixes of every
         endpoint (by every cache source) end inside its known ids, or only one decoder could take it;
+        a prompt a cache-aware threshold serves direct, known past the threshold, once its bound less what
+        every decoder it may go to holds of it is below the threshold (what a decoder computes of it is);
         a long prompt once its known tokens (or its words: Prompt.at_least), less the longest such cached
         prefix, reach the threshold (and the busy gate's ceiling, while the gate is closed), and its
         prefiller's strategy reads no further (`tokens_read`; nothing while one prefiller is up: it takes
@@ -227,11 +229,16 @@ class Planner:
         # Its count may be shown by its words alone (Prompt.at_least), not its ids by anything but reading.
         shown = prompt.at_least or (lambda count: False)
         if reach is None:
+            # A cached prefix runs on past the known blocks: a few blocks more may show where it ends (the
+            # reader reads at least twice as far as it encoded before, so the steps stay few).
+            step = known + REACH_HEAD_BLOCKS * block_size
             if shown(self.threshold):
                 # Long by its words: read only as far as the cached prefixes need to be known, from a few blocks.
-                return max(2 * known, ids_needed, REACH_HEAD_BLOCKS * block_size)
-            return max(2 * known, max(self.threshold, ids_needed) + block_size)
+                return max(step, ids_needed)
+            return max(step, max(self.threshold, ids_needed) + block_size)
         cached = reach if self._threshold.cache_aware else 0
+        if cached and (known >= self.threshold or shown(self.threshold)) and self._computed_below(prompt):
+            return 0
         count_needed = self.threshold + cached
         gate = self._busy_gate
         if gate is not None and gate.diverts(self.pool.healthy("prefill"), 0):
@@ -240,6 +247,22 @@ class Planner:
         if known >= ids_needed and (known >= count_needed or shown(count_needed)):
             return 0
         return max(ids_needed, count_needed)
+
+    def _computed_below(self, prompt: Prompt) -> bool:
+        """Whether every decoder the prompt may go to would compute fewer than the threshold's tokens of it,
+        however many it holds (a cache-aware threshold, the cached prefixes known): direct, `cached_on_decoder`.
+        Asked of every decoder the decoders' rule may choose now (PrefixAware.may_choose; any, for another
+        rule), so no choice can take it to one that holds less."""
+        assert self.cache is not None and prompt.at_most is not None
+        pool = self.pool
+        decoders = pool.healthy("decode") or pool.recovering("decode") or pool.last_resort("decode")
+        if not decoders:
+            return False
+        request = RoutingRequest(prompt)
+        strategy = self.decode_strategy
+        possible = strategy.may_choose(decoders, request) if isinstance(strategy, PrefixAware) else decoders
+        least = min(self.cache.cached_tokens(request, decoder) for decoder in possible)
+        return prompt.at_most - least < self.threshold
 
     def _cached_reach(self, prompt: Prompt) -> int | None:
         """The longest prefix of the prompt any endpoint holds by any cache source, when reading on could

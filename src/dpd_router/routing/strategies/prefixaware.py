@@ -104,6 +104,25 @@ class PrefixAware:
             return self._fallback.select(candidates, request)
         return chosen
 
+    def may_choose(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Sequence[Endpoint]:
+        """The decoders' rule (without `hash_new_prefixes`), asked without choosing: the candidates it may
+        pick for `request` now. The holders of the longest cached prefix, unless a holder is out of balance
+        with the lightest candidate (then the least loaded of all may be picked), or nobody holds any: every
+        candidate. With `hash_new_prefixes`, every candidate."""
+        if self._hash_new or len(candidates) == 1:
+            return candidates
+        _, matched = self.cache.locate(request, candidates)
+        longest = max(matched.values(), default=0)
+        if longest <= 0:
+            return candidates
+        holders = [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
+        if len(holders) < len(candidates):
+            now = time.monotonic()
+            lightest = min(load_score(endpoint, now) for endpoint in candidates)
+            if any(self._balance.overloaded(load_score(holder, now), lightest) for holder in holders):
+                return candidates
+        return holders
+
     def _cached_else_least_loaded(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
         """The decoders' rule: the longest cached prefix of any length (a decoder holding a shared system
         prompt computes less of the prompt), the least loaded among its holders, and the least loaded of
