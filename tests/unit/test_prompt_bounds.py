@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,11 @@ def test_a_shape_that_proves_nothing_has_every_prompt_counted_whole(families: di
     assert prompt_bound(reshaped(byte, byte_nfkc)) is None
     for change in (nfkc, no_mark, stripping, dropout, split_words):
         assert prompt_bound(reshaped(sentencepiece, change)) is None, change.__name__
+
+    def ignore_merges(spec: dict[str, Any]) -> None:  # a head may be one vocabulary token the whole text is not
+        spec["model"]["ignore_merges"] = True
+
+    assert prompt_bound(reshaped(sentencepiece, ignore_merges)) == replace(EXPECTED["sentencepiece"], heads=False)
     assert prompt_bound(reshaped(wordpiece, nfkc)) is None
     assert prompt_bound(reshaped(wordpiece, stripping)) is None
     unigram = Tokenizer.from_str(json.dumps({**json.loads(sentencepiece._backend.to_str()), "model": {

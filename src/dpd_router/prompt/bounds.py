@@ -157,7 +157,9 @@ def _sentencepiece_words(model: dict[str, Any], added: set[str]) -> tuple[bool, 
     character into a space, no merge crosses such a cut (the head's pieces merge as the whole's do), and
     where no token spans two words, each word starts a token of its own (unless the unknown characters
     around a space the vocabulary lacks, a newline, are fused into one token)."""
-    heads = True
+    # A BPE told to take a whole word from its vocabulary before merging (`ignore_merges`) takes the whole
+    # text here, which has no pre-tokenizer to cut it into words: a head could be one token the whole is not.
+    heads = not model.get("ignore_merges")
     words = bool(model.get("byte_fallback")) or not model.get("fuse_unk")
     fallback = bool(model.get("byte_fallback"))
     for token in model.get("vocab") or {}:
