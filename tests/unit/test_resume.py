@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -14,9 +15,10 @@ from dpd_router.gateway.answer import StreamedAnswer
 from dpd_router.gateway.policy import PhaseTimeouts
 from dpd_router.gateway.relay import EventStream
 from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
+from dpd_router.gateway.resume_text import named_event
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import RequestTrace
-from dpd_router.wires import MESSAGES_WIRE
+from dpd_router.wires import MESSAGES_WIRE, OPENAI_WIRE
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -202,10 +204,17 @@ def test_streams_that_cannot_be_continued_ask_for_no_ids() -> None:
 
 
 async def relayed_with_a_resumer(
-    open_continuation: Any, sent: tuple[bytes, ...] | None = None, *, strip_usage: bool = False
+    open_continuation: Any,
+    sent: Sequence[bytes] | None = None,
+    *,
+    strip_usage: bool = False,
+    kind: str = "chat",
+    left: int = 1,
+    blocked: str | None = None,
 ) -> tuple[bytes, RequestTrace, RouterMetrics]:
-    """A chat stream whose decoder sends `sent` (by default the prompt's ids and two tokens), then breaks,
-    relayed with a Resumer whose continuation `open_continuation` serves."""
+    """A `kind` stream (chat, or messages) whose decoder sends `sent` (by default the prompt's ids and two
+    tokens), then breaks, relayed with a Resumer (`left` continuations, or `blocked`) whose continuation
+    `open_continuation` serves."""
     if sent is None:
         sent = (chat_chunk("", None, prompt=[1, 2]), chat_chunk(" a", [7]) + b"\n\n" + chat_chunk(" b", [8]))
 
@@ -216,16 +225,18 @@ async def relayed_with_a_resumer(
             raise httpx.ReadError("reset")
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
-    request = parse_request("chat", orjson.dumps(body))
-    policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    request = parse_request(kind, orjson.dumps(body))
+    policy = ResumePolicy.arm(request, left=left, max_tokens=1000, blocked=blocked)
+    trace = RequestTrace(request_id="r", kind=kind, stream=True)
     metrics = RouterMetrics()
+    wire = MESSAGES_WIRE if kind == "messages" else OPENAI_WIRE
     resumer = Resumer(
-        request, trace, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(), strip_usage=strip_usage
-    )
+        request, trace, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(),
+        strip_usage=strip_usage, wire=wire,
+    )  # fmt: skip
     stream = EventStream(
         httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
-        resumer=resumer,
+        resumer=resumer, wire=wire,
     )  # fmt: skip
     await stream.prime(asyncio.get_running_loop().time() + 5)
     return b"".join([chunk async for chunk in stream]), trace, metrics
@@ -280,6 +291,10 @@ async def test_a_continuation_that_fails_unexpectedly_still_ends_the_stream_in_b
     assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1
 
 
+async def never_continued(request: Any, failed: Any, left: int) -> tuple[Any, str]:
+    raise AssertionError("a complete answer is not continued")
+
+
 @pytest.mark.parametrize("client_asked_usage", [True, False])
 async def test_a_complete_answer_whose_decoder_broke_before_its_end_ends_as_the_decoder_would_have(
     client_asked_usage: bool,
@@ -287,11 +302,8 @@ async def test_a_complete_answer_whose_decoder_broke_before_its_end_ends_as_the_
     """The finish went by, then the connection broke before the usage and [DONE]: nothing to continue, and
     nothing the client lacks but the end, which the tape's counts write (no error for a complete answer)."""
 
-    async def never(request: Any, failed: Any, left: int) -> tuple[Any, str]:
-        raise AssertionError("a complete answer is not continued")
-
     sent = (chat_chunk("", None, prompt=[1, 2, 3]), chat_chunk(" a", [7]), chat_chunk(" b", [8], finish="stop"))
-    out, trace, metrics = await relayed_with_a_resumer(never, sent, strip_usage=not client_asked_usage)
+    out, trace, metrics = await relayed_with_a_resumer(never_continued, sent, strip_usage=not client_asked_usage)
     assert out.endswith(b"data: [DONE]\n\n") and b'"error"' not in out
     payloads = [orjson.loads(part[len(b"data: ") :]) for part in out.split(b"\n\n") if part.startswith(b"data: {")]
     usage = [p["usage"] for p in payloads if p.get("usage")]
@@ -310,11 +322,8 @@ async def test_a_complete_message_whose_decoder_broke_before_its_stop_ends_with_
     """A Messages stream whose stop reason and usage went by (message_delta) lacks only its message_stop:
     written, not an error event; one that broke before its message_delta cannot tell its stop reason."""
 
-    async def never(request: Any, failed: Any, left: int) -> tuple[Any, str]:
-        raise AssertionError("a complete answer is not continued")
-
     def named(kind: str, **fields: Any) -> bytes:
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields})
+        return named_event({"type": kind, **fields})
 
     message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": []}
     sent = [
@@ -327,30 +336,10 @@ async def test_a_complete_message_whose_decoder_broke_before_its_stop_ends_with_
             named("content_block_stop", index=0),
             named("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 1}),
         ]
-
-    class Broken(httpx.AsyncByteStream):
-        async def __aiter__(self) -> Any:
-            for chunk in sent:
-                yield chunk + b"\n\n"
-            raise httpx.ReadError("reset")
-
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
-    request = parse_request("messages", orjson.dumps(body))
-    trace = RequestTrace(request_id="r", kind="messages", stream=True)
     # Complete: nothing to continue, whatever is left. Not: none left to continue it, so it ends in error.
-    policy = ResumePolicy.arm(
-        request, left=1 if complete else 0, max_tokens=1000, blocked=None if complete else "limit"
+    out, trace, _ = await relayed_with_a_resumer(
+        never_continued, sent, kind="messages", left=1 if complete else 0, blocked=None if complete else "limit"
     )
-    resumer = Resumer(
-        request, trace, policy, None, RouterMetrics(), open=never, timeouts=PhaseTimeouts(), strip_usage=False,
-        wire=MESSAGES_WIRE,
-    )  # fmt: skip
-    stream = EventStream(
-        httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
-        resumer=resumer, wire=MESSAGES_WIRE,
-    )  # fmt: skip
-    await stream.prime(asyncio.get_running_loop().time() + 5)
-    out = b"".join([chunk async for chunk in stream])
     if complete:
         assert out.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n') and b"error" not in out
         assert trace.outcome == "ok" and trace.completion_tokens == 1
