@@ -254,8 +254,7 @@ class Planner:
         Asked of every decoder the decoders' rule may choose now (PrefixAware.may_choose; any, for another
         rule), so no choice can take it to one that holds less."""
         assert self.cache is not None and prompt.at_most is not None
-        pool = self.pool
-        decoders = pool.healthy("decode") or pool.recovering("decode") or pool.last_resort("decode")
+        decoders = self._decoder_candidates()
         if not decoders:
             return False
         request = RoutingRequest(prompt)
@@ -332,18 +331,21 @@ class Planner:
         """Another endpoint of `role` for a retry, chosen by the same strategy; None if none is left.
         With no decoder available, recovering ones count, then those failing only their probes, as in
         choose_decoder."""
-        healthy = self.pool.healthy(role)
-        if role == "decode" and not healthy:
-            healthy = self.pool.recovering(role) or self.pool.last_resort(role)
-        candidates = [endpoint for endpoint in healthy if endpoint not in exclude]
+        available = self._decoder_candidates() if role == "decode" else self.pool.healthy(role)
+        candidates = [endpoint for endpoint in available if endpoint not in exclude]
         if not candidates:
             return None
         strategy = self.prefill_strategy if role == "prefill" else self.decode_strategy
         return strategy.select(candidates, RoutingRequest(prompt, session_key=session_key))
 
-    def choose_decoder(self, request: RoutingRequest) -> Endpoint:
+    def _decoder_candidates(self) -> Sequence[Endpoint]:
+        """The decoders a plan chooses among: the healthy ones, else the recovering, else those failing only
+        their probes."""
         pool = self.pool
-        decoders = pool.healthy("decode") or pool.recovering("decode") or pool.last_resort("decode")
+        return pool.healthy("decode") or pool.recovering("decode") or pool.last_resort("decode")
+
+    def choose_decoder(self, request: RoutingRequest) -> Endpoint:
+        decoders = self._decoder_candidates()
         if not decoders:
             raise NoHealthyDecoder("No decoder is available to serve this request; try again shortly.")
         return self.decode_strategy.select(decoders, request)

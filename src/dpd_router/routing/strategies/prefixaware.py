@@ -111,11 +111,9 @@ class PrefixAware:
         candidate. With `hash_new_prefixes`, every candidate."""
         if self._hash_new or len(candidates) == 1:
             return candidates
-        _, matched = self.cache.locate(request, candidates)
-        longest = max(matched.values(), default=0)
-        if longest <= 0:
+        holders = self._holders(candidates, request)
+        if not holders:
             return candidates
-        holders = [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
         if len(holders) < len(candidates):
             now = time.monotonic()
             lightest = min(load_score(endpoint, now) for endpoint in candidates)
@@ -123,16 +121,23 @@ class PrefixAware:
                 return candidates
         return holders
 
+    def _holders(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> list[Endpoint]:
+        """The candidates holding the longest cached prefix of the prompt (of any length); none if nobody
+        holds any."""
+        _, matched = self.cache.locate(request, candidates)
+        longest = max(matched.values(), default=0)
+        if longest <= 0:
+            return []
+        return [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
+
     def _cached_else_least_loaded(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
         """The decoders' rule: the longest cached prefix of any length (a decoder holding a shared system
         prompt computes less of the prompt), the least loaded among its holders, and the least loaded of
         all for a prefix nobody holds. A decoder's stream stays on it for the whole answer, so spreading
         by load matters more there than agreeing with other replicas on a new prefix."""
-        _, matched = self.cache.locate(request, candidates)
-        longest = max(matched.values(), default=0)
-        if longest <= 0:
+        holders = self._holders(candidates, request)
+        if not holders:
             return self._fallback.select(candidates, request)
-        holders = [endpoint for endpoint in candidates if matched.get(endpoint, 0) == longest]
         chosen = holders[0] if len(holders) == 1 else self._fallback.select(holders, request)
         if len(holders) < len(candidates):
             now = time.monotonic()
