@@ -92,11 +92,11 @@ STAGE_MAP: dict[str, tuple[str, ...]] = {
     ),
     "key, limits & admission": (
         "dpd_router/api/auth.py", "dpd_router/api/limits.py", "dpd_router/api/redis_limits.py",
-        "dpd_router/api/admission.py", "dpd_router/keys.py",
+        "dpd_router/api/admission.py", "dpd_router/api/keys.py",
     ),
     "parse & checks": (
-        "dpd_router/client_request.py", "dpd_router/prompt/context_window.py", "dpd_router/api/openai.py:_read_body",
-        "dpd_router/api/openai.py:_resolve_model",
+        "dpd_router/request/client_request.py", "dpd_router/prompt/context_window.py",
+        "dpd_router/api/openai.py:_read_body", "dpd_router/api/openai.py:_resolve_model",
     ),
     "tokenize": (
         "dpd_router/prompt/tokenizer.py", "dpd_router/prompt/template_sandbox.py", "transformers/", "tokenizers/",

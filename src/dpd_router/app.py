@@ -21,11 +21,11 @@ from dpd_router.api.guards import ErrorBoundary
 from dpd_router.api.openai import OpenAIApi
 from dpd_router.api.ops import OpsApi
 from dpd_router.api.tokenize import TokenizeApi
-from dpd_router.client_request import RequestKind
 from dpd_router.config import Settings
+from dpd_router.request.client_request import RequestKind
 from dpd_router.server import REASONS as REFUSAL_REASONS
 from dpd_router.server import ListenerLimits, RefusedConnections, guarded_protocol
-from dpd_router.startup import Components
+from dpd_router.startup.components import Components
 
 
 def create_app(settings: Settings, *, refused_connections: RefusedConnections | None = None) -> CompletionsLane:

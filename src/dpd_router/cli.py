@@ -11,7 +11,7 @@ from typing import Any
 
 from dpd_router import __version__
 from dpd_router.config import Settings, SettingsError, load_settings
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 
 # Flags that map one-to-one onto settings: flag -> (setting name, type, help).
 SERVE_FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return advise(args)
         if args.command == "hash-key":
-            from dpd_router.keys import hash_key
+            from dpd_router.api.keys import hash_key
 
             key = args.key if args.key is not None else sys.stdin.readline().strip()
             if not key:

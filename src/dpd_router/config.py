@@ -32,7 +32,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from dpd_router.keys import checked_digest
+from dpd_router.api.keys import checked_digest
 
 PrefillStrategy = Literal["roundrobin", "session", "prefixaware", "kvaware", "leastloaded"]
 ThresholdMode = Literal["static", "cache_aware", "adaptive"]

@@ -32,7 +32,7 @@ from dpd_router.config import (
     updated_settings,
     without_password,
 )
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from dpd_router.record.metrics import RouterMetrics

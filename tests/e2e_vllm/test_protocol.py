@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
 from dpd_router.prompt.tokenizer import LocalTokenizer
+from dpd_router.request.client_request import parse_request
 from dpd_router.transfer.base import prefill_prompt_ids
 from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from dpd_router.errors import NoHealthyDecoder
 from dpd_router.prompt.tokenizer import BackgroundEncoder, LocalTokenizer
+from dpd_router.request.errors import NoHealthyDecoder
 from dpd_router.routing.planner import REACH_HEAD_BLOCKS, Planner
 from dpd_router.transfer import base as transfer_base
 from dpd_sim.cluster import SimCluster

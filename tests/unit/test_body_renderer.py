@@ -10,10 +10,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from dpd_router.client_request import MANY_CONTAINERS, parse_request
-from dpd_router.errors import InvalidRequest
 from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
 from dpd_router.prompt.tokenizer import LocalTokenizer, PromptTooLong
+from dpd_router.request.client_request import MANY_CONTAINERS, parse_request
+from dpd_router.request.errors import InvalidRequest
 
 MESSAGES = MANY_CONTAINERS // 2 + 100  # a message is two containers: {} and the content's []
 

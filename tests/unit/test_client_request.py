@@ -4,8 +4,8 @@ import orjson
 import pytest
 
 from dpd_router.api.errors import response_for
-from dpd_router.client_request import clean_request_id, parse_request
-from dpd_router.errors import InvalidRequest, ModelNotFound, NoHealthyDecoder
+from dpd_router.request.client_request import clean_request_id, parse_request
+from dpd_router.request.errors import InvalidRequest, ModelNotFound, NoHealthyDecoder
 
 
 def chat(**fields: object) -> bytes:

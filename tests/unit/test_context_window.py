@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
-from dpd_router.client_request import RequestKind, parse_request
-from dpd_router.errors import InvalidRequest
 from dpd_router.prompt.context_window import check_context_length
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import RequestKind, parse_request
+from dpd_router.request.errors import InvalidRequest
 
 LIMIT = 4096
 

@@ -7,13 +7,13 @@ from typing import Any, cast
 import orjson
 
 from dpd_router.api.auth import ANONYMOUS, Principal
-from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.request.client_request import parse_request
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms, arm_position
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner

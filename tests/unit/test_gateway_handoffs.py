@@ -22,7 +22,6 @@ from dpd_router.api.admission import Admissions
 from dpd_router.api.answers import send_answer
 from dpd_router.api.auth import Gatekeeper, KeyRing
 from dpd_router.api.departure import Departure
-from dpd_router.client_request import ClientRequest, parse_request
 from dpd_router.config import load_settings
 from dpd_router.gateway import Answer, Gateway, PhaseTimeouts, RetryPolicy, StreamedAnswer
 from dpd_router.gateway.models import Models, ServingModel
@@ -32,6 +31,7 @@ from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer
+from dpd_router.request.client_request import ClientRequest, parse_request
 from dpd_router.responses.history import ResponsesHistory
 from dpd_router.routing.planner import build_planner
 from dpd_router.transfer.lmcache.connector import LMCacheConnector

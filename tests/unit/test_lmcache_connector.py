@@ -14,12 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
-from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.startup.connectors import build_connector
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.base import Handoff, StagedKV

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpd_router.client_request import free_in_pieces, load_yielding, parse_request
-from dpd_router.errors import InvalidRequest
+from dpd_router.request.client_request import free_in_pieces, load_yielding, parse_request
+from dpd_router.request.errors import InvalidRequest
 
 
 def verdict(loader: Any, raw: bytes) -> tuple[str, Any]:

@@ -9,9 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
-from dpd_router.errors import InvalidRequest
 from dpd_router.messages.api import template_body, usage_counts
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import InvalidRequest
 from dpd_router.transfer.base import one_token_body, prefill_usage
 from dpd_router.transfer.nixl import prefill_body
 

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
+from dpd_router.gateway.wires import MESSAGES_WIRE
 from dpd_router.record.observe import RequestTrace
-from dpd_router.wires import MESSAGES_WIRE
 from tests.unit.test_relay import Chunks
 
 

@@ -9,9 +9,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import SettingsError, load_settings, models_restart_needed, updated_settings
-from dpd_router.errors import ModelNotFound, UpstreamError
 from dpd_router.gateway.models import Models, ServingModel
 from dpd_router.pool import adapters as adapters_module
 from dpd_router.pool.adapters import AdapterLoader
@@ -19,6 +17,8 @@ from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import ModelNotFound, UpstreamError
 from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.planner import build_planner
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
-from dpd_router.errors import PrefillFailed
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.transfer.nixl import decode_body, prefill_body, staged_from_answer
 
 KV_PARAMS = {

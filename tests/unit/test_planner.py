@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from dpd_router.errors import NoHealthyDecoder
 from dpd_router.pool.pool import Pool
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.errors import NoHealthyDecoder
 from dpd_router.routing.planner import Planner
 from dpd_router.routing.strategies import LeastLoaded, RoundRobin
 

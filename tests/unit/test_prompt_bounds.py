@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, normalizers
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
 from dpd_router.pool.pool import Pool
 from dpd_router.prompt.bounds import BYTE_LEVEL, SENTENCEPIECE, WORDPIECE, Bound, prompt_bound
 from dpd_router.prompt.tokenizer import LocalTokenizer, Prompt, PromptReader, read_prompt, utf8_size
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.client_request import parse_request
 from dpd_router.routing.planner import build_planner
 from tests.tokenizer_families import FAMILIES, build
 from tests.unit.test_prompt_reader import spy_encodings, text_of

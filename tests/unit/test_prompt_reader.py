@@ -17,9 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
-from dpd_router.errors import InvalidRequest
 from dpd_router.pool.pool import Pool
 from dpd_router.prompt.context_window import check_context_length
 from dpd_router.prompt.tokenizer import (
@@ -33,6 +31,8 @@ from dpd_router.prompt.tokenizer import (
     read_prompt,
 )
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import InvalidRequest
 from dpd_router.routing.planner import REACH_HEAD_BLOCKS, Planner, build_planner
 from dpd_router.routing.request import RoutingRequest
 from dpd_sim.tokenizer_kit import _WORDS

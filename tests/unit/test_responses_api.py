@@ -11,14 +11,14 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
-from dpd_router.errors import InvalidRequest
 from dpd_router.gateway.relay import EventStream, relay_body
+from dpd_router.gateway.wires import RESPONSES_WIRE, KeptResponsesWire
 from dpd_router.record.observe import RequestTrace
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import InvalidRequest
 from dpd_router.responses.api import Turn
 from dpd_router.transfer.base import prefill_usage
 from dpd_router.transfer.nixl import prefill_body
-from dpd_router.wires import RESPONSES_WIRE, KeptResponsesWire
 from tests.unit.test_relay import Chunks
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
-from dpd_router.errors import ResponseNotFound, StoreUnavailable
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import ResponseNotFound, StoreUnavailable
 from dpd_router.responses.history import ResponsesHistory
 from dpd_router.responses.store import SqliteResponses, StoredResponse
 

@@ -10,15 +10,15 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
 from dpd_router.gateway.answer import StreamedAnswer
 from dpd_router.gateway.policy import PhaseTimeouts
 from dpd_router.gateway.relay import EventStream
 from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
 from dpd_router.gateway.resume_text import named_event
+from dpd_router.gateway.wires import MESSAGES_WIRE, OPENAI_WIRE
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import RequestTrace
-from dpd_router.wires import MESSAGES_WIRE, OPENAI_WIRE
+from dpd_router.request.client_request import parse_request
 
 
 def event(payload: dict[str, Any]) -> bytes:

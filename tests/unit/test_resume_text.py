@@ -6,7 +6,6 @@ from typing import Any
 
 import orjson
 
-from dpd_router.client_request import parse_request
 from dpd_router.gateway.resume_text import (
     EventTape,
     MessagesAnswer,
@@ -15,6 +14,7 @@ from dpd_router.gateway.resume_text import (
     chat_continuation,
     said_text,
 )
+from dpd_router.request.client_request import parse_request
 
 
 def named(kind: str, **fields: Any) -> bytes:

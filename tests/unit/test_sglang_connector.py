@@ -9,14 +9,14 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
-from dpd_router.errors import PrefillFailed
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
 from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.startup.connectors import build_connector
 from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.sglang import SGLangConnector, bootstrap_fields

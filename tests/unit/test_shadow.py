@@ -5,13 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import SettingsError, ShadowSettings, load_settings, updated_settings
+from dpd_router.gateway.wires import MESSAGES_WIRE, RESPONSES_WIRE
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.request.client_request import parse_request
 from dpd_router.shadow import LiveShadow, RecentLengths, ShadowChoice, ShadowCopy
 from dpd_router.shadow.copies import ShadowAnswer, ShadowAnswerUnreadable, shadow_body, shadow_headers
-from dpd_router.wires import MESSAGES_WIRE, RESPONSES_WIRE
 
 
 def settings(**values: object) -> ShadowSettings:

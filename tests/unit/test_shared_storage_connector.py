@@ -8,11 +8,11 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.client_request import parse_request
 from dpd_router.config import load_settings
-from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.startup.connectors import build_connector
 from dpd_router.transfer.base import ENGINE_PATHS, StagedKV
 from dpd_router.transfer.shared_storage import SharedStorageConnector, prefill_body, staged_from_answer

@@ -9,9 +9,9 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
-from dpd_router.client_request import parse_request
-from dpd_router.errors import InvalidRequest
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES, EngineTokenizer, LocalTokenizer, PromptTooLong
+from dpd_router.request.client_request import parse_request
+from dpd_router.request.errors import InvalidRequest
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from dpd_router.api.errors import error_response, response_for
-from dpd_router.errors import RateLimited, RouterError
 from dpd_router.live import ConfigRejected
 from dpd_router.record.metrics import model_label
+from dpd_router.request.errors import RateLimited, RouterError
 from dpd_router.routing.adaptive import LEARNED_HOPS, LEARNING_EXPLORE_SHARE
 
 if TYPE_CHECKING:

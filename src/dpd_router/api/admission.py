@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 from dpd_router.api.limits import worker_share
 from dpd_router.config import Settings
-from dpd_router.errors import AdmissionRejected
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.errors import AdmissionRejected
 
 # The admission budget (metrics label `pool`) of requests served by the shared pool.
 SHARED = "shared"

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from dpd_router.api.keys import checked_digest
+from dpd_router.api.keys import hash_key as hash_key  # where tests and scripts have imported it from
 from dpd_router.api.limits import KeyLimits, SharedBuckets, SharedBudget, TokenBucket
-from dpd_router.errors import Forbidden, RateLimited, RouterError, Unauthorized
-from dpd_router.keys import checked_digest
-from dpd_router.keys import hash_key as hash_key  # where tests and scripts have imported it from
+from dpd_router.request.errors import Forbidden, RateLimited, RouterError, Unauthorized
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -29,8 +29,8 @@ from dpd_router.advise.analysis import analyse
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.api.admin import authorize
 from dpd_router.api.errors import response_for
-from dpd_router.errors import RouterError
 from dpd_router.record.metrics import PREFIX, RouterMetrics, model_label
+from dpd_router.request.errors import RouterError
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper

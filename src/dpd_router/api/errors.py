@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from starlette.responses import Response
 
-from dpd_router.errors import RouterError
+from dpd_router.request.errors import RouterError
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> bytes:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from dpd_router.errors import RateLimit, RateLimited
+from dpd_router.request.errors import RateLimit, RateLimited
 
 if TYPE_CHECKING:
     from dpd_router.record.metrics import RouterMetrics

@@ -27,7 +27,9 @@ from dpd_router.api.departure import Departure
 from dpd_router.api.errors import response_for
 from dpd_router.api.guards import internal_error
 from dpd_router.api.limits import count_refusal
-from dpd_router.client_request import (
+from dpd_router.messages import api as messages_api
+from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
+from dpd_router.request.client_request import (
     MANY_CONTAINERS,
     ClientRequest,
     RequestKind,
@@ -35,7 +37,7 @@ from dpd_router.client_request import (
     free_in_pieces,
     parse_request,
 )
-from dpd_router.errors import (
+from dpd_router.request.errors import (
     AdmissionRejected,
     InvalidRequest,
     NotFound,
@@ -44,8 +46,6 @@ from dpd_router.errors import (
     RouterError,
     Unauthorized,
 )
-from dpd_router.messages import api as messages_api
-from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.routing.request import session_key
 
 if TYPE_CHECKING:

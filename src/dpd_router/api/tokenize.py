@@ -21,8 +21,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from dpd_router.api.openai import RequestIds, error_response, read_body
-from dpd_router.errors import NoHealthyDecoder, RouterError, UpstreamError
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
+from dpd_router.request.errors import NoHealthyDecoder, RouterError, UpstreamError
 
 if TYPE_CHECKING:
     from dpd_router.api.auth import Gatekeeper

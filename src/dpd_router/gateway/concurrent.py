@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from dpd_router.errors import PrefillFailed
 from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.transfer.base import StagedKV
 
 # Seconds a concurrent decode call that failed before its first token waits for its prefill's outcome.

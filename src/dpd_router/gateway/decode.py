@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import anyio
 import httpx
 
-from dpd_router.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
 from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
 from dpd_router.gateway.deadlines import prior
@@ -27,14 +26,15 @@ from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
 from dpd_router.gateway.resume import Resumer
 from dpd_router.gateway.watch import EngineProbe, HopWatch
+from dpd_router.gateway.wires import wire_of
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.engine_pool import PooledAnswer
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.pool.transport import EngineAnswer, EngineCalls
 from dpd_router.prompt.context_window import output_budget
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.errors import PrefillFailed, UpstreamError, UpstreamTimeout
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
-from dpd_router.wires import wire_of
 
 log = logging.getLogger("dpd_router.gateway")
 

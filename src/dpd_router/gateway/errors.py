@@ -1,8 +1,8 @@
 """The failures of a hop that the gateway handles itself, before any becomes the client's error.
 
-A prefill hop fails with `dpd_router.errors.PrefillFailed` (raised by the connectors too); a decode
+A prefill hop fails with `dpd_router.request.errors.PrefillFailed` (raised by the connectors too); a decode
 call that fails before the client saw a byte fails with `DecodeFailed`, which another decoder may
-make good. What reaches the client is a `RouterError` (dpd_router.errors), mapped once to HTTP.
+make good. What reaches the client is a `RouterError` (dpd_router.request.errors), mapped once to HTTP.
 """
 
 from __future__ import annotations

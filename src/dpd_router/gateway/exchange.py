@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from dpd_router.client_request import ClientRequest
 from dpd_router.gateway.answer import Answer
 from dpd_router.gateway.completion import Completion
 from dpd_router.gateway.deadlines import HopDeadlines
@@ -15,6 +14,7 @@ from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.record.observe import RequestTrace
+from dpd_router.request.client_request import ClientRequest
 from dpd_router.routing.planner import Planner
 
 

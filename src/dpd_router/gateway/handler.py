@@ -21,9 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from dpd_router.api.auth import ANONYMOUS, Principal
-from dpd_router.client_request import ClientRequest
 from dpd_router.config import Settings
-from dpd_router.errors import PrefillFailed, PrefillUnavailable, RouterError
 from dpd_router.gateway.answer import Answer
 from dpd_router.gateway.completion import Completion, HeldKV
 from dpd_router.gateway.concurrent import abandon
@@ -45,6 +43,8 @@ from dpd_router.prompt.context_window import check_context_length, prompt_too_lo
 from dpd_router.prompt.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
 from dpd_router.record.metrics import RouterMetrics, model_label
 from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import PrefillFailed, PrefillUnavailable, RouterError
 from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner

@@ -15,18 +15,18 @@ from dataclasses import replace
 
 import anyio
 
-from dpd_router.errors import RouterError, UpstreamError
 from dpd_router.gateway.answer import StreamedAnswer
 from dpd_router.gateway.decode import DecodeHop, DecoderReplacement, read_refusal
 from dpd_router.gateway.errors import DecodeFailed
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.relay import EventStream
+from dpd_router.gateway.wires import error_event
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineAnswer
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.errors import RouterError, UpstreamError
 from dpd_router.routing.planner import Plan
 from dpd_router.transfer.base import DecodeCall, StagedKV
-from dpd_router.wires import error_event
 
 log = logging.getLogger("dpd_router.gateway")
 

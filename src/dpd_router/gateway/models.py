@@ -16,14 +16,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dpd_router.client_request import ClientRequest
 from dpd_router.config import Settings
-from dpd_router.errors import ModelNotFound
 from dpd_router.gateway.handler import Gateway
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import ModelNotFound
 from dpd_router.routing.experiments import arm_position
 
 

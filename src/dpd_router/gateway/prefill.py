@@ -15,7 +15,6 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
-from dpd_router.errors import PrefillFailed, PrefillUnavailable
 from dpd_router.gateway.completion import HeldKV
 from dpd_router.gateway.deadlines import prior
 from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
@@ -24,8 +23,9 @@ from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics, model_label
 from dpd_router.record.observe import RequestTrace
+from dpd_router.request.errors import PrefillFailed, PrefillUnavailable
 from dpd_router.routing.planner import PREFILL_FAILED, Plan
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 from dpd_router.transfer.base import Connector, Handoff, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")

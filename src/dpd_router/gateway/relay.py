@@ -21,12 +21,12 @@ import anyio
 import httpx
 import orjson
 
-from dpd_router.errors import RouterError
 from dpd_router.gateway.resume import Resumer
+from dpd_router.gateway.wires import OPENAI_WIRE, Wire
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineAnswer
 from dpd_router.record.observe import RequestTrace
-from dpd_router.wires import OPENAI_WIRE, Wire
+from dpd_router.request.errors import RouterError
 
 log = logging.getLogger("dpd_router.gateway")
 

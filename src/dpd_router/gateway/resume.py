@@ -29,8 +29,6 @@ from typing import Any
 
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import RouterError
 from dpd_router.gateway.answer import Answer, StreamedAnswer
 from dpd_router.gateway.policy import PhaseTimeouts
 from dpd_router.gateway.resume_text import (
@@ -42,13 +40,15 @@ from dpd_router.gateway.resume_text import (
     chat_continuation,
     named_event,
 )
+from dpd_router.gateway.wires import OPENAI_WIRE, Wire, reconcile_usage
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import RequestTrace
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import RouterError
 from dpd_router.transfer import chat_chunks
 from dpd_router.transfer.lmcache.bodies import CHAT_ONLY_FIELDS, requested_max_tokens, requested_min_tokens
 from dpd_router.transfer.lmcache.compat import unsupported_field
-from dpd_router.wires import OPENAI_WIRE, Wire, reconcile_usage
 
 log = logging.getLogger("dpd_router.gateway")
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.wires import MESSAGES_WIRE
+from dpd_router.gateway.wires import MESSAGES_WIRE
+from dpd_router.request.client_request import ClientRequest
 
 _DATA = b"\ndata: "
 _MESSAGES_ENDS = (b"event: message_delta", b"event: message_stop")

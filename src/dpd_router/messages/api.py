@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from dpd_router.errors import InvalidRequest
+from dpd_router.request.errors import InvalidRequest
 
 ROLES = frozenset({"user", "assistant", "system"})
 # Claude Code's system prompt starts with a header that changes each request; vLLM leaves it out of the

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import orjson
 
-from dpd_router.errors import UpstreamError
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.errors import UpstreamError
 
 log = logging.getLogger("dpd_router.models")
 

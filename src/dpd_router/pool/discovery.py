@@ -30,7 +30,7 @@ from dpd_router.config import Settings, SettingsError
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.discovery")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpd_router.client_request import TEXT_PART_TYPES
+from dpd_router.request.client_request import TEXT_PART_TYPES
 
 
 def _text_of_content(content: Any) -> Any:

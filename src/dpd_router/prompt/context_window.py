@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import InvalidRequest
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import InvalidRequest
 
 
 def check_context_length(request: ClientRequest, prompt: Prompt, limit: int) -> None:

@@ -30,8 +30,8 @@ from typing import Any
 
 import orjson
 
-from dpd_router.errors import InvalidRequest
 from dpd_router.prompt.chat_inputs import client_template, template_inputs
+from dpd_router.request.errors import InvalidRequest
 
 log = logging.getLogger("dpd_router.tokenizer")
 

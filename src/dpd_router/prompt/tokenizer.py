@@ -32,12 +32,12 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router.client_request import MANY_CONTAINERS, ClientRequest
-from dpd_router.errors import InvalidRequest, UpstreamError
 from dpd_router.prompt.bounds import Bound, longest_token_bytes, prompt_bound
 from dpd_router.prompt.chat_inputs import client_template, template_inputs
 from dpd_router.prompt.chat_render import PlainChatTemplate
 from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
+from dpd_router.request.client_request import MANY_CONTAINERS, ClientRequest
+from dpd_router.request.errors import InvalidRequest, UpstreamError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dpd_router.errors import InvalidRequest
+from dpd_router.request.errors import InvalidRequest
 
 
 class Keeper(Protocol):

@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import InvalidRequest, ResponseNotFound, StoreUnavailable
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import InvalidRequest, ResponseNotFound, StoreUnavailable
 from dpd_router.responses import api as responses_api
 from dpd_router.responses.store import ResponseStore, StoredResponse
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from dpd_router.config import Settings, ThresholdMode
-from dpd_router.errors import NoHealthyDecoder
 from dpd_router.pool.endpoint import Endpoint, Role
 from dpd_router.pool.pool import Pool
 from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.errors import NoHealthyDecoder
 from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy
 from dpd_router.routing.cache import CacheLocator, CacheSource, KVHintSource
 from dpd_router.routing.load import Balance

@@ -19,16 +19,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-from dpd_router.client_request import ClientRequest, RequestKind
 from dpd_router.config import ShadowSettings
+from dpd_router.gateway.wires import OPENAI_WIRE, Wire, wire_for
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.request.client_request import ClientRequest, RequestKind
 from dpd_router.routing.request import session_key
 from dpd_router.shadow.choice import ShadowChoice
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 from dpd_router.transfer.base import ENGINE_PATHS
-from dpd_router.wires import OPENAI_WIRE, Wire, wire_for
 
 log = logging.getLogger("dpd_router.shadow")
 

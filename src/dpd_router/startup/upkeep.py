@@ -18,7 +18,7 @@ from dpd_router.pool.served_model import ServedModel
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.startup.allocator import MemoryReturn
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.app")
 

@@ -11,12 +11,12 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import PrefillFailed
 from dpd_router.messages import api as messages_api
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.responses import api as responses_api
 
 ENGINE_PATHS = {

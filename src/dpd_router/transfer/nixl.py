@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import PrefillFailed
 from dpd_router.pool.transport import EngineCalls
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import PrefillFailed
+from dpd_router.startup.tasks import cancel_and_wait
 from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, staged_from_prefill
 
 log = logging.getLogger("dpd_router.transfer.nixl")

@@ -20,11 +20,11 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import PrefillFailed
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.transfer.base import DecodeCall, Handoff, StagedKV, prefill_usage, send_prefill
 
 DEFAULT_BOOTSTRAP_PORT = 8998

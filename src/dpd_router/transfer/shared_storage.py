@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import PrefillFailed
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.transfer.base import SequentialConnector, StagedKV, one_token_body, staged_from_prefill
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from dpd_router.api.admission import Admission, Admissions
 from dpd_router.config import load_settings
-from dpd_router.errors import AdmissionRejected
 from dpd_router.record.metrics import RouterMetrics
+from dpd_router.request.errors import AdmissionRejected
 
 
 def admission(max_in_flight: int, max_queued: int, queue_timeout: float = 5.0) -> Admission:

@@ -6,7 +6,7 @@ import pytest
 
 from dpd_router.api.auth import KeyRing, hash_key
 from dpd_router.api.limits import KeyLimits, TokenBucket, worker_share
-from dpd_router.errors import Forbidden, RateLimited, Unauthorized
+from dpd_router.request.errors import Forbidden, RateLimited, Unauthorized
 
 
 class Clock:

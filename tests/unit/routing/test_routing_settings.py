@@ -12,7 +12,7 @@ from dpd_router.pool.pool import Pool
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.kv_sources.lmcache_controller import LMCacheController
 from dpd_router.routing.kv_sources.vllm_events import KVEventSubscriber, publishers_from_settings
-from dpd_router.startup import Components
+from dpd_router.startup.components import Components
 
 P, D = "http://10.0.0.1:8100", "http://10.0.0.2:8200"
 

@@ -39,7 +39,7 @@ from dpd_router.record.metrics import RouterMetrics
 from dpd_router.routing.blocks import ROOT_SEED, block_hashes
 from dpd_router.routing.prefix_index import EndpointBits, matched_depths
 from dpd_router.routing.request import RoutingRequest
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.kv_events")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpd_router.client_request import ClientRequest
 from dpd_router.prompt.tokenizer import Prompt
+from dpd_router.request.client_request import ClientRequest
 
 # Chat-only fields a text completion does not take (the prompt is already rendered to token ids).
 CHAT_ONLY_FIELDS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpd_router.client_request import ClientRequest
+from dpd_router.request.client_request import ClientRequest
 from dpd_router.transfer.lmcache.bodies import requested_max_tokens
 
 # The continuation cannot carry these: they change the first token's meaning (structured output,

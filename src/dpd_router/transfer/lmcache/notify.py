@@ -9,7 +9,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from dpd_router.tasks import cancel_and_wait
+from dpd_router.startup.tasks import cancel_and_wait
 
 log = logging.getLogger("dpd_router.lmcache")
 

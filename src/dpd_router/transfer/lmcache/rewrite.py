@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from dpd_router.client_request import ClientRequest
-from dpd_router.errors import PrefillFailed
+from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.errors import PrefillFailed
 from dpd_router.transfer import chat_chunks
 
 # A prefill answer's finish reasons that mean it failed, not that the answer is complete.

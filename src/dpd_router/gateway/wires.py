@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from dpd_router.client_request import ClientRequest
 from dpd_router.messages import api as messages_api
 from dpd_router.record.observe import RequestTrace
+from dpd_router.request.client_request import ClientRequest
 from dpd_router.responses import api as responses_api
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from dpd_router.errors import InvalidRequest
 from dpd_router.messages import api as messages_api
+from dpd_router.request.errors import InvalidRequest
 from dpd_router.responses import api as responses_api
 
 if TYPE_CHECKING:
