@@ -17,6 +17,7 @@ from dpd_router.request.client_request import parse_request
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms, arm_position
 from dpd_router.routing.planner import Planner, adaptive_policy, build_planner
+from dpd_router.startup.connectors import build_connector
 
 SHARED = ("http://10.0.0.1:8100", "http://10.0.0.2:8200")
 RESERVED = ("http://10.0.1.1:8100", "http://10.0.1.2:8200")
@@ -38,7 +39,7 @@ def routers(experiments: dict[str, Any] | None) -> tuple[Gateway, Planner, Plann
         engines=cast(Any, None),
         tokenizers={},
         planners={None: shared, "acme": reserved},
-        connector=cast(Any, None),
+        connector=build_connector(settings, cast(Any, None)),  # never called: no request is served
         observer=Observer(metrics),
         metrics=metrics,
         model=ServedModel("m"),

@@ -31,11 +31,13 @@ class HeldKV:
     prefiller one log line about an unrecognized request.
     """
 
-    def __init__(self, staged: StagedKV, connector: Connector, metrics: RouterMetrics) -> None:
+    def __init__(self, staged: StagedKV, connector: Connector, metrics: RouterMetrics, *, pushed: bool) -> None:
         assert staged.handoff is not None
         self.staged = staged
         self.decoder = staged.handoff.decoder
         self._connector = connector
+        # Pushed into `decoder` (LMCache), not held on the prefiller for any decoder to pull (NIXL).
+        self._pushed = pushed
         self._metrics = metrics
         self._settled = False
         self._sent = False
@@ -46,19 +48,19 @@ class HeldKV:
 
     def answered_by(self, decoder: Endpoint) -> None:
         """`decoder` answered a decode call for this KV (a refusal, a whole answer, a stream's first token)."""
-        if decoder is self.decoder or not self._connector.pushes_to_decoder:
+        if decoder is self.decoder or not self._pushed:
             self._settled = True
 
     def maybe_used_by(self, decoder: Endpoint) -> None:
         """A decode call for this KV broke off after reaching `decoder`: pushed KV may be loaded there."""
-        if decoder is self.decoder and self._connector.pushes_to_decoder:
+        if decoder is self.decoder and self._pushed:
             self._settled = True
 
     def release(self) -> None:
         if not self._settled:
             self._settled = True
             self._metrics.kv_released.labels(self._connector.name).inc()
-            read = self._sent and not self._connector.pushes_to_decoder
+            read = self._sent and not self._pushed
             self._connector.release_unused(self.staged, after=KV_READ_GRACE if read else 0.0)
 
 

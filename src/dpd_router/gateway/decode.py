@@ -18,9 +18,9 @@ import anyio
 import httpx
 
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
-from dpd_router.gateway.concurrent import prefiller_cached_tokens, unless_prefill_fails
+from dpd_router.gateway.concurrent import prefiller_cached_tokens
 from dpd_router.gateway.deadlines import prior
-from dpd_router.gateway.errors import HANDOFF_FAILED, DecodeFailed, missed_learned_deadline
+from dpd_router.gateway.errors import DecodeFailed, missed_learned_deadline
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
@@ -33,7 +33,7 @@ from dpd_router.pool.served_model import ServedModel
 from dpd_router.pool.transport import EngineAnswer, EngineCalls
 from dpd_router.prompt.context_window import output_budget
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.request.errors import PrefillFailed, UpstreamError, UpstreamTimeout
+from dpd_router.request.errors import UpstreamError, UpstreamTimeout
 from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")
@@ -57,25 +57,8 @@ class DecodeHop:
     async def answer(
         self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
     ) -> Answer:
-        """The decode call, until its first token (or whole answer); while a concurrent prefill still
-        runs, that prefill failing first cancels the call and raises its PrefillFailed, and a decode
-        call failing while the prefill cannot be shown to have done its part is a failed hand-off,
-        counted against the prefiller."""
-        if staged is None or staged.pending is None:
-            return await self._answer(exchange, decoder, call, staged, replaceable=replaceable)
-        # Its first token waits for the prefill running beside it: a slow one is that prefill's, and
-        # no learned deadline judges the decoder for it.
-        answer = self._answer(exchange, decoder, call, staged, replaceable=False)
-        try:
-            return await unless_prefill_fails(answer, staged.pending)
-        except PrefillFailed as exc:
-            if exc.reason == HANDOFF_FAILED and staged.handoff is not None:
-                staged.handoff.prefiller.record_failure(str(exc))
-            raise
-
-    async def _answer(
-        self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
-    ) -> Answer:
+        """The decode call, until its first token (a stream) or its whole answer; `replaceable`: another
+        decoder could take the request, so a learned deadline may judge this one."""
         request = exchange.request
         if call.answered is not None:
             return self.answer_from_prefill(exchange, call, staged)

@@ -4,12 +4,12 @@ prepare (tokenize, context window, prompt-token limit) -> plan (threshold, engin
 prefill hop (prefill.py: retries, then the fallback policy) -> decode hop (decode.py: decoder
 replaced while the client has seen nothing) -> relay (relay.py) -> finish (completion.py).
 
-The connector decides the shape of the two hops: a sequential one's decode call starts once the
-prefill hop staged the KV; a concurrent one's starts with it (concurrent.py). A connector whose
-prefill already produced the first token (LMCache) has it sent to the client at once
-(head_first.py); one that holds staged KV until a decode call picks it up (NIXL on the prefiller,
-LMCache in the chosen decoder) has it released when no decode call will. A connector whose
-decoders serve nothing alone (SGLang) gets every request through a prefiller, or refuses it.
+The connector decides the shape of the two hops (shapes.py), over one decode-and-relay core: a
+sequential one's decode call starts once the prefill hop staged the KV; a concurrent one's starts
+with it (concurrent.py), and its decoders serve nothing alone (SGLang: every request goes through a
+prefiller, or is refused); one whose prefill produced the first token (LMCache) has it sent to the
+client at once (head_first.py). Staged KV a connector holds until a decode call picks it up (NIXL on
+the prefiller, LMCache in the chosen decoder) is released when no decode call will.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import replace
 from dpd_router.api.auth import ANONYMOUS, Principal
 from dpd_router.config import Settings
 from dpd_router.gateway.answer import Answer
-from dpd_router.gateway.completion import Completion, HeldKV
+from dpd_router.gateway.completion import Completion
 from dpd_router.gateway.concurrent import abandon
 from dpd_router.gateway.deadlines import HopDeadlines
 from dpd_router.gateway.decode import DecodeHop, DecoderReplacement
@@ -34,6 +34,7 @@ from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.gateway.resume_text import by_ids, said_text
+from dpd_router.gateway.shapes import shape_of
 from dpd_router.gateway.watch import EngineProbe
 from dpd_router.pool.adapters import AdapterLoader
 from dpd_router.pool.endpoint import Endpoint
@@ -88,8 +89,8 @@ class Gateway:
         self._shadow = shadow
         probe = EngineProbe(engines)
         self._prefill = PrefillHop(connector, metrics, probe)
-        self._decode = DecodeHop(engines, connector, metrics, model, probe)
-        self._head_first = HeadFirst(self._decode, metrics)
+        decode = DecodeHop(engines, connector, metrics, model, probe)
+        self._shape = shape_of(connector, self._prefill, decode, HeadFirst(decode, metrics), metrics)
         # One per pool, as planners: a tenant's engines may be faster or slower than the shared ones.
         self._deadlines = {tenant: HopDeadlines() for tenant in planners}
 
@@ -231,7 +232,7 @@ class Gateway:
             return None
         retries = self._retries
         # LMCache's decoders answer a continuation in another API, which the router rebuilds: not resumed.
-        blocked = "connector" if self._connector.pushes_to_decoder else None
+        blocked = None if self._shape.resumable else "connector"
         return ResumePolicy.arm(
             request, left=retries.stream_continuations, max_tokens=retries.continuation_max_tokens, blocked=blocked
         )
@@ -431,7 +432,7 @@ class Gateway:
 
     def _check_servable(self, plan: Plan) -> None:
         """A direct plan is refused when the connector's decoders serve nothing alone (SGLang)."""
-        if plan.prefiller is None and not self._connector.serves_direct:
+        if plan.prefiller is None and not self._shape.serves_direct:
             raise PrefillUnavailable(
                 f"No prefiller can take this request ({plan.reason}), and the {self._connector.name} "
                 "connector's decoders cannot serve it alone."
@@ -460,14 +461,14 @@ class Gateway:
         concurrent prefill turns the plan direct or to another prefiller, a decoder that cannot load
         the KV computes the prompt itself, and a failed decoder is replaced.
         """
-        request, trace, done = exchange.request, exchange.trace, exchange.done
+        request, trace, done, shape = exchange.request, exchange.trace, exchange.done, self._shape
         replacement = DecoderReplacement(exchange, self._metrics)
         prefillers_tried: list[Endpoint] = []
         staged: StagedKV | None = None
         try:
             while True:
                 done.hold(plan.decoder)
-                if staged is not None and not self._serves(staged, plan.decoder):
+                if staged is not None and not shape.serves(staged, plan.decoder):
                     # Pushed into another decoder's buffer (LMCache): released there, staged again here.
                     done.release_kv()
                     staged = None
@@ -479,12 +480,8 @@ class Gateway:
                 if staged is None and request.stream:
                     self._await_first_token(exchange, plan)
                 call = self._decode_call(request, staged)
-                if request.stream and call.head:
-                    return self._head_first.stream(exchange, plan, call, staged)
                 try:
-                    return await self._decode.answer(
-                        exchange, plan.decoder, call, staged, replaceable=replacement.replaceable
-                    )
+                    return await shape.answer(exchange, plan, call, staged, replaceable=replacement.replaceable)
                 except PrefillFailed as exc:  # a concurrent prefill failed before the decoder's first token
                     if staged is not None:
                         abandon(staged)  # still running when the decoder failed first (a failed hand-off)
@@ -492,7 +489,7 @@ class Gateway:
                     trace.prefill_overlaps_decode = False  # what follows starts after it
                     plan = self._prefill.after_failure(exchange, exc, plan, prefillers_tried)
                 except DecodeFailed as exc:
-                    if staged is not None and exc.in_band and self._decodes_alone(staged):
+                    if staged is not None and exc.in_band and shape.decodes_alone(staged):
                         abandon(staged)
                         staged = None
                         plan = self._after_kv_rejected(exchange, exc, plan)
@@ -517,7 +514,7 @@ class Gateway:
         decoder = plan.decoder
         decoder.staging += 1
         try:
-            staged, plan = await self._prefill.stage(exchange, plan, prefillers_tried)
+            staged, plan = await self._shape.stage(exchange, plan, prefillers_tried)
         finally:
             decoder.staging -= 1
         self._note_staged(exchange, staged)
@@ -531,11 +528,6 @@ class Gateway:
         first = exchange.first_token
         if not first.reached:  # (a head the router sent itself is the client's first token)
             first.hold(plan.decoder.queue_prefill(plan.uncached_tokens))
-
-    def _decodes_alone(self, staged: StagedKV) -> bool:
-        """Whether a decoder that could not load `staged` may compute the prompt itself instead: a
-        sequential hop's KV (not one still running beside the call, nor KV pushed into the decoder)."""
-        return staged.pending is None and self._connector.serves_direct and not self._connector.pushes_to_decoder
 
     def _after_kv_rejected(self, exchange: Exchange, failure: DecodeFailed, plan: Plan) -> Plan:
         """The decoder failed to load the staged KV: it computes the prompt itself (the transfer was
@@ -553,10 +545,6 @@ class Gateway:
         if staged is None or staged.handoff is None:
             return DecodeCall.unchanged(request)
         return self._connector.decode_call(staged.handoff, staged)
-
-    def _serves(self, staged: StagedKV, decoder: Endpoint) -> bool:
-        """Whether `decoder` can pick up `staged`: any decoder can pull KV, pushed KV is in one decoder."""
-        return not self._connector.pushes_to_decoder or staged.handoff is None or staged.handoff.decoder is decoder
 
     def _note_staged(self, exchange: Exchange, staged: StagedKV | None) -> None:
         trace, done = exchange.trace, exchange.done
@@ -578,8 +566,9 @@ class Gateway:
             trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
         if staged.pending is not None:
             done.defer(staged.pending.cancel)  # the request is over: a prefill still running is not needed
-        if self._connector.holds_kv and staged.handoff is not None:
-            done.hold_kv(HeldKV(staged, self._connector, self._metrics))
+        held = self._shape.held(staged)
+        if held is not None:
+            done.hold_kv(held)
 
     @staticmethod
     def _record_plan(trace: RequestTrace, plan: Plan) -> None:

@@ -3,7 +3,7 @@
 Each call is bounded by a deadline learned from what prefills of its size have been taking (where
 an abandoned hop has somewhere to go), else by `prefill_timeout`. A connector that holds staged KV
 until a decode call takes it (NIXL) has a call whose client left finish, so that its KV is released.
-A concurrent connector's hop runs on beside the decode call (concurrent.py).
+How the hop runs beside the decode call is the connector's hop shape (shapes.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +22,6 @@ from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics, model_label
-from dpd_router.record.observe import RequestTrace
 from dpd_router.request.errors import PrefillFailed, PrefillUnavailable
 from dpd_router.routing.planner import PREFILL_FAILED, Plan
 from dpd_router.startup.tasks import cancel_and_wait
@@ -37,12 +36,17 @@ log = logging.getLogger("dpd_router.gateway")
 # loaded machine an answer can take more than a second to arrive: the grace errs long.
 ORPHANED_PREFILL_GRACE = 10.0
 
+# What a request holds of the KV a prefill staged until a decode call picks it up (None: nothing).
+Held = Callable[[StagedKV], HeldKV | None]
+
 
 class PrefillHop:
     """Stages a request's KV on a prefiller, retried on others; built once, shared by all requests."""
 
     def __init__(self, connector: Connector, metrics: RouterMetrics, probe: EngineProbe) -> None:
         self._connector = connector
+        # Whether the decoders may serve a request alone when the prefill pool cannot (SGLang's cannot).
+        self._serves_direct = connector.serves_direct
         self._metrics = metrics
         self._probe = probe
         # Prefill calls whose client left, given a moment to answer so that what they staged is released.
@@ -52,28 +56,15 @@ class PrefillHop:
         """Stop prefill calls whose clients left (before the connector that would release their KV closes)."""
         await cancel_and_wait(self._orphaned)
 
-    async def stage(self, exchange: Exchange, plan: Plan, tried: list[Endpoint]) -> tuple[StagedKV | None, Plan]:
-        """Stage the KV on `plan.prefiller`, or another; when none can, the plan the policy leaves.
-
-        A concurrent connector's hop runs on beside the decode call: it comes back at once, pending.
-        """
-        request_id, trace = exchange.request_id, exchange.trace
-        while plan.prefiller is not None:
-            handoff = self._connector.handoff(
-                exchange.request, exchange.prompt, plan.prefiller, plan.decoder, request_id
-            )
-            hop = self._call(handoff, exchange, tried)
-            if self._connector.concurrent:
-                trace.prefill_overlaps_decode = True
-                pending = asyncio.create_task(hop, name=f"prefill {request_id}")
-                pending.add_done_callback(lambda task: _settled(task, trace))
-                return StagedKV(params={}, prompt_tokens=None, cached_tokens=0, pending=pending, handoff=handoff), plan
-            try:
-                staged = await (self._finished_even_if_left(hop, handoff) if self._connector.holds_kv else hop)
-                return replace(staged, handoff=handoff), plan
-            except PrefillFailed as exc:
-                plan = self.after_failure(exchange, exc, plan, tried)
-        return None, plan
+    async def stage_on(
+        self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint], *, held: Held | None
+    ) -> StagedKV:
+        """Stage the KV on `handoff.prefiller` (raises PrefillFailed). `held`: what the request would hold of
+        the staged KV (a connector that holds it until a decode call picks it up); a call whose client left
+        then finishes, and what it staged is released."""
+        hop = self.call(handoff, exchange, tried, watched=True)
+        staged = await (hop if held is None else self._finished_even_if_left(hop, handoff, held))
+        return replace(staged, handoff=handoff)
 
     def after_failure(self, exchange: Exchange, failure: PrefillFailed, plan: Plan, tried: list[Endpoint]) -> Plan:
         """The plan after `plan.prefiller` failed: another prefiller, or the policy (fallback or 503)."""
@@ -89,24 +80,28 @@ class PrefillHop:
             if alternative is not None:
                 self._metrics.retries.labels("prefill").inc()
                 return replace(plan, prefiller=alternative)
-        if retries.prefill_failure_policy == "fail" or not self._connector.serves_direct:
+        if retries.prefill_failure_policy == "fail" or not self._serves_direct:
             raise PrefillUnavailable(f"The prefill pool could not serve this request ({failure.reason}).")
         self._metrics.prefill_fallbacks.labels(model_label(exchange.trace.model), failure.reason).inc()
         return plan.direct(PREFILL_FAILED)
 
-    async def _finished_even_if_left(self, hop: Coroutine[Any, Any, StagedKV], handoff: Handoff) -> StagedKV:
+    async def _finished_even_if_left(
+        self, hop: Coroutine[Any, Any, StagedKV], handoff: Handoff, held: Held
+    ) -> StagedKV:
         """The prefill call; when its client leaves, the call gets `ORPHANED_PREFILL_GRACE` seconds to
         answer before it is cut (see there), and what it staged is released."""
         task = asyncio.create_task(hop, name=f"prefill {handoff.request_id}")
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            orphan = asyncio.create_task(self._release_orphaned(task, handoff), name=f"orphan {handoff.request_id}")
+            orphan = asyncio.create_task(
+                self._release_orphaned(task, handoff, held), name=f"orphan {handoff.request_id}"
+            )
             self._orphaned.add(orphan)
             orphan.add_done_callback(self._orphaned.discard)
             raise
 
-    async def _release_orphaned(self, task: asyncio.Task[StagedKV], handoff: Handoff) -> None:
+    async def _release_orphaned(self, task: asyncio.Task[StagedKV], handoff: Handoff, held: Held) -> None:
         await asyncio.wait({task}, timeout=ORPHANED_PREFILL_GRACE)
         if not task.done():
             self._metrics.orphaned_prefills.labels("cut").inc()
@@ -119,7 +114,9 @@ class PrefillHop:
             log.warning("request %s: its client left and its prefill failed: %s", handoff.request_id, reason)
             return
         self._metrics.orphaned_prefills.labels("released").inc()
-        HeldKV(replace(task.result(), handoff=handoff), self._connector, self._metrics).release()
+        kv = held(replace(task.result(), handoff=handoff))
+        if kv is not None:
+            kv.release()
 
     def _watch(
         self, exchange: Exchange, prefiller: Endpoint, tried: list[Endpoint], queued_ahead: int
@@ -131,15 +128,11 @@ class PrefillHop:
         requests it would have served. A hop is judged as if the prefiller cached none of the prompt,
         behind the prompt tokens this router has queued there already, so a cold prompt or a burst
         is not taken for a hang. Before there is history (or with nowhere to go), a prior from the
-        same size says when to look, and only a hung prefiller cuts the call short. And no watch for
-        a concurrent connector, whose prefill call lasts as long as its decoder takes to fetch the
-        KV, however long other prefills took.
+        same size says when to look, and only a hung prefiller cuts the call short.
         """
-        if self._connector.concurrent:
-            return None
         retries, timeouts = exchange.retries, exchange.timeouts
         size = queued_ahead + exchange.prompt.num_tokens  # the worst case: the prefiller caches nothing
-        falls_back = retries.prefill_failure_policy == "fallback" and self._connector.serves_direct
+        falls_back = retries.prefill_failure_policy == "fallback" and self._serves_direct
         untried = [other for other in exchange.planner.pool.healthy("prefill") if other not in (*tried, prefiller)]
         learned = None
         if falls_back or (untried and len(tried) < retries.prefill_retries):
@@ -157,17 +150,19 @@ class PrefillHop:
             probe_timeout=timeouts.hang_probe,
         )
 
-    async def _call(self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint]) -> StagedKV:
+    async def call(self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint], *, watched: bool) -> StagedKV:
         """One prefill call. One past its learned deadline, far longer than prefills of its size have
         been taking, is abandoned as "slow"; the caller retries it elsewhere or falls back, so a
-        request waits at most (1 + prefill_retries) learned deadlines for hung prefillers."""
+        request waits at most (1 + prefill_retries) learned deadlines for hung prefillers. Not `watched`:
+        prefill_timeout alone bounds it (a concurrent call lasts as long as its decoder takes to fetch the
+        KV, however long other prefills took)."""
         trace, judge = exchange.trace, exchange.prefill_judge
         prefiller = handoff.prefiller
         trace.prefiller = prefiller.url
         started = trace.prefill_started = time.perf_counter()
         tokens = exchange.uncached_tokens
         queued_ahead = prefiller.queued_tokens
-        watch = self._watch(exchange, prefiller, tried, queued_ahead)
+        watch = self._watch(exchange, prefiller, tried, queued_ahead) if watched else None
         limit = exchange.timeouts.prefill
         prefiller.start()
         dequeue = prefiller.queue_prefill(tokens)
@@ -218,14 +213,3 @@ class PrefillHop:
             dequeue()
             trace.prefill_seconds = time.perf_counter() - started
             self._metrics.prefill.labels(model_label(trace.model), outcome).observe(trace.prefill_seconds)
-
-
-def _settled(task: asyncio.Task[StagedKV], trace: RequestTrace) -> None:
-    """A concurrent prefill ended: keep its token counts; a failure after the first token is only logged."""
-    if task.cancelled():
-        return
-    failure = task.exception()
-    if failure is None:
-        trace.staged_tokens = task.result().prompt_tokens
-    elif trace.first_token_at is not None:
-        log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)
