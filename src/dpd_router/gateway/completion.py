@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer, RequestTrace
 from dpd_router.transfer.base import Connector, StagedKV
@@ -83,6 +83,7 @@ class Completion:
         self._metrics = metrics
         self._on_finish = on_finish
         self._decoder: Endpoint | None = None
+        self._decoder_slot: Slot | None = None
         self._kv: HeldKV | None = None
         self._deferred: list[Callable[[], object]] = []
         self._report_after: tuple[asyncio.Future[Any], Callable[[], None], Callable[[], bool]] | None = None
@@ -102,13 +103,12 @@ class Completion:
         self._report_after = (ready, settle, unless)
 
     def hold(self, decoder: Endpoint) -> None:
-        """Count the request against `decoder` (moving it off a decoder held before)."""
+        """Count the request against `decoder` until it ends (moving it off a decoder held before)."""
         if self._decoder is decoder:
             return
-        if self._decoder is not None:
-            self._decoder.finish()
-        decoder.start()
-        self._decoder = decoder
+        if self._decoder_slot is not None:
+            self._decoder_slot.release()
+        self._decoder, self._decoder_slot = decoder, decoder.calling()
 
     def hold_kv(self, kv: HeldKV) -> None:
         """Hold KV staged for this request until a decode call takes it (KV held before is released)."""
@@ -140,8 +140,8 @@ class Completion:
         for cleanup in self._deferred:
             cleanup()
         self.release_kv()
-        if self._decoder is not None:
-            self._decoder.finish()
+        if self._decoder_slot is not None:
+            self._decoder_slot.release()
         self._metrics.in_flight.dec()
         observer = self._observer
         if observer is not None and self._report_after is None:

@@ -11,7 +11,7 @@ from dpd_router.gateway.deadlines import HopDeadlines
 from dpd_router.gateway.judge import FailureJudge
 from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.resume import ResumePolicy
-from dpd_router.pool.endpoint import Endpoint
+from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.record.observe import RequestTrace
 from dpd_router.request.client_request import ClientRequest
@@ -25,14 +25,14 @@ class FirstToken:
 
     def __init__(self) -> None:
         self.reached = False
-        self._release: Callable[[], None] | None = None
+        self._slot: Slot | None = None
 
-    def hold(self, release: Callable[[], None]) -> None:
-        """Run `release` at the first token, or at the request's end before one; what was held before (an
+    def hold(self, slot: Slot) -> None:
+        """Hold `slot` until the first token, or the request's end before one; what was held before (an
         earlier decoder's queue: it failed before its first token) is released now."""
-        earlier, self._release = self._release, release
+        earlier, self._slot = self._slot, slot
         if earlier is not None:
-            earlier()
+            earlier.release()
 
     def reach(self) -> None:
         if not self.reached:
@@ -40,9 +40,9 @@ class FirstToken:
             self.release()
 
     def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
 
 
 @dataclass(frozen=True)

@@ -511,12 +511,8 @@ class Gateway:
         self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]
     ) -> tuple[StagedKV | None, Plan]:
         """The prefill hop, its decoder held meanwhile (but not yet running anything on it)."""
-        decoder = plan.decoder
-        decoder.staging += 1
-        try:
+        with plan.decoder.staging_for():
             staged, plan = await self._shape.stage(exchange, plan, prefillers_tried)
-        finally:
-            decoder.staging -= 1
         self._note_staged(exchange, staged)
         return staged, plan
 

@@ -164,52 +164,51 @@ class PrefillHop:
         queued_ahead = prefiller.queued_tokens
         watch = self._watch(exchange, prefiller, tried, queued_ahead) if watched else None
         limit = exchange.timeouts.prefill
-        prefiller.start()
-        dequeue = prefiller.queue_prefill(tokens)
         outcome = "ok"
-        try:
-            async with Bound(watch, asyncio.get_running_loop().time() + limit):
-                staged = await self._connector.stage(handoff)
-            prefiller.progressed(asyncio.get_running_loop().time())
-            judge.succeeded(prefiller)
-            # Learned by what the prefiller computed: a prefix-cache hit's speed would make cold prompts look hung.
-            computed = (staged.prompt_tokens or exchange.prompt.num_tokens) - staged.cached_tokens
-            exchange.deadlines.learn("prefill", (queued_ahead + max(computed, 1),), time.perf_counter() - started)
-            return staged
-        except TimeoutError:
-            verdict = None if watch is None else watch.verdict
-            if watch is None or verdict is None:
-                # No answer within the fixed timeout is the engine's failure whatever the request.
-                outcome = "timeout"
-                prefiller.record_failure("prefill timed out")
-                raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {limit:g} s") from None
-            if verdict == "hung":
-                outcome = "hung"
-                waited = time.perf_counter() - started
-                detail = (
-                    f"{prefiller.url} is hung: nothing from it for {waited:.3g} s and no answer to a one-token probe"
-                )
-                prefiller.record_hang(detail)
-                raise PrefillFailed("hung", detail) from None
-            # Far slower than the worst case of its size, queue included, and the prefiller idle
-            # meanwhile: taken for a hang, which must open the breaker of an engine that hangs while it
-            # passes its health probes.
-            outcome = "slow"
-            prefiller.record_failure("prefill far slower than learned")
-            detail = f"{prefiller.url}: no answer within its learned deadline of {watch.expected:.3g} s"
-            raise PrefillFailed("slow", detail) from None
-        except PrefillFailed as exc:
-            outcome = exc.reason
-            if exc.reason != "status_4xx":
-                judge.failed(prefiller, str(exc), answered=exc.reason in ANSWERED_PREFILL_FAILURES)
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"  # the client left, or a concurrent prefill was no longer needed
-            raise
-        finally:
-            if watch is not None:
-                watch.stop()
-            prefiller.finish()
-            dequeue()
-            trace.prefill_seconds = time.perf_counter() - started
-            self._metrics.prefill.labels(model_label(trace.model), outcome).observe(trace.prefill_seconds)
+        # A call open on the prefiller, and its prompt tokens in the prefiller's queue, while it runs.
+        with prefiller.calling(), prefiller.queue_prefill(tokens):
+            try:
+                async with Bound(watch, asyncio.get_running_loop().time() + limit):
+                    staged = await self._connector.stage(handoff)
+                prefiller.progressed(asyncio.get_running_loop().time())
+                judge.succeeded(prefiller)
+                # Learned by what the prefiller computed: a prefix-cache hit's speed would make cold prompts look hung.
+                computed = (staged.prompt_tokens or exchange.prompt.num_tokens) - staged.cached_tokens
+                exchange.deadlines.learn("prefill", (queued_ahead + max(computed, 1),), time.perf_counter() - started)
+                return staged
+            except TimeoutError:
+                verdict = None if watch is None else watch.verdict
+                if watch is None or verdict is None:
+                    # No answer within the fixed timeout is the engine's failure whatever the request.
+                    outcome = "timeout"
+                    prefiller.record_failure("prefill timed out")
+                    raise PrefillFailed("timeout", f"{prefiller.url}: no answer in {limit:g} s") from None
+                if verdict == "hung":
+                    outcome = "hung"
+                    waited = time.perf_counter() - started
+                    detail = (
+                        f"{prefiller.url} is hung: nothing from it for {waited:.3g} s"
+                        " and no answer to a one-token probe"
+                    )
+                    prefiller.record_hang(detail)
+                    raise PrefillFailed("hung", detail) from None
+                # Far slower than the worst case of its size, queue included, and the prefiller idle
+                # meanwhile: taken for a hang, which must open the breaker of an engine that hangs while it
+                # passes its health probes.
+                outcome = "slow"
+                prefiller.record_failure("prefill far slower than learned")
+                detail = f"{prefiller.url}: no answer within its learned deadline of {watch.expected:.3g} s"
+                raise PrefillFailed("slow", detail) from None
+            except PrefillFailed as exc:
+                outcome = exc.reason
+                if exc.reason != "status_4xx":
+                    judge.failed(prefiller, str(exc), answered=exc.reason in ANSWERED_PREFILL_FAILURES)
+                raise
+            except asyncio.CancelledError:
+                outcome = "cancelled"  # the client left, or a concurrent prefill was no longer needed
+                raise
+            finally:
+                if watch is not None:
+                    watch.stop()
+                trace.prefill_seconds = time.perf_counter() - started
+                self._metrics.prefill.labels(model_label(trace.model), outcome).observe(trace.prefill_seconds)

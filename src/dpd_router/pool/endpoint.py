@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,6 +27,28 @@ class EngineLoad:
     kv_cache_usage: float | None
     prefix_cache_hit_rate: float | None
     scraped_at: float
+
+
+class Slot:
+    """A count a request holds on an engine (a call open there, prompt tokens queued there, a request staging
+    its KV for it), released once however often `release` is called: on leaving its `with` block, or, for a
+    slot held past one, by what holds it (the request's Completion, when its response closes)."""
+
+    __slots__ = ("_release",)
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(eq=False)
@@ -68,19 +91,26 @@ class Endpoint:
         """Whether new calls may go here: not draining, its probes pass and its breaker lets them through."""
         return self.healthy and not self.draining and self.breaker.allows()
 
-    def queue_prefill(self, tokens: int) -> Callable[[], None]:
-        """Count `tokens` prompt tokens in `queued_tokens` until the returned release is called (it
-        takes effect once, however often it is called)."""
+    def queue_prefill(self, tokens: int) -> Slot:
+        """`tokens` prompt tokens counted in `queued_tokens` while the slot is held."""
         self.queued_tokens += tokens
-        released = False
+        return Slot(functools.partial(self._dequeue, tokens))
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.queued_tokens -= tokens
+    def _dequeue(self, tokens: int) -> None:
+        self.queued_tokens -= tokens
 
-        return release
+    def calling(self) -> Slot:
+        """A call open here (counted in `in_flight`, and by the breaker) while the slot is held."""
+        self.start()
+        return Slot(self.finish)
+
+    def staging_for(self) -> Slot:
+        """A request counted in `in_flight` here that is still in its prefill hop, while the slot is held."""
+        self.staging += 1
+        return Slot(self._staged)
+
+    def _staged(self) -> None:
+        self.staging -= 1
 
     def progressed(self, now: float) -> None:
         self.last_moved = now
