@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import uuid
@@ -116,6 +117,18 @@ async def test_metric_names_labels_and_the_ttft_breakdown_adds_up(cluster: SimCl
         served = total(families["dpd_router_requests"], "dpd_router_requests_total", path=path)
         assert served > requests, "whole answers are served but have no TTFT"
         assert outputs == served, "every request's output tokens are known, streamed or not"
+
+
+async def test_what_startup_built_is_left_out_of_the_collectors_passes_until_shutdown(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    """The startup heap (tokenizer, templates, libraries) is frozen while the router serves: each collection a
+    request's allocations set off would walk it again. Shutdown gives it back to the collector."""
+    async with running_router(**settings_for(cluster, tokenizer_dir)) as base_url, httpx.AsyncClient() as client:
+        assert gc.get_freeze_count() > 10_000
+        answer = await client.post(f"{base_url}/v1/chat/completions", json=chat_body("frozen", max_tokens=4))
+        assert answer.status_code == 200
+    assert gc.get_freeze_count() == 0
 
 
 async def test_admin_endpoints_need_an_admin_key_and_redact_secrets(cluster: SimCluster, tokenizer_dir: Path) -> None:
