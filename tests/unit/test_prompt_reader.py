@@ -29,6 +29,7 @@ from dpd_router.prompt.tokenizer import (
     PromptTooLong,
     head_cut,
     read_prompt,
+    utf8_size,
 )
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.request.client_request import parse_request
@@ -284,12 +285,13 @@ def refusal(request: object, prompt: Prompt, limit: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("by_words", [True, False])
+@pytest.mark.parametrize("shown_by", ["words", "bytes", None])
 async def test_a_long_prompt_is_read_only_as_far_as_its_plan_needs(
-    local: LocalTokenizer, by_words: bool, monkeypatch: pytest.MonkeyPatch
+    local: LocalTokenizer, shown_by: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its words show it past the threshold: read only as far as the cached prefixes need (a few blocks).
-    Without that bound (a tokenizer whose tokens may span words), its ids are read to the threshold."""
+    """Its words, or its bytes over the longest token's, show it past the threshold: read only as far as the
+    cached prefixes need (a few blocks). Without either bound (a tokenizer whose tokens may span words, with
+    a very long token), its ids are read to the threshold."""
     text = text_of(20000, 1)
     request = parse_request("completion", orjson.dumps({"prompt": text}))
     whole = await local.tokenize(request)
@@ -297,17 +299,21 @@ async def test_a_long_prompt_is_read_only_as_far_as_its_plan_needs(
         decode_urls=["http://127.0.0.1:8200"], prefill_urls=["http://127.0.0.1:8100"], routing_threshold=2048
     )
     planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
-    monkeypatch.setattr(local, "words_bound", by_words)
+    monkeypatch.setattr(local, "words_bound", shown_by == "words")
+    if shown_by != "bytes":
+        monkeypatch.setattr(local, "bytes_per_token", 1 << 20)
     reader = await local.reader(request)
     assert reader is not None
     read = await read_prompt(reader, planner.tokens_to_settle, None)
     assert read.at_most is not None and read.rest is not None
-    if by_words:
+    if shown_by is not None:
         # A first head of a few blocks (cut by the guess of four characters a token: these texts hold two).
         assert REACH_HEAD_BLOCKS * 16 <= len(read.token_ids) < 2048 / 8 and 2048 <= read.floor <= read.num_tokens
         assert read.floor <= whole.num_tokens
+        if shown_by == "bytes":  # shown by the bytes alone: the fewest tokens they can make
+            assert read.floor >= utf8_size(text) // local.bytes_per_token
     else:
-        assert read.at_least is None and read.floor == 0
+        assert read.floor == 0
         assert 2048 <= len(read.token_ids) < whole.num_tokens / 2
     assert (await read.rest).token_ids == whole.token_ids
     lowest = max(len(read.token_ids), read.floor)
@@ -617,7 +623,10 @@ async def test_a_prompts_first_head_is_cut_by_the_density_of_the_prompts_read_be
     next prompt's first head close to the tokens its plan wants, still in one step."""
     local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
     assert local.chars_per_token is None
-    local.words_bound = False  # its ids are read to the threshold, not shown long by its words
+    # Its ids are read to the threshold, not shown long by its words or bytes (as a tokenizer's whose tokens may
+    # span words, and whose longest token is very long).
+    local.words_bound = False
+    local.bytes_per_token = 1 << 20
     settings = load_settings(
         decode_urls=["http://127.0.0.1:8200"],
         prefill_urls=["http://127.0.0.1:8100"],
@@ -697,11 +706,14 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
 
 @pytest.mark.parametrize("decoders", [1, 2, 3])
 async def test_a_conversations_turns_read_their_history_from_the_pieces_kept_and_plan_as_the_whole_prompt(
-    deciding: LocalTokenizer, decoders: int
+    deciding: LocalTokenizer, decoders: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Turn after turn, under a cache-aware threshold whose decoder holds the conversation so far: a turn's
     history is read from the pieces kept (nothing encoded), its new messages are bounded by their bytes, and
     its plan is the whole prompt's: direct while what the decoder would compute stays below the threshold."""
+    # The density other tests' prompts taught the shared tokenizer cuts the heads here: start from none, so that
+    # which turns are read in part does not depend on which tests ran before.
+    monkeypatch.setattr(deciding, "chars_per_token", None)
     settings = load_settings(
         decode_urls=[f"http://127.0.0.1:82{i:02d}" for i in range(decoders)],
         prefill_urls=["http://127.0.0.1:8100"],

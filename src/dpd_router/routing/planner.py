@@ -205,7 +205,7 @@ class Planner:
         endpoint (by every cache source) end inside its known ids, or only one decoder could take it;
         a prompt a cache-aware threshold serves direct, known past the threshold, once its bound less what
         every decoder it may go to holds of it is below the threshold (what a decoder computes of it is);
-        a long prompt once its known tokens (or its words: Prompt.at_least), less the longest such cached
+        a long prompt once its known tokens (or its bytes or words: Prompt.at_least), less the longest such cached
         prefix, reach the threshold (and the busy gate's ceiling, while the gate is closed), and its
         prefiller's strategy reads no further (`tokens_read`; nothing while one prefiller is up: it takes
         the prompt whatever the strategy would read). Nothing awaits between this and `plan`, so the state
@@ -226,7 +226,7 @@ class Planner:
         # A prefix-aware choice among several prefillers reads its key; with one, nothing is chosen.
         reads = strategy.tokens_read() if isinstance(strategy, PrefixAware) else 0
         ids_needed = reads if len(self.pool.healthy("prefill")) > 1 else 0
-        # Its count may be shown by its words alone (Prompt.at_least), not its ids by anything but reading.
+        # Its count may be shown by its bytes or words alone (Prompt.at_least), not its ids by anything but reading.
         shown = prompt.at_least or (lambda count: False)
         if reach is None:
             # A cached prefix runs on past the known blocks: a few blocks more may show where it ends (the
