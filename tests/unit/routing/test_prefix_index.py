@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.prompt.tokenizer import Prompt
-from dpd_router.routing.prefix_index import PrefixIndex, matched_depths
+from dpd_router.routing.prefix_index import PrefixIndex, matched_depths, prefix_closed_depths
 from dpd_router.routing.request import RoutingRequest
 
 
@@ -63,6 +63,32 @@ def test_the_index_never_holds_more_blocks_than_its_capacity(capacity: int, prom
     for turn, ids in enumerate(prompts):
         index.record(request(ids), [endpoints[turn % 3]])
         assert len(index) <= capacity
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(min_value=1, max_value=48),
+    records=st.lists(
+        st.tuples(st.lists(st.integers(0, 3), max_size=24), st.sets(st.integers(0, 3), min_size=1)), max_size=40
+    ),
+    probes=st.lists(st.lists(st.integers(0, 3), max_size=28), min_size=1, max_size=6),
+)
+def test_every_endpoint_holds_a_prefix_so_a_search_finds_what_a_walk_of_every_block_does(
+    capacity: int, records: list[tuple[list[int], set[int]]], probes: list[list[int]]
+) -> None:
+    """Prompts that share prefixes, recorded on sets of endpoints and evicted past the capacity: each
+    endpoint's blocks of any prompt's chain stay a prefix of it, so the binary search of each endpoint's
+    depth matches the walk that checks every block."""
+    index = PrefixIndex(block_size=2, capacity=capacity)
+    endpoints = [Endpoint(f"http://e{i}", "decode") for i in range(4)]
+    for ids, placed in records:
+        index.record(request(ids), [endpoints[i] for i in sorted(placed)])
+        for probe in [ids, *probes]:
+            hashes = request(probe).block_hashes(2)
+            everyone = index._bits.everyone
+            assert prefix_closed_depths(hashes, index._entries, everyone) == matched_depths(
+                hashes, index._entries, everyone
+            )
 
 
 def test_memory_stays_flat_under_a_million_distinct_prompt_blocks() -> None:
