@@ -53,6 +53,7 @@ class DecodeHop:
         self._metrics = metrics
         self._model = model
         self._probe = probe
+        self._stream_disconnects = metrics.client_disconnects.labels("stream")  # built once, not per stream
 
     async def answer(
         self, exchange: Exchange, decoder: Endpoint, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
@@ -182,7 +183,7 @@ class DecodeHop:
             idle_timeout=exchange.timeouts.idle,
             strip_usage=exchange.strip_usage,
             rewrite=None if call.answer is None else call.answer.chunk,
-            on_disconnect=self._metrics.client_disconnects.labels("stream").inc,
+            on_disconnect=self._stream_disconnects.inc,
             wire=wire,
             resumer=resumer,
             on_first_token=exchange.first_token.reach,

@@ -42,7 +42,7 @@ from dpd_router.pool.served_model import ServedModel
 from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.context_window import check_context_length, prompt_too_long
 from dpd_router.prompt.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
-from dpd_router.record.metrics import RouterMetrics, model_label
+from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer, RequestTrace
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.request.errors import PrefillFailed, PrefillUnavailable, RouterError
@@ -503,9 +503,7 @@ class Gateway:
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
         finally:
             if trace.decode_started is not None:
-                self._metrics.route_decisions.labels(
-                    model_label(trace.model), trace.arm, trace.path, trace.reason
-                ).inc()
+                self._metrics.route_decision(trace.model, trace.arm, trace.path, trace.reason).inc()
 
     async def _stage(
         self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]

@@ -79,7 +79,7 @@ class Sequential:
 
     def decodes_alone(self, staged: StagedKV) -> bool:
         """Whether a decoder that could not load `staged` may compute the prompt itself instead."""
-        return True
+        return self.serves_direct
 
     def held(self, staged: StagedKV) -> HeldKV | None:
         """What the request holds of `staged` until a decode call picks it up (None: nothing)."""

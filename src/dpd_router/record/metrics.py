@@ -128,6 +128,8 @@ class RouterMetrics:
             ["model", "arm", "path", "reason"],
             registry=r,
         )
+        # Its children by label values, built once: labels() checks, converts and looks each up under a lock.
+        self._route_decisions: dict[tuple[str, str, str, str], Counter] = {}
         self.prefill_fallbacks = Counter(
             f"{PREFIX}_prefill_fallbacks",
             "Disaggregated requests served on the decoder alone because the prefill hop failed, by model and reason.",
@@ -402,6 +404,14 @@ class RouterMetrics:
             self._published[(id(gauge), labels)] = (series, read)
         else:
             series.set_function(read)
+
+    def route_decision(self, model: str | None, arm: str, path: str, reason: str) -> Counter:
+        """The counter of one routing decision (`route_decisions`' child, built once)."""
+        key = (model_label(model), arm, path, reason)
+        child = self._route_decisions.get(key)
+        if child is None:
+            child = self._route_decisions[key] = self.route_decisions.labels(*key)
+        return child
 
     def forget_endpoint(self, endpoint: Endpoint) -> None:
         """Stop exporting an endpoint that left the pool, so series of departed engines do not pile up."""
