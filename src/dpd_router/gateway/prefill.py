@@ -133,9 +133,8 @@ class PrefillHop:
         retries, timeouts = exchange.retries, exchange.timeouts
         size = queued_ahead + exchange.prompt.num_tokens  # the worst case: the prefiller caches nothing
         falls_back = retries.prefill_failure_policy == "fallback" and self._serves_direct
-        untried = [other for other in exchange.planner.pool.healthy("prefill") if other not in (*tried, prefiller)]
         learned = None
-        if falls_back or (untried and len(tried) < retries.prefill_retries):
+        if falls_back or (len(tried) < retries.prefill_retries and self._untried(exchange, prefiller, tried)):
             learned = exchange.deadlines.deadline("prefill", (size,), timeouts.learned, timeouts.prefill)
         expected = learned if learned is not None else max(timeouts.learned.floor, prior(size))
         if expected >= timeouts.prefill or (learned is None and timeouts.hang_probe <= 0):
@@ -149,6 +148,11 @@ class PrefillHop:
             model=model if isinstance(model, str) else None,
             probe_timeout=timeouts.hang_probe,
         )
+
+    @staticmethod
+    def _untried(exchange: Exchange, prefiller: Endpoint, tried: list[Endpoint]) -> bool:
+        """Whether a healthy prefiller other than `prefiller` is not tried yet."""
+        return any(other is not prefiller and other not in tried for other in exchange.planner.pool.healthy("prefill"))
 
     async def call(self, handoff: Handoff, exchange: Exchange, tried: list[Endpoint], *, watched: bool) -> StagedKV:
         """One prefill call. One past its learned deadline, far longer than prefills of its size have
