@@ -72,7 +72,9 @@ def frozen_heap() -> Iterator[None]:
     Requests allocate enough containers to set off a collection every few requests, and each older
     generation's pass walked that whole startup heap again: about a tenth of the router's CPU per request
     (a short whole request 0.51 -> 0.47 ms, a 1,600-word prompt through both hops 0.81 -> 0.75 ms). Garbage
-    that startup left in reference cycles is collected first; objects made since are collected as before."""
+    that startup left in reference cycles is collected first, and objects made since are collected as before;
+    a frozen object dropped later is freed as usual, unless it is part of a reference cycle (a part replaced
+    by a live change, say): then it waits for shutdown, so what can wait is bounded by the startup heap."""
     gc.collect()
     gc.freeze()
     try:
