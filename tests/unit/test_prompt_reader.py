@@ -691,7 +691,7 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
             if onward and earlier is not None and cut <= earlier.end:
                 continue  # read on past its cut already (the reader's next cut is always past its last head)
             head = tokenizer._head(text, cut, False, earlier, onward)
-            known = head.ids
+            known = list(head.ids)
             assert known == whole[: len(known)] and head.count >= len(known)
             assert head.end <= cut or head.whole_end == head.end  # past the cut: a kept piece taken whole
             assert len(known) == len(
@@ -706,14 +706,14 @@ def test_a_conversation_encodes_as_its_pieces_do_whole_and_in_every_head(
 
 @pytest.mark.parametrize("decoders", [1, 2, 3])
 async def test_a_conversations_turns_read_their_history_from_the_pieces_kept_and_plan_as_the_whole_prompt(
-    deciding: LocalTokenizer, decoders: int, monkeypatch: pytest.MonkeyPatch
+    tokenizer_dir: Path, decoders: int
 ) -> None:
     """Turn after turn, under a cache-aware threshold whose decoder holds the conversation so far: a turn's
     history is read from the pieces kept (nothing encoded), its new messages are bounded by their bytes, and
     its plan is the whole prompt's: direct while what the decoder would compute stays below the threshold."""
-    # The density other tests' prompts taught the shared tokenizer cuts the heads here: start from none, so that
-    # which turns are read in part does not depend on which tests ran before.
-    monkeypatch.setattr(deciding, "chars_per_token", None)
+    # A tokenizer of its own: the pieces other tests left kept, and the density their prompts taught, would
+    # decide how far these heads read, and so which turns are read in part.
+    deciding = LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
     settings = load_settings(
         decode_urls=[f"http://127.0.0.1:82{i:02d}" for i in range(decoders)],
         prefill_urls=["http://127.0.0.1:8100"],
@@ -733,7 +733,6 @@ async def test_a_conversations_turns_read_their_history_from_the_pieces_kept_and
     messages: list[dict[str, str]] = []
     read_in_part = 0
     for turn in range(10):
-        # Texts of their own in each parametrization: the tokenizer's pieces are kept across tests.
         messages.append({"role": "user", "content": text_of(60 + 40 * (turn % 3), 1000 * decoders + turn)})
         request = parse_request("chat", orjson.dumps({"messages": messages}))
         # Encoded whole by the Rust core alone: the piece cache keeps only what the router's own reading met.

@@ -86,7 +86,9 @@ class Head:
     the head's tokens in all, and how many of `ids` (ending at character `whole_end`) are whole pieces of
     the piece cache, from which the next, longer head of the same text goes on (0: none)."""
 
-    ids: list[int]
+    # A list, or (read through the piece cache) an array of 4-byte ids: the kept pieces' own form, which is
+    # copied a block of memory at a time, where a list takes one new int object an id.
+    ids: Sequence[int]
     end: int
     count: int
     whole_ids: int = 0
@@ -220,7 +222,7 @@ class LocalTokenizer:
         if pieces.encode(text) != whole:
             return False
         for match in _BOUNDARY.finditer(text):
-            known = pieces.head(text, match.start()).ids
+            known = list(pieces.head(text, match.start()).ids)
             if known != whole[: len(known)]:
                 return False
         return True
@@ -541,7 +543,7 @@ class PieceCache:
         ids = self._ids_of(parts)
         if end < len(text):
             ids.extend(self._ids_of([text[end:]]))
-        return ids
+        return ids.tolist()
 
     def head(self, text: str, cut: int, after: Head | None = None, *, onward: bool = False) -> Head:
         """As LocalTokenizer._head without special tokens: the tokens of the head `text[:cut]` (cut at a
@@ -553,7 +555,7 @@ class PieceCache:
         encoded (what a cache-aware threshold reads on for). `after`: a shorter head's, whose whole pieces
         are not looked up again."""
         start = 0 if after is None else after.whole_end
-        ids = [] if after is None else after.ids[: after.whole_ids]
+        ids = array("I") if after is None else array("I", after.ids[: after.whole_ids])
         parts, end = self._parts(text, cut, start)
         ids += self._ids_of(parts)
         if end >= cut:
@@ -571,10 +573,10 @@ class PieceCache:
                 end = self._onward(text, end, ids)
             return Head(ids, end, len(ids), len(ids), end)
         whole_ids = len(ids)
-        ids += self._encode(text[end:cut])
+        ids.extend(self._encode(text[end:cut]))
         return Head(ids, cut, len(ids), whole_ids, end)
 
-    def _onward(self, text: str, end: int, ids: list[int]) -> int:
+    def _onward(self, text: str, end: int, ids: array[int]) -> int:
         """Where the kept pieces of `text` from `end` on (and the added tokens between them) end, their ids
         added to `ids`: the first piece not kept stops it, unread."""
         assert self._split is not None
@@ -619,7 +621,7 @@ class PieceCache:
         self.hits += len(found)
         return found
 
-    def _ids_of(self, parts: Sequence[str | int]) -> list[int]:
+    def _ids_of(self, parts: Sequence[str | int]) -> array[int]:
         """The parts' ids in turn: a piece's from the kept ones, or encoded (and kept)."""
         found = self._kept_ids(parts)
         missing = list({part: None for part in parts if isinstance(part, str) and part not in found})
@@ -628,7 +630,7 @@ class PieceCache:
             fresh = {piece: array("I", self._encode(piece)) for piece in missing}
             found.update(fresh)
             self._keep(fresh)
-        ids: list[int] = []
+        ids = array("I")
         for part in parts:
             if isinstance(part, int):
                 ids.append(part)
@@ -833,9 +835,9 @@ class PromptReader:
             return self.prompt
         head = await self._tokenizer.read_head(text, cut, special=self._special, after=self._head, onward=onward)
         self._head = head
-        ids, end, count = head.ids, head.end, head.count
+        end, count = head.end, head.count
         if end >= len(text):  # a kept last piece took the head to the text's end: it is whole
-            self.prompt = self._whole(ids)
+            self.prompt = self._whole(head.ids)
             return self.prompt
         self._end = end
         # What the next step doubles: the characters encoded (or looked up) up to the cut, not the kept pieces
@@ -847,7 +849,7 @@ class PromptReader:
             self._tokenizer.chars_per_token = (
                 self._per_token if learned is None else learned + DENSITY_WEIGHT * (self._per_token - learned)
             )
-        self.prompt = self._known(ids, end)
+        self.prompt = self._known(head.ids, end)
         return self.prompt
 
     def at_least(self, count: int) -> bool:
@@ -924,7 +926,7 @@ class PromptReader:
         known = self.prompt
         return replace(known, num_tokens=max(known.num_tokens, self._floor), floor=self._floor, at_least=None, **rest)
 
-    def _known(self, ids: list[int], end: int) -> Prompt:
+    def _known(self, ids: Sequence[int], end: int) -> Prompt:
         """The prompt known by its first `ids`, which stand for `text[:end]`."""
         head = utf8_size(self._text[:end])
         after = self._size - head
@@ -942,7 +944,7 @@ class PromptReader:
             floor=self._floor,
         )
 
-    def _whole(self, ids: list[int]) -> Prompt:
+    def _whole(self, ids: Sequence[int]) -> Prompt:
         return Prompt(ids, len(ids), time.perf_counter() - self._started, blocks=self._blocks)
 
 
