@@ -29,7 +29,7 @@ from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import RequestTrace
 from dpd_router.request.errors import PrefillFailed
 from dpd_router.routing.planner import Plan
-from dpd_router.transfer.base import Connector, DecodeCall, StagedKV
+from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
 
 log = logging.getLogger("dpd_router.gateway")
 
@@ -42,6 +42,8 @@ class Sequential:
     name = "sequential"
     # Whether a stream whose decoder fails after output may be continued on another decoder.
     resumable = True
+    # Whether the prefill pushes the KV into the decoder the plan chose, rather than holding it for any to pull.
+    pushes = False
 
     def __init__(
         self, connector: Connector, prefill: PrefillHop, decode: DecodeHop, metrics: RouterMetrics, *, holds_kv: bool
@@ -56,16 +58,20 @@ class Sequential:
 
     async def stage(self, exchange: Exchange, plan: Plan, tried: list[Endpoint]) -> tuple[StagedKV | None, Plan]:
         """Stage the KV on `plan.prefiller`, or another; when none can, the plan the failure policy leaves."""
+        held = self.held if self._holds_kv else None
         while plan.prefiller is not None:
-            handoff = self._connector.handoff(
-                exchange.request, exchange.prompt, plan.prefiller, plan.decoder, exchange.request_id
-            )
             try:
-                held = self.held if self._holds_kv else None
-                return await self._prefill.stage_on(handoff, exchange, tried, held=held), plan
+                return await self._prefill.stage_on(self._handoff(exchange, plan), exchange, tried, held=held), plan
             except PrefillFailed as exc:
                 plan = self._prefill.after_failure(exchange, exc, plan, tried)
         return None, plan
+
+    def _handoff(self, exchange: Exchange, plan: Plan) -> Handoff:
+        """The connector's ids for moving this prompt's KV from `plan.prefiller` to `plan.decoder`."""
+        assert plan.prefiller is not None
+        return self._connector.handoff(
+            exchange.request, exchange.prompt, plan.prefiller, plan.decoder, exchange.request_id
+        )
 
     async def answer(
         self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None, *, replaceable: bool
@@ -85,7 +91,7 @@ class Sequential:
         """What the request holds of `staged` until a decode call picks it up (None: nothing)."""
         if not self._holds_kv or staged.handoff is None:
             return None
-        return HeldKV(staged, self._connector, self._metrics, pushed=False)
+        return HeldKV(staged, self._connector, self._metrics, pushed=self.pushes)
 
 
 class FirstTokenFromPrefill(Sequential):
@@ -96,6 +102,7 @@ class FirstTokenFromPrefill(Sequential):
 
     name = "first token from prefill"
     resumable = False
+    pushes = True
 
     def __init__(
         self,
@@ -122,11 +129,6 @@ class FirstTokenFromPrefill(Sequential):
         # Pushed KV a decoder could not load is in its buffer still: staged again, not computed there.
         return False
 
-    def held(self, staged: StagedKV) -> HeldKV | None:
-        if staged.handoff is None:
-            return None
-        return HeldKV(staged, self._connector, self._metrics, pushed=True)
-
 
 class Concurrent(Sequential):
     """The decode call starts with the prefill call (SGLang's bootstrap: the decoder waits on the prefiller
@@ -142,9 +144,7 @@ class Concurrent(Sequential):
         """The prefill call, started and left running: it comes back at once, pending."""
         if plan.prefiller is None:
             return None, plan
-        handoff = self._connector.handoff(
-            exchange.request, exchange.prompt, plan.prefiller, plan.decoder, exchange.request_id
-        )
+        handoff = self._handoff(exchange, plan)
         trace = exchange.trace
         trace.prefill_overlaps_decode = True
         # No watch: the call lasts as long as its decoder takes to fetch the KV, however long prefills take.

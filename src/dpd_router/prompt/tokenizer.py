@@ -411,11 +411,16 @@ class LocalTokenizer:
             return lambda abandoned: list(prompt)
         return encode(lambda: list(prompt), True)
 
+    def fewest_tokens(self, size: int) -> int:
+        """The fewest tokens a text of `size` UTF-8 bytes can make (the post-processor's aside): no token stands
+        for more bytes than the longest token's (`bytes_per_token`)."""
+        return size // self.bytes_per_token
+
     def _check_size(self, text: str, max_tokens: int | None) -> None:
-        """No tokenizer makes fewer tokens of a text than its bytes over its longest token's bytes."""
+        """Refuse a text whose bytes alone show more than `max_tokens` tokens (fewest_tokens)."""
         if max_tokens is None or len(text) * 4 <= max_tokens * self.bytes_per_token:
             return  # too few characters to prove anything (a character is at most 4 bytes)
-        at_least = utf8_size(text) // self.bytes_per_token
+        at_least = self.fewest_tokens(utf8_size(text))
         if at_least > max_tokens:
             raise PromptTooLong(at_least)
 
@@ -471,7 +476,7 @@ class LocalTokenizer:
             if self._body_renderer is not None and request.brackets > MANY_CONTAINERS:
                 return await self._body_renderer.render_body(request.template_raw(), max_bytes=max_bytes)
         except RenderedTooLarge as exc:
-            raise PromptTooLong(exc.size // self.bytes_per_token) from None
+            raise PromptTooLong(self.fewest_tokens(exc.size)) from None
         return None
 
     def close(self) -> None:
@@ -809,7 +814,7 @@ class PromptReader:
         self._words_bound = tokenizer.words_bound
         self._floor = 0  # the most tokens the whole prompt was shown to hold by its bytes or words (at_least)
         # The fewest tokens its bytes can make (what the tokenizer refuses a prompt too long by, unencoded).
-        self._by_bytes = self._size // tokenizer.bytes_per_token + specials
+        self._by_bytes = tokenizer.fewest_tokens(self._size) + specials
         self._words: int | None = None  # its words, once a split of them reached the text's end
         self._per_token = tokenizer.chars_per_token or _CHARS_PER_TOKEN_GUESS
         # A head cut by the tokenizer's own average errs less than one cut by the fixed guess.
