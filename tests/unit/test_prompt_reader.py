@@ -745,6 +745,10 @@ async def test_a_conversations_turns_read_their_history_from_the_pieces_kept_and
         read = await read_prompt(reader, planner.tokens_to_settle, None, whole=planner.weighs_whole_prefixes)
         assert list(read.token_ids) == list(whole.token_ids)[: len(read.token_ids)]
         read_in_part += read.at_most is not None
+        if read.rest is not None:
+            # Its whole encoding, made in the background, keeps the turn's pieces: done before the next turn
+            # comes (as it is behind a real answer), so which pieces the next turn finds kept is not a race.
+            await read.rest
         fast, full = planner.plan(read), fresh().plan(whole)
         assert (fast.path, fast.reason, fast.decoder.url) == (full.path, full.reason, full.decoder.url), turn
         urls = [endpoint.url for endpoint in planner.pool.endpoints()]
