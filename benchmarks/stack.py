@@ -68,6 +68,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_BIND_ATTEMPTS = 4
+# Flags whose value is a port the process binds besides the one it serves on: chosen again too.
+_PORT_FLAGS = ("--prometheus-port",)
+
+
+class _PortTaken(Exception):
+    """The process exited because a port it was given was bound by another first."""
+
+
 @dataclass
 class Service:
     """A server process we started; `url` is its base URL."""
@@ -98,6 +107,36 @@ class Service:
             return ""
 
     async def start(self, wait: float = 60.0) -> Service:
+        """Start the process and wait until `ready_path` answers 200.
+
+        A port chosen free can be taken by another process before this one binds it (tests and
+        benchmarks start servers side by side; seen in CI as uvicorn's "address already in use"):
+        such a start is tried again on fresh ports, a few times.
+        """
+        for attempt in range(_BIND_ATTEMPTS):
+            try:
+                return await self._start_once(wait)
+            except _PortTaken:
+                tail = self.log_tail()
+                if self.log_path is not None:
+                    self.log_path.unlink(missing_ok=True)
+                if attempt == _BIND_ATTEMPTS - 1:
+                    raise RuntimeError(f"{self.name} found its ports taken {_BIND_ATTEMPTS} times:\n{tail}") from None
+                self._repick_ports()
+        raise AssertionError("unreachable")
+
+    def _repick_ports(self) -> None:
+        """Fresh ports for the one `url` names (as a flag's value or a positional argument) and
+        for every other port flag."""
+        served, self.port = str(self.port), free_port()
+        for i, arg in enumerate(self.argv):
+            flag = self.argv[i - 1] if i > 0 else ""
+            if arg == served and (flag == "--port" or not flag.startswith("--")):
+                self.argv[i] = str(self.port)
+            elif flag in _PORT_FLAGS:
+                self.argv[i] = str(free_port())
+
+    async def _start_once(self, wait: float) -> Service:
         fd, name = tempfile.mkstemp(prefix=f"bench-{self.name}-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(fd, "wb") as log:
@@ -113,6 +152,8 @@ class Service:
         async with httpx.AsyncClient(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
+                    if "address already in use" in self.log_tail(100_000).lower():
+                        raise _PortTaken(self.name)
                     raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(self.url + self.ready_path)).status_code == 200:

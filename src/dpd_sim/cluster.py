@@ -176,7 +176,7 @@ class SimCluster:
             else:
                 for engine in self.engines:
                     await self._spawn(engine)
-            await asyncio.gather(*(self._wait_healthy(engine) for engine in self.engines))
+            await asyncio.gather(*(self._wait_started(engine) for engine in self.engines))
         except BaseException:
             await self.stop()
             raise
@@ -274,6 +274,27 @@ class SimCluster:
         engine.server = server = uvicorn.Server(config)
         engine.serving = asyncio.create_task(_serve(server, sock), name=f"sim-{engine.name}")
 
+    async def _wait_started(self, engine: SimEngine) -> None:
+        """Wait until a spawned engine is healthy; one whose port another process bound first (between
+        `free_ports` and its own bind: tests and benchmarks start servers side by side) is spawned
+        again on fresh ports, a few times."""
+        for attempt in range(_BIND_ATTEMPTS):
+            try:
+                await self._wait_healthy(engine)
+                return
+            except EngineStartError:
+                if engine.process is None or engine.alive or not _port_taken(engine.log_tail(100_000)):
+                    raise
+                if attempt == _BIND_ATTEMPTS - 1:
+                    raise
+            taken = {engine.port} | ({engine.kv_events_port} if engine.kv_events_port is not None else set())
+            fresh = free_ports(len(taken), taken=taken)
+            engine.port = fresh.pop()
+            if engine.kv_events_port is not None:
+                engine.kv_events_port = fresh.pop()
+            engine.log_path.unlink(missing_ok=True)
+            await self._spawn(engine)
+
     async def _wait_healthy(self, engine: SimEngine) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.startup_timeout
@@ -310,6 +331,13 @@ class SimCluster:
             await asyncio.wait_for(process.wait(), self.stop_grace)
         except TimeoutError:
             await self.kill(engine)
+
+
+_BIND_ATTEMPTS = 4
+
+
+def _port_taken(log: str) -> bool:
+    return "address already in use" in log.lower()
 
 
 def _listener(port: int) -> socket.socket:

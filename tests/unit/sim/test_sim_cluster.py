@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,9 @@ import httpx
 import pytest
 
 from dpd_sim import SimCluster
+from dpd_sim import cluster as cluster_module
 from dpd_sim.cluster import EngineStartError
+from dpd_sim.ports import free_port, free_ports
 
 LEASE_SECONDS = 1.0
 
@@ -79,6 +82,25 @@ async def test_a_killed_engine_restarts_on_its_port(sim_tokenizer: Path) -> None
         await cluster.restart(engine)
         assert (await http.get(f"{engine.url}/health")).status_code == 200
         assert cluster.decode_urls == [engine.url]
+
+
+async def test_an_engine_whose_port_was_taken_first_starts_on_a_fresh_one(
+    sim_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between choosing a free port and the engine binding it another process can take it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chosen = iter([[port]])
+        monkeypatch.setattr(
+            cluster_module, "free_ports", lambda count, **kw: next(chosen, None) or free_ports(count, **kw)
+        )
+        async with SimCluster(prefill=0, decode=1, tokenizer=sim_tokenizer) as cluster, httpx.AsyncClient() as http:
+            (engine,) = cluster.engines
+            assert engine.port != port
+            assert (await http.get(f"{engine.url}/health")).status_code == 200
+            assert "already in use" not in engine.log_tail()
 
 
 async def test_an_engine_that_dies_at_startup_reports_its_output(sim_tokenizer: Path) -> None:
