@@ -22,7 +22,7 @@ from dpd_router.advise.report import Comparison, Options, Report
 from dpd_router.advise.scrape import AdviseError, Scrape
 from dpd_router.cli import main
 from dpd_router.record.metrics import PROMPT_LENGTH_BOUNDS, RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import Observer, Output, RequestTrace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -446,10 +446,12 @@ def test_itl_counts_streams_not_gaps_so_a_few_long_streams_name_no_winner() -> N
             trace = RequestTrace(request_id=f"{arm}-{stream}", kind="chat", stream=True, arm=arm, path="direct")
             trace.prompt_tokens = 3000
             now = trace.started + 0.2
-            trace.mark_token_chunk(now)
+            output = Output()
+            output.mark_token_chunk(now)
             for gap in range(300):
                 now += 0.5 if stream == 0 and gap < stalls else 0.01  # one stream of the arm stalls, often
-                trace.mark_token_chunk(now)
+                output.mark_token_chunk(now)
+            trace.take(output)
             Observer(metrics).record(trace, now)
     report = analyse(Scrape.parse(metrics.render().decode()))
     itl = compared(report, ">2048", "itl_p99")
@@ -659,7 +661,7 @@ def test_a_scrape_of_several_models_is_advised_one_model_at_a_time(tmp_path: Pat
         for i in range(count):
             trace = RequestTrace(request_id=f"{model}-{i}", kind="chat", stream=True, path="direct")
             trace.model, trace.prompt_tokens = model, tokens
-            trace.mark_token_chunk(trace.started + 0.1)
+            trace.take(first_token_at(trace.started + 0.1))
             Observer(metrics).record(trace, trace.started + 0.2)
     both = Scrape.parse(metrics.render().decode())
     assert both.models() == ["alpha", "beta"]
@@ -684,7 +686,7 @@ def test_the_models_behind_an_alias_are_compared_as_arms_are(tmp_path: Path) -> 
         for i in range(count):
             trace = RequestTrace(request_id=f"{model}-{i}", kind="chat", stream=True, path="direct")
             trace.model, trace.prompt_tokens = model, 300
-            trace.mark_token_chunk(trace.started + ttft * (0.9 + 0.2 * (i % 10) / 10))
+            trace.take(first_token_at(trace.started + ttft * (0.9 + 0.2 * (i % 10) / 10)))
             Observer(metrics).record(trace, trace.started + ttft + 0.5)
     scrape = Scrape.parse(metrics.render().decode())
     report = analyse(scrape.models_as_arms(["alpha", "beta"]))
@@ -697,3 +699,10 @@ def test_the_models_behind_an_alias_are_compared_as_arms_are(tmp_path: Path) -> 
     assert main(["advise", "--file", str(scraped), "--compare-models", "alpha,beta", "--json"]) == 0
     assert main(["advise", "--file", str(scraped), "--compare-models", "alpha,delta"]) == 1
     assert main(["advise", "--file", str(scraped), "--compare-models", "alpha"]) == 2
+
+
+def first_token_at(now: float) -> Output:
+    """A stream's output of one chunk, at `now`."""
+    output = Output()
+    output.mark_token_chunk(now)
+    return output

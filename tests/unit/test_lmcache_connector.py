@@ -583,7 +583,7 @@ def test_lmcache_ports_need_one_pair_per_rank() -> None:
 
 async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_sent() -> None:
     from dpd_router.gateway.relay import EventStream
-    from dpd_router.record.observe import RequestTrace
+    from dpd_router.record.observe import Output, RequestTrace
 
     def completion(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -602,11 +602,13 @@ async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_
         b"data: " + orjson.dumps({"id": "cmpl-d", "choices": [], "usage": usage}) + b"\n\n",
         b"data: [DONE]\n\n",
     ]
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
-    trace.mark_token_chunk(0.0)  # the head (the prefiller's token) already went out
+    trace, output = RequestTrace(request_id="r", kind="chat", stream=True), Output()
+    output.mark_token_chunk(0.0)  # the head (the prefiller's token) already went out
     answer = Continuation("chat", FirstToken.from_answer(prefill_answer()))
     upstream = httpx.Response(200, stream=httpx.ByteStream(b"".join(upstream_events)))
-    stream = EventStream(upstream, trace, cached_tokens=0, on_close=lambda: None, idle_timeout=5, rewrite=answer.chunk)
+    stream = EventStream(
+        upstream, trace, output, cached_tokens=0, on_close=lambda: None, idle_timeout=5, rewrite=answer.chunk
+    )
     await stream.prime(asyncio.get_running_loop().time() + 5)
     out = b"".join([chunk async for chunk in stream])
     events = [orjson.loads(e[len(b"data: ") :]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
@@ -614,8 +616,8 @@ async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
     assert events[2]["usage"]["prompt_tokens"] == 4 and events[2]["usage"]["completion_tokens"] == 3
     assert events[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, "the prefiller's view"
-    assert trace.completion_tokens == 3 and trace.decoder_cached_tokens == 4
-    assert trace.token_chunks == 3, "the head and the decoder's two chunks"
+    assert output.completion_tokens == 3 and output.decoder_cached_tokens == 4
+    assert output.token_chunks == 3, "the head and the decoder's two chunks"
 
 
 async def test_a_notification_address_taken_stops_the_router_before_anything_else_starts(

@@ -11,7 +11,7 @@ import pytest
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
 from dpd_router.gateway.wires import MESSAGES_WIRE
-from dpd_router.record.observe import RequestTrace
+from dpd_router.record.observe import Output, RequestTrace
 from tests.unit.test_relay import Chunks
 
 
@@ -31,10 +31,10 @@ STOP = named("message_stop", {"type": "message_stop"})
 
 async def relay(chunks: list[bytes], *, cached: int | None = None, error: Exception | None = None):
     stream = Chunks(chunks, error)
-    trace = RequestTrace(request_id="r", kind="messages", stream=True)
+    trace, output = RequestTrace(request_id="r", kind="messages", stream=True), Output()
     relayed = EventStream(
-        httpx.Response(200, stream=stream), trace, cached_tokens=cached, on_close=lambda: None, idle_timeout=5,
-        wire=MESSAGES_WIRE,
+        httpx.Response(200, stream=stream), trace, output, cached_tokens=cached,
+        on_close=lambda: trace.take(output), idle_timeout=5, wire=MESSAGES_WIRE,
     )  # fmt: skip
     return b"".join([part async for part in relayed]), trace
 
@@ -81,6 +81,7 @@ async def test_an_error_event_before_any_token_fails_the_stream_early() -> None:
     stream = EventStream(
         httpx.Response(200, stream=Chunks([START, error])),
         RequestTrace(request_id="r", kind="messages", stream=True),
+        Output(),
         cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=MESSAGES_WIRE,
     )  # fmt: skip
     with pytest.raises(DecodeFailedEarly, match="engine broke"):  # another decoder may still serve it
@@ -89,12 +90,12 @@ async def test_an_error_event_before_any_token_fails_the_stream_early() -> None:
 
 def test_a_whole_message_has_its_usage_reconciled() -> None:
     answer = {"type": "message", "content": [{"type": "text", "text": "hi"}], "usage": dict(END_USAGE)}
-    trace = RequestTrace(request_id="r", kind="messages", stream=False)
-    content, output = relay_body(orjson.dumps(answer), trace, 40, wire=MESSAGES_WIRE)
+    output = Output()
+    content, output_tokens, failure = relay_body(orjson.dumps(answer), output, 40, wire=MESSAGES_WIRE)
     usage = orjson.loads(content)["usage"]
-    assert output == 2  # what the decode hop learns its deadline by
+    assert output_tokens == 2 and failure is None  # what the decode hop learns its deadline by
     assert usage == {"input_tokens": 260, "output_tokens": 2, "cache_read_input_tokens": 40}
-    assert trace.completion_tokens == 2 and trace.engine_prompt_tokens == 300
+    assert output.completion_tokens == 2 and output.prompt_tokens == 300
 
     failed = {"type": "error", "error": {"type": "api_error", "message": "no"}, "usage": {"output_tokens": 0}}
     assert failed_before_output(orjson.dumps(failed), MESSAGES_WIRE) == "no"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, relay_body
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import Observer, Output, RequestTrace
 
 
 class Chunks(httpx.AsyncByteStream):
@@ -54,13 +54,15 @@ DONE = b"data: [DONE]\n\n"
 async def relay(chunks: list[bytes], *, cached: int | None = None, error: Exception | None = None):
     stream = Chunks(chunks, error)
     trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    output = Output()
     closed: list[bool] = []
+
+    def on_close() -> None:  # the request ends: its record takes the output (Completion)
+        closed.append(True)
+        trace.take(output)
+
     relayed = EventStream(
-        httpx.Response(200, stream=stream),
-        trace,
-        cached_tokens=cached,
-        on_close=lambda: closed.append(True),
-        idle_timeout=5,
+        httpx.Response(200, stream=stream), trace, output, cached_tokens=cached, on_close=on_close, idle_timeout=5
     )
     out = b"".join([part async for part in relayed])
     return out, trace, stream, closed
@@ -141,7 +143,7 @@ async def test_closing_before_the_end_counts_a_client_disconnect() -> None:
     stream = Chunks([TOKEN, LAST, DONE])
     trace = RequestTrace(request_id="r", kind="chat", stream=True)
     relayed = EventStream(
-        httpx.Response(200, stream=stream), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5
+        httpx.Response(200, stream=stream), trace, Output(), cached_tokens=None, on_close=lambda: None, idle_timeout=5
     )
     iterator = relayed.__aiter__()
     await iterator.__anext__()
@@ -159,17 +161,24 @@ def test_whole_answer_usage_is_reconciled() -> None:
             "prompt_tokens_details": {"cached_tokens": 10},
         },
     }
-    trace = RequestTrace(request_id="r", kind="chat", stream=False)
-    out = orjson.loads(relay_body(orjson.dumps(answer), trace, cached_tokens=0).content)
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert trace.completion_tokens == 1
+    output = Output()
+    relayed = relay_body(orjson.dumps(answer), output, cached_tokens=0)
+    assert orjson.loads(relayed.content)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert output.completion_tokens == 1 and output.first_token_at is not None and relayed.failure is None
+    failed = {"choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "error"}]}
+    assert (
+        relay_body(orjson.dumps(failed), Output(), None).failure
+        == "the engine ended the request with finish_reason=error"
+    )
 
 
 def test_observer_records_metrics_once() -> None:
     metrics = RouterMetrics()
     observer = Observer(metrics)
     trace = RequestTrace(request_id="r", kind="chat", stream=True, path="disaggregated", prompt_tokens=500)
-    trace.mark_token_chunk(trace.started + 0.5)
+    output = Output()
+    output.mark_token_chunk(trace.started + 0.5)
+    trace.take(output)
     observer.finish(trace)
     observer.finish(trace)
     value = metrics.registry.get_sample_value
@@ -199,10 +208,15 @@ def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tupl
                 yield chunk
 
     upstream = Slow(chunks)
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    trace, output = RequestTrace(request_id="r", kind="chat", stream=True), Output()
     return (
         EventStream(
-            httpx.Response(200, stream=upstream), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=idle
+            httpx.Response(200, stream=upstream),
+            trace,
+            output,
+            cached_tokens=None,
+            on_close=lambda: trace.take(output),
+            idle_timeout=idle,
         ),
         trace,
         upstream,
@@ -212,9 +226,9 @@ def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tupl
 async def test_prime_reads_up_to_the_first_token_and_the_stream_replays_it() -> None:
     stream, trace, _ = stream_of([ROLE, TOKEN, LAST, DONE])
     await stream.prime(asyncio.get_running_loop().time() + 5)
-    assert trace.first_token_at is not None
     out = b"".join([part async for part in stream])
     assert out == ROLE + TOKEN + LAST + DONE
+    assert trace.first_token_at is not None and trace.token_chunks == 2
 
 
 async def test_an_error_before_the_first_token_is_retryable_and_nothing_was_sent() -> None:
@@ -242,10 +256,11 @@ async def test_a_stream_idle_for_too_long_ends_with_an_error_event() -> None:
 
 async def test_a_usage_chunk_the_client_did_not_ask_for_is_read_then_dropped() -> None:
     upstream = Chunks([TOKEN, LAST, USAGE, DONE])
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    output = Output()
     relayed = EventStream(
         httpx.Response(200, stream=upstream),
-        trace,
+        RequestTrace(request_id="r", kind="chat", stream=True),
+        output,
         cached_tokens=None,
         on_close=lambda: None,
         idle_timeout=5,
@@ -253,7 +268,7 @@ async def test_a_usage_chunk_the_client_did_not_ask_for_is_read_then_dropped() -
     )
     out = b"".join([part async for part in relayed])
     assert out == TOKEN + LAST + DONE
-    assert trace.completion_tokens == 2 and trace.decoder_cached_tokens == 300
+    assert output.completion_tokens == 2 and output.decoder_cached_tokens == 300
 
 
 def test_a_decoder_that_recomputed_the_staged_prompt_is_an_ineffective_transfer() -> None:
@@ -321,12 +336,12 @@ async def test_a_cancel_from_outside_during_a_read_stays_a_cancel() -> None:
 
 
 @given(reads=st.lists(st.tuples(st.floats(0.0, 5.0), st.integers(0, 400)), max_size=30))
-def test_the_chunks_of_one_read_marked_together_leave_the_trace_as_marked_one_by_one(
+def test_the_chunks_of_one_read_marked_together_leave_the_output_as_marked_one_by_one(
     reads: list[tuple[float, int]],
 ) -> None:
     """A read's token chunks reached the router together: one call for them records the same first token,
     gaps (bounded) and count as a call for each."""
-    together, apart = RequestTrace("a", "chat", True), RequestTrace("b", "chat", True)
+    together, apart = Output(), Output()
     now = 0.0
     for wait, count in reads:
         now += wait

@@ -13,7 +13,7 @@ import pytest
 
 from dpd_router.gateway.relay import EventStream, relay_body
 from dpd_router.gateway.wires import RESPONSES_WIRE, KeptResponsesWire
-from dpd_router.record.observe import RequestTrace
+from dpd_router.record.observe import Output, RequestTrace
 from dpd_router.request.client_request import parse_request
 from dpd_router.request.errors import InvalidRequest
 from dpd_router.responses.api import Turn
@@ -90,25 +90,24 @@ COMPLETED = named("response.completed", {"response": {"id": "r", "status": "comp
 
 
 async def test_a_stream_is_read_for_its_tokens_and_its_usage_reconciled_at_its_end() -> None:
-    trace = RequestTrace(request_id="r", kind="responses", stream=True)
+    trace, output = RequestTrace(request_id="r", kind="responses", stream=True), Output()
     relayed = EventStream(
         httpx.Response(200, stream=Chunks([CREATED, DELTA, DELTA, DONE_TEXT, COMPLETED])),
-        trace, cached_tokens=0, on_close=lambda: None, idle_timeout=5, wire=RESPONSES_WIRE,
+        trace, output, cached_tokens=0, on_close=lambda: None, idle_timeout=5, wire=RESPONSES_WIRE,
     )  # fmt: skip
     out = b"".join([part async for part in relayed])
-    assert trace.outcome == "ok" and trace.token_chunks == 2
-    assert trace.completion_tokens == 2 and trace.engine_prompt_tokens == 300
+    assert trace.outcome == "ok" and output.token_chunks == 2
+    assert output.completion_tokens == 2 and output.prompt_tokens == 300
     completed = orjson.loads(out.split(b"\n\n")[-2].split(b"data: ", 1)[1])
     assert completed["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 0
-    assert trace.decoder_cached_tokens == 300
+    assert output.decoder_cached_tokens == 300
 
 
 def test_a_whole_response_with_no_error_is_not_a_failure() -> None:
-    trace = RequestTrace(request_id="r", kind="responses", stream=False)
     answer = {"id": "r", "object": "response", "status": "completed", "error": None, "usage": dict(USAGE)}
-    content = relay_body(orjson.dumps(answer), trace, 10, wire=RESPONSES_WIRE).content
-    assert trace.outcome == "ok"
-    assert orjson.loads(content)["usage"]["input_tokens_details"]["cached_tokens"] == 10
+    relayed = relay_body(orjson.dumps(answer), Output(), 10, wire=RESPONSES_WIRE)
+    assert relayed.failure is None
+    assert orjson.loads(relayed.content)["usage"]["input_tokens_details"]["cached_tokens"] == 10
     assert prefill_usage(answer) == (300, 300)
     failed = {**answer, "status": "failed", "error": {"code": "server_error", "message": "broke"}}
     assert RESPONSES_WIRE.errored(failed) == "broke"
@@ -135,7 +134,7 @@ async def test_a_kept_stream_is_stored_before_its_end_is_sent_and_says_what_the_
     trace = RequestTrace(request_id="r", kind="responses", stream=True)
     relayed = EventStream(
         httpx.Response(200, stream=Chunks(events if chunked else [b"".join(events)])),
-        trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=KeptResponsesWire(turn),
+        trace, Output(), cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=KeptResponsesWire(turn),
     )  # fmt: skip
     await relayed.prime(asyncio.get_running_loop().time() + 5)
     async for part in relayed:
@@ -154,8 +153,7 @@ def test_a_whole_answer_is_held_to_keep_and_a_failed_one_is_not() -> None:
     for status, kept in (("completed", True), ("incomplete", True), ("failed", False)):
         turn = Turn(Keeper(), "alice", True, None, [])
         answer = {"id": "r", "object": "response", "status": status, "error": None, "store": False, "usage": USAGE}
-        content = relay_body(orjson.dumps(answer), RequestTrace(request_id="r", kind="responses", stream=False), None,
-                             wire=KeptResponsesWire(turn)).content  # fmt: skip
+        content = relay_body(orjson.dumps(answer), Output(), None, wire=KeptResponsesWire(turn)).content
         assert orjson.loads(content)["store"] is True
         assert (turn.final is not None) is kept, status
 

@@ -17,7 +17,7 @@ from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
 from dpd_router.gateway.resume_text import named_event
 from dpd_router.gateway.wires import MESSAGES_WIRE, OPENAI_WIRE
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import RequestTrace
+from dpd_router.record.observe import Output, RequestTrace
 from dpd_router.request.client_request import parse_request
 
 
@@ -129,8 +129,9 @@ def resumer_of(body: dict[str, Any], kind: str = "chat", left: int = 1) -> tuple
 
     trace = RequestTrace(request_id="r", kind=kind, stream=True)
     resumer = Resumer(
-        request, trace, policy, None, RouterMetrics(), open=never, timeouts=PhaseTimeouts(), strip_usage=False
-    )
+        request, trace, Output(), policy, None, RouterMetrics(), open=never, timeouts=PhaseTimeouts(),
+        strip_usage=False,
+    )  # fmt: skip
     return resumer, policy, request
 
 
@@ -227,16 +228,16 @@ async def relayed_with_a_resumer(
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
     request = parse_request(kind, orjson.dumps(body))
     policy = ResumePolicy.arm(request, left=left, max_tokens=1000, blocked=blocked)
-    trace = RequestTrace(request_id="r", kind=kind, stream=True)
+    trace, output = RequestTrace(request_id="r", kind=kind, stream=True), Output()
     metrics = RouterMetrics()
     wire = MESSAGES_WIRE if kind == "messages" else OPENAI_WIRE
     resumer = Resumer(
-        request, trace, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(),
+        request, trace, output, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(),
         strip_usage=strip_usage, wire=wire,
     )  # fmt: skip
     stream = EventStream(
-        httpx.Response(200, stream=Broken()), trace, cached_tokens=None, on_close=lambda: None, idle_timeout=5,
-        resumer=resumer, wire=wire,
+        httpx.Response(200, stream=Broken()), trace, output, cached_tokens=None,
+        on_close=lambda: trace.take(output), idle_timeout=5, resumer=resumer, wire=wire,
     )  # fmt: skip
     await stream.prime(asyncio.get_running_loop().time() + 5)
     return b"".join([chunk async for chunk in stream]), trace, metrics

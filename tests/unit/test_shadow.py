@@ -118,8 +118,9 @@ def test_the_answer_is_timed_token_by_token_and_its_usage_kept() -> None:
     answer.feed(event(chunk("c")), 3.5)
     answer.feed(event({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3}}) + b"data: [DONE]\n\n", 4)
     answer.end()
-    assert trace.outcome == "ok" and trace.first_token_at == 2.5
-    assert trace.gaps == [0.0, 1.0] and trace.token_chunks == 3 and trace.completion_tokens == 3
+    output = answer.output
+    assert trace.outcome == "ok" and output.first_token_at == 2.5
+    assert output.gaps == [0.0, 1.0] and output.token_chunks == 3 and output.completion_tokens == 3
 
 
 def test_an_answer_that_stops_before_done_or_reports_an_error_fails_the_copy() -> None:
@@ -199,7 +200,7 @@ def test_messages_and_responses_copies_are_streams_read_in_their_own_api() -> No
     answer.feed(named("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 2}}), 3)
     answer.feed(named("message_stop", {}), 3.0)
     answer.end()
-    assert messages.outcome == "ok" and messages.first_token_at == 2.0 and messages.completion_tokens == 2
+    assert messages.outcome == "ok" and answer.output.first_token_at == 2.0 and answer.output.completion_tokens == 2
     responses = RequestTrace(request_id="r2", kind="responses", stream=True)
     answer = ShadowAnswer(responses, RESPONSES_WIRE)
     answer.feed(named("response.created", {"response": {"id": "r", "status": "in_progress", "usage": None}}), 1.0)
@@ -207,7 +208,8 @@ def test_messages_and_responses_copies_are_streams_read_in_their_own_api() -> No
     usage = {"input_tokens": 12, "output_tokens": 1, "input_tokens_details": {"cached_tokens": 0}}
     answer.feed(named("response.completed", {"response": {"id": "r", "status": "completed", "usage": usage}}), 3)
     answer.end()
-    assert responses.outcome == "ok" and responses.first_token_at == 2.0 and responses.completion_tokens == 1
+    assert responses.outcome == "ok" and answer.output.first_token_at == 2.0
+    assert answer.output.completion_tokens == 1
     cut = RequestTrace(request_id="r3", kind="responses", stream=True)
     answer = ShadowAnswer(cut, RESPONSES_WIRE)
     answer.feed(named("response.output_text.delta", {"delta": "a", "output_index": 0}), 2.0)

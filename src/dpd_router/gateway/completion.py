@@ -9,7 +9,7 @@ from typing import Any
 
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import Observer, Output, RequestTrace
 from dpd_router.transfer.base import Connector, StagedKV
 
 # Seconds from a cut decode call to the release of the KV it may have been reading: far longer than a
@@ -65,8 +65,9 @@ class HeldKV:
 
 
 class Completion:
-    """Releases what a request holds, exactly once: its decoder slot, KV staged for it that no
-    decode call took, the in-flight gauge, its trace, and the caller's `on_finish` (the admission slot).
+    """Ends a request, exactly once: releases its decoder slot, KV staged for it that no decode call took,
+    the in-flight gauge and the caller's `on_finish` (the admission slot), and reports its record, which takes
+    what the decoders produced (`output`) then.
 
     Without an `observer` the trace is not reported: a stream's continuation is part of its request,
     which reports it."""
@@ -88,7 +89,12 @@ class Completion:
         self._deferred: list[Callable[[], object]] = []
         self._report_after: tuple[asyncio.Future[Any], Callable[[], None], Callable[[], bool]] | None = None
         self._done = False
+        self.output = Output()
         metrics.in_flight.inc()
+
+    @property
+    def ended(self) -> bool:
+        return self._done
 
     def defer(self, cleanup: Callable[[], object]) -> None:
         """Run `cleanup` when the request is over (for example: cancel a prefill still running)."""
@@ -143,6 +149,7 @@ class Completion:
         if self._decoder_slot is not None:
             self._decoder_slot.release()
         self._metrics.in_flight.dec()
+        self._trace.take(self.output)
         observer = self._observer
         if observer is not None and self._report_after is None:
             observer.finish(self._trace)

@@ -23,10 +23,10 @@ from dpd_router.gateway.deadlines import prior
 from dpd_router.gateway.errors import DecodeFailed, missed_learned_deadline
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
-from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
+from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, RelayedBody, failed_before_output, relay_body
 from dpd_router.gateway.resume import Resumer
 from dpd_router.gateway.watch import EngineProbe, HopWatch
-from dpd_router.gateway.wires import wire_of
+from dpd_router.gateway.wires import Wire, wire_of
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.engine_pool import PooledAnswer
 from dpd_router.pool.served_model import ServedModel
@@ -133,9 +133,7 @@ class DecodeHop:
         assert call.answered is not None
         exchange.trace.decoder = None
         if not exchange.request.stream:
-            rewrite = None if call.answer is None else call.answer.body
-            wire = wire_of(exchange.request)
-            content = relay_body(call.answered, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire).content
+            content = self._relayed_whole(exchange, call.answered, call, staged, wire_of(exchange.request)).content
             exchange.done()
             return WholeAnswer(content, exchange.headers)
         stream = self.answered_stream(exchange, call, staged)
@@ -166,6 +164,7 @@ class DecodeHop:
             resumer = Resumer(
                 exchange.request,
                 exchange.trace,
+                exchange.output,
                 exchange.resume,
                 decoder,
                 self._metrics,
@@ -177,6 +176,7 @@ class DecodeHop:
         return EventStream(
             upstream,
             exchange.trace,
+            exchange.output,
             engine=decoder,
             cached_tokens=prefiller_cached_tokens(staged),
             on_close=exchange.done,
@@ -217,12 +217,24 @@ class DecodeHop:
                 answered=True,
                 in_band=True,
             )
-        rewrite = None if call.answer is None else call.answer.body
-        relayed = relay_body(content, exchange.trace, prefiller_cached_tokens(staged), rewrite, wire)
+        relayed = self._relayed_whole(exchange, content, call, staged, wire)
         exchange.decode_judge.succeeded(decoder)
         self._learn(exchange, deadline, staged, relayed.output_tokens)
         exchange.done()
         return WholeAnswer(relayed.content, exchange.headers)
+
+    @staticmethod
+    def _relayed_whole(
+        exchange: Exchange, content: bytes, call: DecodeCall, staged: StagedKV | None, wire: Wire
+    ) -> RelayedBody:
+        """A whole answer as its client gets it, marked on the request's output (the client's first token);
+        an error the engine wrote in it is how the request ended."""
+        rewrite = None if call.answer is None else call.answer.body
+        relayed = relay_body(content, exchange.output, prefiller_cached_tokens(staged), rewrite, wire)
+        if relayed.failure is not None:
+            exchange.trace.fail("upstream_error", relayed.failure)
+        exchange.first_token.reach()
+        return relayed
 
     async def _engine_refusal(self, exchange: Exchange, upstream: EngineAnswer, decoder: Endpoint) -> Answer:
         """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""

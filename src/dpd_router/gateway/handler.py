@@ -363,9 +363,10 @@ class Gateway:
         exact count: the engine's, from the answer's usage, or else the whole encoding's once it is done."""
         estimate = prompt.num_tokens
         trace.prompt_tokens = None  # not known yet
+        output = done.output
 
         def settle() -> None:
-            tokens = trace.engine_prompt_tokens
+            tokens = output.prompt_tokens
             if tokens is None and whole.done() and not whole.cancelled() and whole.exception() is None:
                 encoded = whole.result()
                 tokens = None if encoded is None else encoded.num_tokens
@@ -375,7 +376,7 @@ class Gateway:
             if trace.uncached_tokens is not None:  # planned: the cached prefix it counted stays the same
                 trace.uncached_tokens = max(tokens - (estimate - trace.uncached_tokens), 0)
 
-        done.report_after(whole, settle, unless=lambda: trace.engine_prompt_tokens is not None)
+        done.report_after(whole, settle, unless=lambda: output.prompt_tokens is not None)
 
     @staticmethod
     def _index_whole_later(whole: asyncio.Future[Prompt | None], plan: Plan, planner: Planner) -> None:
@@ -465,6 +466,7 @@ class Gateway:
         replacement = DecoderReplacement(exchange, self._metrics)
         prefillers_tried: list[Endpoint] = []
         staged: StagedKV | None = None
+        decoding = False  # a decode call was made: the routing decision is counted
         try:
             while True:
                 done.hold(plan.decoder)
@@ -477,6 +479,7 @@ class Gateway:
                 self._record_plan(trace, plan)
                 trace.decoder = plan.decoder.url
                 trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
+                decoding = True
                 if staged is None and request.stream:
                     self._await_first_token(exchange, plan)
                 call = self._decode_call(request, staged)
@@ -502,7 +505,7 @@ class Gateway:
                         staged = None
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
         finally:
-            if trace.decode_started is not None:
+            if decoding:
                 self._metrics.route_decision(trace.model, trace.arm, trace.path, trace.reason).inc()
 
     async def _stage(

@@ -43,19 +43,22 @@ class HeadFirst:
         assert call.head is not None
         trace, done, head = exchange.trace, exchange.done, call.head
         relayed: list[EventStream] = []
+        failed: list[bool] = []  # the continuation could not be served: the request ended with its failure
 
         async def events() -> AsyncGenerator[bytes, None]:
-            trace.mark_token_chunk(time.perf_counter())
+            exchange.output.mark_token_chunk(time.perf_counter())
             exchange.first_token.reach()
             yield head
             try:
                 stream = await self._continuation(exchange, plan, call, staged)
             except RouterError as exc:
+                failed.append(True)
                 trace.fail("upstream_error", exc.message)
                 yield error_event(exc.message)
                 return
             except Exception as exc:  # a bug, not the client: the stream still ends, in-band
                 log.exception("request %s: the continuation after the first token failed", exchange.request_id)
+                failed.append(True)
                 trace.fail("error", f"internal error: {type(exc).__name__}: {exc}")
                 yield error_event("The router failed to continue this answer.")
                 return
@@ -71,7 +74,7 @@ class HeadFirst:
                 await generator.aclose()
                 if relayed:
                     await relayed[0].close()
-            if not trace.finished and trace.outcome == "ok":
+            if not done.ended and not failed:
                 # Ended without a decoder's stream to close (or never began): the client left.
                 self._metrics.client_disconnects.labels("serve").inc()
                 trace.fail("client_disconnect", "the client left before the decoder answered", status=499)

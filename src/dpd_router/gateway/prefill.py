@@ -214,5 +214,5 @@ class PrefillHop:
             finally:
                 if watch is not None:
                     watch.stop()
-                trace.prefill_seconds = time.perf_counter() - started
-                self._metrics.prefill.labels(model_label(trace.model), outcome).observe(trace.prefill_seconds)
+                seconds = trace.prefill_seconds = time.perf_counter() - started
+                self._metrics.prefill.labels(model_label(trace.model), outcome).observe(seconds)

@@ -25,7 +25,7 @@ from dpd_router.gateway.resume import Resumer
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineAnswer
-from dpd_router.record.observe import RequestTrace
+from dpd_router.record.observe import Output, RequestTrace
 from dpd_router.request.errors import RouterError
 
 log = logging.getLogger("dpd_router.gateway")
@@ -46,7 +46,8 @@ class DecodeFailedEarly(Exception):
 
 
 class EventStream:
-    """Watches and relays one upstream SSE stream; closes it and records the trace at the end.
+    """Watches and relays one upstream SSE stream, marking what it produced on `output`; closes it and
+    ends the request (`on_close`).
 
     `prime()` reads until the first token, so a decoder that fails before producing one can be
     replaced before the client has seen a byte; the stream then relays what prime() read, and the
@@ -58,6 +59,7 @@ class EventStream:
         self,
         upstream: EngineAnswer,
         trace: RequestTrace,
+        output: Output,
         *,
         cached_tokens: int | None,
         on_close: Callable[[], None],
@@ -86,6 +88,7 @@ class EventStream:
         self._rewrite = rewrite
         self._chunks = upstream.aiter_raw()
         self._trace = trace
+        self._output = output
         self.cached_tokens = cached_tokens
         self._on_close = on_close
         self._idle_timeout = idle_timeout
@@ -98,6 +101,8 @@ class EventStream:
         self._ended = False
         self._saw_done = False
         self._complete = False
+        # This relay ended the request with a failure of the decoder's: a client leaving after it does not end it.
+        self._failed = False
         self._closed = False
         # The idle limit of the relay's reads (see _read_within_idle): when the current read started
         # (None: no read under way), and the one timer that checks it.
@@ -205,7 +210,7 @@ class EventStream:
             return
         self._closed = True
         self._stop_idle_check()
-        if not self._complete and self._trace.outcome == "ok":
+        if not self._complete and not self._failed:
             self._trace.fail("client_disconnect", "the client disconnected during the stream", status=499)
             if self._on_disconnect is not None:
                 self._on_disconnect()
@@ -255,7 +260,7 @@ class EventStream:
             return
         if self._pending.strip():
             yield self._pending
-        if not self._saw_done and self._trace.outcome == "ok":
+        if not self._saw_done and not self._failed:
             detail = "the decoder closed the stream before [DONE]"
             self._broken = ("upstream_truncated", detail, "The decoder ended the stream early.")
         else:
@@ -297,7 +302,7 @@ class EventStream:
                 yield ending
                 return
         log.warning("request %s: %s; the stream ends (%s)", trace.request_id, detail, trace.continued_after)
-        self._complete = True
+        self._complete = self._failed = True
         trace.fail(outcome, detail)
         yield self._error_event(message)
 
@@ -307,7 +312,7 @@ class EventStream:
             await self._wire.settle()
 
     def _relay_events(self, events: list[bytes]) -> bytes:
-        trace, wire = self._trace, self._wire
+        trace, wire, output = self._trace, self._wire, self._output
         data, ends, only_tokens = wire.data, wire.ends, wire.only_tokens
         now = time.perf_counter()
         tokens = 0  # chunks of output in this read: they reached the router together, so are marked together
@@ -348,11 +353,12 @@ class EventStream:
                     if self._resumer is not None:
                         self._resumer.count("not_tried", reason or "")
                         trace.continued_after = f"not continued ({reason})"
+                    self._failed = True
                     trace.fail("upstream_error", failure)
             if wire.has_token(payload):
                 self._saw_token = True
                 tokens += 1
-            if wire.reconcile(payload, trace, self.cached_tokens):
+            if wire.reconcile(payload, output, self.cached_tokens):
                 events[index] = event[:start] + orjson.dumps(payload)
             if self._strip_usage and "usage" in payload:
                 if payload.get("choices"):
@@ -361,7 +367,7 @@ class EventStream:
                 else:
                     events[index] = b""  # the usage-only chunk the router asked for, not the client
         if tokens:
-            trace.mark_token_chunks(now, tokens)
+            output.mark_token_chunks(now, tokens)
             if self._on_first_token is not None:
                 reached, self._on_first_token = self._on_first_token, None
                 reached()
@@ -399,20 +405,22 @@ def failed_before_output(content: bytes, wire: Wire = OPENAI_WIRE) -> str | None
 
 
 class RelayedBody(NamedTuple):
-    """A whole answer as the client gets it, and the output tokens its usage counts (None: it counts none)."""
+    """A whole answer as the client gets it, the output tokens its usage counts (None: it counts none), and
+    the failure the engine wrote in it (None: none)."""
 
     content: bytes
     output_tokens: int | None
+    failure: str | None = None
 
 
 def relay_body(
     content: bytes,
-    trace: RequestTrace,
+    output: Output,
     cached_tokens: int | None,
     rewrite: Rewrite | None = None,
     wire: Wire = OPENAI_WIRE,
 ) -> RelayedBody:
-    """Inspect a whole (non-streamed) answer; reconcile its usage; the bytes to send."""
+    """Inspect a whole (non-streamed) answer, marked on `output` with its usage reconciled; the bytes to send."""
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
@@ -422,10 +430,7 @@ def relay_body(
     if rewrite is not None:
         payload = rewrite(payload)
         content = orjson.dumps(payload)
-    failure = wire.errored(payload)
-    if failure is not None:
-        trace.fail("upstream_error", failure)
-    trace.mark_token_chunk(time.perf_counter())
-    if wire.reconcile(payload, trace, cached_tokens):
+    output.mark_token_chunk(time.perf_counter())
+    if wire.reconcile(payload, output, cached_tokens):
         content = orjson.dumps(payload)
-    return RelayedBody(content, wire.output_tokens(payload))
+    return RelayedBody(content, wire.output_tokens(payload), wire.errored(payload))

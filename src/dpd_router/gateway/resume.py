@@ -43,7 +43,7 @@ from dpd_router.gateway.resume_text import (
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire, reconcile_usage
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import RequestTrace
+from dpd_router.record.observe import Output, RequestTrace
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.request.errors import RouterError
 from dpd_router.transfer import chat_chunks
@@ -238,6 +238,7 @@ class Resumer:
         self,
         request: ClientRequest,
         trace: RequestTrace,
+        output: Output,
         policy: ResumePolicy,
         decoder: Endpoint | None,
         metrics: RouterMetrics,
@@ -249,6 +250,8 @@ class Resumer:
     ) -> None:
         self._request = request
         self._trace = trace
+        # The first stream's output: the continuation's chunks and usage go on it.
+        self._output = output
         self._open = open
         self._timeouts = timeouts
         self._policy = policy
@@ -308,7 +311,7 @@ class Resumer:
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         kind = "chat.completion.chunk" if self._chat else "text_completion"
         payload: dict[str, Any] = {**tape.head, "object": kind, "choices": [], "usage": usage}
-        reconcile_usage(payload, self._trace, cached_tokens)
+        reconcile_usage(payload, self._output, cached_tokens)
         usage_event = b"" if self._strip_usage else _DATA + orjson.dumps(payload) + _EVENT_END
         return usage_event + _DONE + _EVENT_END
 
@@ -392,7 +395,7 @@ class Resumer:
     async def _written(self, events: list[bytes], cached_tokens: int | None) -> list[bytes]:
         """A continuation's chat events as the Messages or Responses events the client's stream goes on with;
         the usage and the ended response are the wire's to record (and, for a kept response, to keep)."""
-        writer, wire, trace = self._writer, self._wire, self._trace
+        writer, wire, trace, output = self._writer, self._wire, self._trace, self._output
         assert writer is not None
         out: list[bytes] = []
         ended = False
@@ -415,8 +418,8 @@ class Resumer:
                 payloads = writer.chunk(payload)
             for written in payloads:
                 if wire.has_token(written):
-                    trace.mark_token_chunk(time.perf_counter())
-                wire.reconcile(written, trace, cached_tokens)
+                    output.mark_token_chunk(time.perf_counter())
+                wire.reconcile(written, output, cached_tokens)
                 out.append(named_event(written))
                 ended = ended or wire.ends(out[-1])
         if ended:
@@ -450,14 +453,14 @@ class Resumer:
         usage = payload.get("usage")
         if isinstance(usage, dict):
             self._as_one_usage(usage)
-            reconcile_usage(payload, trace, cached_tokens)
+            reconcile_usage(payload, self._output, cached_tokens)
         if self._chat:
             payload = chat_chunks.chunk_to_chat(payload)
         tape = self.tape
         if isinstance(tape, StreamTape) and tape.head is not None:
             payload.update(tape.head)
         if any(choice.get("delta") or choice.get("text") for choice in payload.get("choices") or ()):
-            trace.mark_token_chunk(time.perf_counter())
+            self._output.mark_token_chunk(time.perf_counter())
         if self._strip_usage and "usage" in payload:
             if not payload.get("choices"):
                 return b""

@@ -26,7 +26,6 @@ from dpd_router.gateway.head_first import HeadFirst
 from dpd_router.gateway.prefill import PrefillHop
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import RequestTrace
 from dpd_router.request.errors import PrefillFailed
 from dpd_router.routing.planner import Plan
 from dpd_router.transfer.base import Connector, DecodeCall, Handoff, StagedKV
@@ -145,13 +144,12 @@ class Concurrent(Sequential):
         if plan.prefiller is None:
             return None, plan
         handoff = self._handoff(exchange, plan)
-        trace = exchange.trace
-        trace.prefill_overlaps_decode = True
+        exchange.trace.prefill_overlaps_decode = True
         # No watch: the call lasts as long as its decoder takes to fetch the KV, however long prefills take.
         pending = asyncio.create_task(
             self._prefill.call(handoff, exchange, tried, watched=False), name=f"prefill {exchange.request_id}"
         )
-        pending.add_done_callback(lambda task: _settled(task, trace))
+        pending.add_done_callback(lambda task: _settled(task, exchange))
         return StagedKV(params={}, prompt_tokens=None, cached_tokens=0, pending=pending, handoff=handoff), plan
 
     async def answer(
@@ -190,12 +188,12 @@ def shape_of(
     return Sequential(connector, prefill, decode, metrics, holds_kv=connector.holds_kv)
 
 
-def _settled(task: asyncio.Task[StagedKV], trace: RequestTrace) -> None:
+def _settled(task: asyncio.Task[StagedKV], exchange: Exchange) -> None:
     """A concurrent prefill ended: keep its token counts; a failure after the first token is only logged."""
     if task.cancelled():
         return
     failure = task.exception()
     if failure is None:
-        trace.staged_tokens = task.result().prompt_tokens
-    elif trace.first_token_at is not None:
-        log.warning("request %s: the prefill call failed after the decoder answered: %s", trace.request_id, failure)
+        exchange.trace.staged_tokens = task.result().prompt_tokens
+    elif exchange.first_token.reached:
+        log.warning("request %s: the prefill call failed after the decoder answered: %s", exchange.request_id, failure)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from dpd_router.messages import api as messages_api
-from dpd_router.record.observe import RequestTrace
+from dpd_router.record.observe import Output
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.responses import api as responses_api
 
@@ -47,10 +47,11 @@ def _errored(payload: dict[str, Any]) -> str | None:
     return None
 
 
-def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
-    """Record the usage block; where the decoder reported cached tokens, report the prefiller's instead.
+def reconcile_usage(payload: dict[str, Any], output: Output, cached_tokens: int | None) -> bool:
+    """Keep the usage block's counts on `output`; where the decoder reported cached tokens, report the
+    prefiller's instead.
 
-    The decoder's own count is kept as `trace.decoder_cached_tokens`: on the disaggregated path it
+    The decoder's own count is kept as `output.decoder_cached_tokens`: on the disaggregated path it
     shows whether the KV really arrived. Only a `cached_tokens` the engine wrote is replaced: a block
     it left out (continuous usage chunks, an engine without --enable-prompt-tokens-details) stays
     out, so the client sees the engine's usage shape. Returns True when the payload was changed.
@@ -60,18 +61,18 @@ def reconcile_usage(payload: dict[str, Any], trace: RequestTrace, cached_tokens:
         return False
     completion = usage.get("completion_tokens")
     if isinstance(completion, int):
-        trace.completion_tokens = completion
+        output.completion_tokens = completion
     prompt = usage.get("prompt_tokens")
     if isinstance(prompt, int):
-        trace.engine_prompt_tokens = prompt
+        output.prompt_tokens = prompt
     details = usage.get("prompt_tokens_details")
     reported = details.get("cached_tokens") if isinstance(details, dict) else None
     # None when the engine does not report it (vLLM needs --enable-prompt-tokens-details).
-    trace.decoder_cached_tokens = reported if isinstance(reported, int) else None
+    output.decoder_cached_tokens = reported if isinstance(reported, int) else None
     if cached_tokens is None:
-        trace.cached_tokens = trace.decoder_cached_tokens
+        output.cached_tokens = output.decoder_cached_tokens
         return False
-    trace.cached_tokens = cached_tokens
+    output.cached_tokens = cached_tokens
     if not isinstance(details, dict) or not isinstance(reported, int) or reported == cached_tokens:
         return False
     details["cached_tokens"] = cached_tokens
@@ -106,8 +107,8 @@ class OpenAIWire(_Unkept):
     errored = staticmethod(_errored)
 
     @staticmethod
-    def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
-        return reconcile_usage(payload, trace, cached_tokens)
+    def reconcile(payload: dict[str, Any], output: Output, cached_tokens: int | None) -> bool:
+        return reconcile_usage(payload, output, cached_tokens)
 
     @staticmethod
     def output_tokens(payload: dict[str, Any]) -> int | None:
@@ -149,14 +150,14 @@ class MessagesWire(_Unkept):
     errored = staticmethod(_errored)
 
     @staticmethod
-    def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
+    def reconcile(payload: dict[str, Any], output: Output, cached_tokens: int | None) -> bool:
         usage = payload.get("usage")
         message = payload.get("message")
         if not isinstance(usage, dict) and isinstance(message, dict):
             usage = message.get("usage")  # message_start's
         if not isinstance(usage, dict):
             return False
-        _record_counts(trace, messages_api.usage_counts(usage), cached_tokens)
+        _record_counts(output, messages_api.usage_counts(usage), cached_tokens)
         return cached_tokens is not None and messages_api.reconcile_cached(usage, cached_tokens)
 
     @staticmethod
@@ -203,12 +204,12 @@ class ResponsesWire(MessagesWire):
         return str(error.get("message") if isinstance(error, dict) else error or "the response failed")
 
     @staticmethod
-    def reconcile(payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:
+    def reconcile(payload: dict[str, Any], output: Output, cached_tokens: int | None) -> bool:
         response = payload.get("response")
         usage = (response if isinstance(response, dict) else payload).get("usage")
         if not isinstance(usage, dict):
             return False
-        _record_counts(trace, responses_api.usage_counts(usage), cached_tokens)
+        _record_counts(output, responses_api.usage_counts(usage), cached_tokens)
         return cached_tokens is not None and responses_api.reconcile_cached(usage, cached_tokens)
 
     @staticmethod
@@ -227,8 +228,8 @@ class KeptResponsesWire(ResponsesWire):
     def __init__(self, turn: Turn) -> None:
         self._turn = turn
 
-    def reconcile(self, payload: dict[str, Any], trace: RequestTrace, cached_tokens: int | None) -> bool:  # type: ignore[override]
-        changed = ResponsesWire.reconcile(payload, trace, cached_tokens)
+    def reconcile(self, payload: dict[str, Any], output: Output, cached_tokens: int | None) -> bool:  # type: ignore[override]
+        changed = ResponsesWire.reconcile(payload, output, cached_tokens)
         inner = payload.get("response")
         if isinstance(inner, dict):
             return self._turn.seen(inner, ended=payload.get("type") in self._ENDED) or changed
@@ -241,17 +242,17 @@ class KeptResponsesWire(ResponsesWire):
 
 
 def _record_counts(
-    trace: RequestTrace, counts: tuple[int | None, int | None, int | None], cached_tokens: int | None
+    output: Output, counts: tuple[int | None, int | None, int | None], cached_tokens: int | None
 ) -> None:
-    """Put an answer's (prompt, cached, output) token counts on the trace; the cache hit the client is told
+    """Keep an answer's (prompt, cached, output) token counts on `output`; the cache hit the client is told
     is the prefiller's where there was one (`cached_tokens`), the decoder's own kept beside it."""
-    prompt, cached, output = counts
-    if output is not None:
-        trace.completion_tokens = output
+    prompt, cached, completion = counts
+    if completion is not None:
+        output.completion_tokens = completion
     if prompt is not None:
-        trace.engine_prompt_tokens = prompt
-    trace.decoder_cached_tokens = cached
-    trace.cached_tokens = cached if cached_tokens is None else cached_tokens
+        output.prompt_tokens = prompt
+    output.decoder_cached_tokens = cached
+    output.cached_tokens = cached if cached_tokens is None else cached_tokens
 
 
 Wire = OpenAIWire | MessagesWire | ResponsesWire

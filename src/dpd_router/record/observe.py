@@ -23,9 +23,59 @@ DEFAULT_ARM = "live"
 MAX_RECORDED_GAPS = 4096
 
 
+class Output:
+    """What the decoders produced for one request's client: when its chunks of tokens came, and the token
+    counts the engine's usage reported. The relay (and a stream's continuation, or a head the router sent
+    itself) marks it as the answer goes by; the request's record takes it once, when the request ends
+    (`RequestTrace.take`). What waits on the engine's count (a prompt counted whole later) reads it here."""
+
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "decoder_cached_tokens",
+        "first_token_at",
+        "gaps",
+        "last_chunk_at",
+        "prompt_tokens",
+        "token_chunks",
+    )
+
+    def __init__(self) -> None:
+        self.first_token_at: float | None = None
+        self.last_chunk_at: float | None = None
+        self.token_chunks = 0
+        # The gaps between chunks (at most MAX_RECORDED_GAPS): the ITL histogram's.
+        self.gaps: list[float] = []
+        # The prompt's tokens as the engine counted them, when its usage said.
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        # The cache hit the client is told (the prefiller's where the KV came from one), and the decoder's own.
+        self.cached_tokens: int | None = None
+        self.decoder_cached_tokens: int | None = None
+
+    def mark_token_chunk(self, now: float) -> None:
+        self.mark_token_chunks(now, 1)
+
+    def mark_token_chunks(self, now: float, count: int) -> None:
+        """`count` chunks with output tokens that reached the router together at `now` (one read's): the first
+        ends the gap since the last chunk (or is the first token), the others follow it with none."""
+        if count <= 0:
+            return
+        gaps = self.gaps
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.last_chunk_at is not None and len(gaps) < MAX_RECORDED_GAPS:
+            gaps.append(now - self.last_chunk_at)
+        if count > 1:
+            gaps.extend([0.0] * min(count - 1, MAX_RECORDED_GAPS - len(gaps)))
+        self.last_chunk_at = now
+        self.token_chunks += count
+
+
 @dataclass
 class RequestTrace:
-    """The facts of one request, filled in step by step along its path."""
+    """The facts of one request: who asked, how it was planned and served, how it ended. What the
+    decoders produced is taken from their `Output` once, at the end."""
 
     request_id: str
     kind: str
@@ -84,23 +134,12 @@ class RequestTrace:
 
     gaps: list[float] = field(default_factory=list, repr=False)
 
-    def mark_token_chunk(self, now: float) -> None:
-        self.mark_token_chunks(now, 1)
-
-    def mark_token_chunks(self, now: float, count: int) -> None:
-        """`count` chunks with output tokens that reached the router together at `now` (one read's): the first
-        ends the gap since the last chunk (or is the first token), the others follow it with none."""
-        if count <= 0:
-            return
-        gaps = self.gaps
-        if self.first_token_at is None:
-            self.first_token_at = now
-        elif self.last_chunk_at is not None and len(gaps) < MAX_RECORDED_GAPS:
-            gaps.append(now - self.last_chunk_at)
-        if count > 1:
-            gaps.extend([0.0] * min(count - 1, MAX_RECORDED_GAPS - len(gaps)))
-        self.last_chunk_at = now
-        self.token_chunks += count
+    def take(self, output: Output) -> None:
+        """What the decoders produced, put on the record as the request ends."""
+        self.first_token_at, self.last_chunk_at = output.first_token_at, output.last_chunk_at
+        self.token_chunks, self.gaps = output.token_chunks, output.gaps
+        self.engine_prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens
+        self.cached_tokens, self.decoder_cached_tokens = output.cached_tokens, output.decoder_cached_tokens
 
     def fail(self, outcome: str, error: str, status: int | None = None) -> None:
         self.outcome = outcome

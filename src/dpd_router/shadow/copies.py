@@ -23,7 +23,7 @@ from dpd_router.config import ShadowSettings
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire, wire_for
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import Observer, Output, RequestTrace
 from dpd_router.request.client_request import ClientRequest, RequestKind
 from dpd_router.routing.request import session_key
 from dpd_router.shadow.choice import ShadowChoice
@@ -157,14 +157,16 @@ class Shadow:
         trace.path = self._settings.kind
         trace.reason = SHADOW_ARM
         trace.prompt_tokens = copy.prompt_tokens
+        answer = ShadowAnswer(trace, wire_for(copy.kind))
         try:
             body = await self._body(copy)
             async with asyncio.timeout(self._settings.timeout):
-                await self._call(copy, body, trace)
+                await self._call(copy, body, trace, answer)
         except TimeoutError:
             trace.fail("timeout", f"no whole answer within {self._settings.timeout:g} s")
         except Exception as exc:  # a shadow's failure is counted and logged, never raised
             trace.fail("error", f"{type(exc).__name__}: {exc}")
+        trace.take(answer.output)  # what came before a timeout too
         self._observer.record(trace, time.perf_counter())
         self._metrics.shadow_requests.labels(trace.outcome).inc()
         if trace.outcome != "ok":
@@ -175,7 +177,7 @@ class Shadow:
             return await asyncio.to_thread(shadow_body, copy, self._settings.model)
         return shadow_body(copy, self._settings.model)
 
-    async def _call(self, copy: ShadowCopy, body: bytes, trace: RequestTrace) -> None:
+    async def _call(self, copy: ShadowCopy, body: bytes, trace: RequestTrace, answer: ShadowAnswer) -> None:
         assert self._session is not None
         headers = {**self._headers, "x-request-id": copy.request_id}
         # Timed from the call: the wait in the router's queue is not the shadow's latency.
@@ -185,7 +187,6 @@ class Shadow:
                 status = response.status
                 trace.fail(f"status_{status // 100}xx", f"the shadow answered {status}", status=status)
                 return
-            answer = ShadowAnswer(trace, wire_for(copy.kind))
             async for chunk in response.content.iter_any():
                 answer.feed(chunk, time.perf_counter())
             answer.end()
@@ -234,11 +235,13 @@ def shadow_body(copy: ShadowCopy, model: str | None) -> bytes:
 
 
 class ShadowAnswer:
-    """Reads a shadow's event stream into its trace (first token, gaps, usage, its end), in the API it is
-    written in (its `Wire`, as the relay reads a decoder's); the text is dropped."""
+    """Reads a shadow's event stream, in the API it is written in (its `Wire`, as the relay reads a decoder's):
+    its first token, gaps and usage into `output`, a failure it reports into its trace; the text is dropped."""
 
     def __init__(self, trace: RequestTrace, wire: Wire = OPENAI_WIRE) -> None:
         self._trace = trace
+        self.output = Output()
+        self._failed = False
         self._wire = wire
         self._pending = b""
         self._saw_token = False
@@ -255,8 +258,14 @@ class ShadowAnswer:
             self._read(event.strip(), now)
 
     def end(self) -> None:
-        if not self._saw_done and self._trace.outcome == "ok":
-            self._trace.fail("error", "the shadow ended the stream before its end event ([DONE])")
+        if not self._saw_done:
+            self._fail("the shadow ended the stream before its end event ([DONE])")
+
+    def _fail(self, failure: str) -> None:
+        """The first failure the stream showed is the shadow's."""
+        if not self._failed:
+            self._failed = True
+            self._trace.fail("error", failure)
 
     def _read(self, event: bytes, now: float) -> None:
         wire = self._wire
@@ -267,9 +276,9 @@ class ShadowAnswer:
             self._saw_done = True
             if event.startswith(_DONE):
                 return
-        trace = self._trace
+        output = self.output
         if self._saw_token and wire.only_tokens(event):
-            trace.mark_token_chunk(now)  # past the first token, a chunk is a token unless it says otherwise
+            output.mark_token_chunk(now)  # past the first token, a chunk is a token unless it says otherwise
             return
         try:
             payload = orjson.loads(event[start:])
@@ -278,9 +287,9 @@ class ShadowAnswer:
         if not isinstance(payload, dict):
             return
         failure = wire.errored(payload)
-        if failure is not None and trace.outcome == "ok":
-            trace.fail("error", failure)
+        if failure is not None:
+            self._fail(failure)
         if wire.has_token(payload):
             self._saw_token = True
-            trace.mark_token_chunk(now)
-        wire.reconcile(payload, trace, None)
+            output.mark_token_chunk(now)
+        wire.reconcile(payload, output, None)
