@@ -237,7 +237,7 @@ async def relayed_with_a_resumer(
     )  # fmt: skip
     stream = EventStream(
         httpx.Response(200, stream=Broken()), trace, output, cached_tokens=None,
-        on_close=lambda: trace.take(output), idle_timeout=5, resumer=resumer, wire=wire,
+        on_close=lambda: trace.take(output), idle_timeout=5, resumer=resumer, wire=wire, strip_usage=strip_usage,
     )  # fmt: skip
     await stream.prime(asyncio.get_running_loop().time() + 5)
     return b"".join([chunk async for chunk in stream]), trace, metrics
@@ -346,3 +346,91 @@ async def test_a_complete_message_whose_decoder_broke_before_its_stop_ends_with_
         assert trace.outcome == "ok" and trace.completion_tokens == 1
     else:
         assert b"event: error" in out and trace.outcome != "ok"
+
+
+class Kept:
+    """A turn's history that records the responses it was asked to keep."""
+
+    def __init__(self) -> None:
+        self.responses: list[dict[str, Any]] = []
+
+    async def keep(self, turn: Any, response: dict[str, Any]) -> None:
+        self.responses.append(response)
+
+
+@pytest.mark.parametrize("passed", [0, 1, 2], ids=["after its text", "after its part", "after its item"])
+@pytest.mark.parametrize("max_output", [None, 2], ids=["stopped", "at the output limit"])
+async def test_a_complete_response_whose_decoder_broke_before_its_end_is_completed_and_kept(
+    passed: int, max_output: int | None
+) -> None:
+    """A Responses stream whose text was all said (its output_text.done went by) lacks only the events that
+    close the part, the item and the response: written from what went by, numbered on, and the response read
+    as the decoder's own would have been, so a response the client stores is kept under the router's id."""
+    from dpd_router.gateway.wires import KeptResponsesWire
+    from dpd_router.responses.api import Turn
+
+    def named(kind: str, sequence: int, **fields: Any) -> bytes:
+        return named_event({"type": kind, "sequence_number": sequence, **fields})
+
+    head = {"id": "resp_engine", "object": "response", "model": "m", "status": "in_progress", "output": []}
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+    at = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": "Hello", "annotations": []}
+    sent = [
+        named("response.created", 0, response={**head, "usage": None}),
+        named("response.output_item.added", 1, output_index=0, item=item),
+        named("response.content_part.added", 2, **at, part={**part, "text": ""}),
+        named("response.output_text.delta", 3, **at, delta="Hel"),
+        named("response.output_text.delta", 4, **at, delta="lo"),
+        named("response.output_text.done", 5, **at, text="Hello"),
+        named("response.content_part.done", 6, **at, part=part),
+        named("response.output_item.done", 7, output_index=0, item={**item, "status": "completed", "content": [part]}),
+    ][: 6 + passed]
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for chunk in sent:
+                yield chunk + b"\n\n"
+            yield b"event: response.comp"  # a partial event, never relayed
+            raise httpx.ReadError("reset")
+
+    body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": True}
+    if max_output is not None:
+        body["max_output_tokens"] = max_output
+    request = parse_request("responses", orjson.dumps(body))
+    kept = Kept()
+    turn = Turn(kept, "alice", True, None, [])  # type: ignore[arg-type]
+    wire = KeptResponsesWire(turn)
+    trace, output, metrics = RequestTrace(request_id="r", kind="responses", stream=True), Output(), RouterMetrics()
+    policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
+
+    async def never(*_: Any) -> Any:
+        raise AssertionError("a complete answer is not continued")
+
+    resumer = Resumer(
+        request, trace, output, policy, None, metrics, open=never, timeouts=PhaseTimeouts(), strip_usage=False,
+        wire=wire,
+    )  # fmt: skip
+    stream = EventStream(
+        httpx.Response(200, stream=Broken()), trace, output, cached_tokens=None,
+        on_close=lambda: trace.take(output), idle_timeout=5, resumer=resumer, wire=wire,
+    )  # fmt: skip
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    out = b"".join([chunk async for chunk in stream])
+
+    assert b"error" not in out and b"response.comp\n" not in out and trace.outcome == "ok"
+    events = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in out.split(b"\n\n") if e.startswith(b"event: ")]
+    assert [e["type"] for e in events[6:]] == [
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ], "each closing event once: those the decoder sent, then the router's"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    completed = events[-1]["response"]
+    status = "incomplete" if max_output == 2 else "completed"  # two deltas: at least two tokens
+    assert completed["status"] == status and completed["id"] == turn.id
+    assert completed["output"][0]["content"][0]["text"] == "Hello" and completed["output"][0]["status"] == "completed"
+    assert completed["usage"] is None, "the engine told no counts before its end"
+    assert [response["id"] for response in kept.responses] == [turn.id], "kept before the client saw its end"
+    labels = {"api": "responses", "outcome": "not_tried", "reason": "answer_complete"}
+    assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1

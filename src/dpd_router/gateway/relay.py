@@ -290,16 +290,20 @@ class EventStream:
         elif resumer is not None:
             resumer.count("not_tried", reason or "")
             trace.continued_after = f"not continued ({reason})"
-            ending = resumer.ending(self.cached_tokens) if reason == "answer_complete" else None
+            ending = resumer.ending() if reason == "answer_complete" else None
             if ending is not None:
-                # The client has the whole answer: it ends as the decoder would have ended it, not with an error.
+                # The client has the whole answer: it ends as the decoder would have ended it, not with an error,
+                # read as the decoder's own end would have been (the broken decoder's partial event is dropped).
                 log.warning(
-                    "request %s: %s after the answer's last token; its usage and end written from what was kept",
+                    "request %s: %s after the answer's last token; its end written from what was kept",
                     trace.request_id,
                     detail,
                 )
+                self._pending = b""
+                out = self._absorb(ending)
+                await self._settle()
                 self._complete = True
-                yield ending
+                yield out
                 return
         log.warning("request %s: %s; the stream ends (%s)", trace.request_id, detail, trace.continued_after)
         self._complete = self._failed = True

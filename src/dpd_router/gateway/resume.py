@@ -39,6 +39,7 @@ from dpd_router.gateway.resume_text import (
     Said,
     chat_continuation,
     named_event,
+    wanted_output,
 )
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire, reconcile_usage
 from dpd_router.pool.endpoint import Endpoint
@@ -294,14 +295,16 @@ class Resumer:
             return "deadline"
         return None
 
-    def ending(self, cached_tokens: int | None) -> bytes | None:
-        """The end of an answer that was complete (its finish went by) when its decoder broke before the usage
-        and `[DONE]`: the usage its tape counts (recorded, and sent where the client asked for it), then
-        `[DONE]`; a Messages stream's message_stop, once its stop reason and usage went by. None where the
-        tape cannot tell (no ids kept, a Responses stream)."""
+    def ending(self) -> bytes | None:
+        """The events that end an answer that was complete (its finish went by) when its decoder broke before
+        its end, as the decoder would have sent them (the relay reads them as it read the decoder's: their
+        usage counted and reconciled, a usage chunk the client did not ask for dropped, a kept response
+        kept): the usage its tape counts and `[DONE]`; a Messages stream's message_stop, once its stop reason
+        and usage went by; a Responses stream's closing events and its response (EventTape.ending). None
+        where the tape cannot tell (no ids kept)."""
         tape = self.tape
         if isinstance(tape, EventTape):
-            return tape.ending() if tape.finished else None
+            return tape.ending(wanted_output(self._request)) if tape.finished else None
         if not isinstance(tape, StreamTape) or not tape.finished or tape.head is None:
             return None
         counts = tape.counts()
@@ -311,9 +314,7 @@ class Resumer:
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         kind = "chat.completion.chunk" if self._chat else "text_completion"
         payload: dict[str, Any] = {**tape.head, "object": kind, "choices": [], "usage": usage}
-        reconcile_usage(payload, self._output, cached_tokens)
-        usage_event = b"" if self._strip_usage else _DATA + orjson.dumps(payload) + _EVENT_END
-        return usage_event + _DONE + _EVENT_END
+        return _DATA + orjson.dumps(payload) + _EVENT_END + _DONE + _EVENT_END
 
     def count(self, outcome: str, reason: str = "") -> None:
         self._metrics.stream_continuations.labels(self._policy.api, outcome, reason).inc()

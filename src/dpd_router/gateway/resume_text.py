@@ -24,6 +24,8 @@ from dpd_router.request.client_request import ClientRequest
 _DATA = b"\ndata: "
 _MESSAGES_ENDS = (b"event: message_delta", b"event: message_stop")
 _RESPONSES_ENDS = (b"event: response.output_text.done", b"event: response.completed", b"event: response.incomplete")
+# The events after a Responses answer's text is done (the part, the item, the response), in their order.
+_RESPONSES_CLOSING = (b"event: response.content_part.done", b"event: response.output_item.done")
 # What a Messages stop reason is for each chat finish reason.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 # What a chat continuation has that a text completion of ids does not take.
@@ -69,7 +71,7 @@ class EventTape:
     """A Messages or Responses stream's events, kept as they pass (read only if its decoder fails), within
     a bound on their bytes."""
 
-    __slots__ = ("_api", "_max", "_size", "_stopped", "events", "finished", "over")
+    __slots__ = ("_api", "_closed", "_max", "_size", "_stopped", "events", "finished", "over")
 
     def __init__(self, api: str, *, max_tokens: int) -> None:
         self._api = api
@@ -79,11 +81,14 @@ class EventTape:
         self.over = False
         self.finished = False
         self._stopped = False  # a Messages stream's message_delta went by: its stop reason and usage
+        self._closed: set[str] = set()  # the Responses events that close the answer's text which went by
 
     def keep(self, event: bytes) -> bytes:
         if event.startswith(_MESSAGES_ENDS if self._api == "messages" else _RESPONSES_ENDS):
             self.finished = True
             self._stopped = self._stopped or event.startswith(_MESSAGES_ENDS[0])
+        elif self.finished and event.startswith(_RESPONSES_CLOSING):
+            self._closed.add(event[len(b"event: ") : event.find(b"\n")].decode())
         if not self.over:
             self.events.append(event)
             self._size += len(event)
@@ -95,13 +100,23 @@ class EventTape:
     def seen(self, payload: dict[str, Any]) -> None:
         """The relay's parsed events are read again from the tape."""
 
-    def ending(self) -> bytes | None:
+    def ending(self, max_output: int | None) -> bytes | None:
         """What a finished answer lacks when its decoder broke before its last event: a Messages stream
-        whose message_delta (its stop reason and usage) went by lacks only its message_stop. None for a
-        Responses stream: its last event is the whole response, which no event before it holds."""
-        if self._api != "messages" or not self._stopped:
+        whose message_delta (its stop reason and usage) went by lacks only its message_stop; a Responses
+        stream whose text is all said (its output_text.done went by) lacks the events that close its part,
+        its item and the response, which the router writes from what went by (the response.created head, the
+        text), as a continuation's end is written, without a usage (the engine told none before its end).
+        `max_output`: the client's limit on output tokens (an answer with as many deltas ended by it). None
+        where the events cannot tell: a Messages stream before its message_delta, a Responses stream with an
+        item other than its text or no response.created."""
+        if self._api == "messages":
+            return named_event({"type": "message_stop"}) + b"\n\n" if self._stopped else None
+        said = self.said()
+        if not self.finished or said.parsed or said.head is None:
             return None
-        return named_event({"type": "message_stop"}) + b"\n\n"
+        length = max_output is not None and said.deltas >= max_output
+        events = ResponsesAnswer(said).after_text(length=length, passed=self._closed)
+        return b"".join(named_event(event) + b"\n\n" for event in events)
 
     def said(self) -> Said:
         said = Said()
@@ -289,6 +304,16 @@ class ResponsesAnswer(_ChatAnswer):
     def _delta(self, text: str) -> dict[str, Any]:
         self._texts.append(text)
         return self._event("response.output_text.delta", self._at({"delta": text, "logprobs": []}))
+
+    def after_text(self, *, length: bool, passed: set[str]) -> list[dict[str, Any]]:
+        """The events that close an answer whose text was all said before its decoder broke (its
+        output_text.done went by, and the events named in `passed`): numbered on from the last that went by,
+        the response `incomplete` where the output limit ended it (`length`), its usage unknown."""
+        self._finish = ("length" if length else "stop", None)
+        events = [event for event in self._closing(None)[1:] if event["type"] not in passed]
+        for number, event in enumerate(events, start=self._said.sequence):
+            event["sequence_number"] = number
+        return events
 
     def _closing(self, usage: dict[str, Any] | None) -> list[dict[str, Any]]:
         text = "".join(self._texts)
