@@ -309,7 +309,7 @@ class Gateway:
         trace.prompt_tokens = prompt.num_tokens
         trace.tokenize_seconds = prompt.seconds
         self._metrics.tokenize.observe(prompt.seconds)
-        self._check_context_length(request, self._as_checked(prompt))
+        self._check_context_length(request, prompt)
         await principal.limits.take_prompt_tokens(prompt.num_tokens)
         return prompt
 
@@ -439,21 +439,17 @@ class Gateway:
                 "connector's decoders cannot serve it alone."
             )
 
-    def _as_checked(self, prompt: Prompt) -> Prompt:
-        """The prompt the context window's check judges: a prompt read in part by the bound on its count;
-        one whose bound is not inside the window (read_prompt left it to the engines: its estimate is far
-        inside) by its estimate, so it passes here and the engines judge it exactly."""
-        if prompt.at_most is None:
-            return prompt
-        limit = self._model.max_model_len
-        bounded = limit is None or prompt.at_most < limit
-        return replace(prompt, num_tokens=prompt.at_most if bounded else prompt.num_tokens)
-
     def _check_context_length(self, request: ClientRequest, prompt: Prompt) -> None:
-        """Refuse, before any engine is called, what vLLM would refuse for the context length."""
+        """Refuse, before any engine is called, what vLLM would refuse for the context length. A prompt read
+        in part is judged by the bound on its count; one whose bound is not inside the window (read_prompt
+        left it to the engines: its estimate is far inside) by its estimate, so it passes here and the
+        engines judge it exactly."""
         limit = self._model.max_model_len
-        if limit is not None:
-            check_context_length(request, prompt, limit)
+        if limit is None:
+            return
+        at_most = prompt.at_most
+        counted = at_most if at_most is not None and at_most < limit else None
+        check_context_length(request, prompt, limit, counted=counted)
 
     async def _serve(self, exchange: Exchange, plan: Plan) -> Answer:
         """Stage KV if the plan says so, then decode; replace a decoder that fails before its first byte.

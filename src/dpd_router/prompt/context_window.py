@@ -23,12 +23,14 @@ from dpd_router.request.client_request import ClientRequest
 from dpd_router.request.errors import InvalidRequest
 
 
-def check_context_length(request: ClientRequest, prompt: Prompt, limit: int) -> None:
-    """Raise InvalidRequest where vLLM would refuse the request for the model's context length."""
+def check_context_length(request: ClientRequest, prompt: Prompt, limit: int, *, counted: int | None = None) -> None:
+    """Raise InvalidRequest where vLLM would refuse the request for the model's context length; `counted`:
+    the prompt's count to judge, where not its `num_tokens` (a prompt read in part)."""
     _check_output_budget(request, limit)
     if request.body.get("truncate_prompt_tokens") is not None:
         return
-    tokens = len(prompt.token_ids) if request.batch_size > 1 else prompt.num_tokens
+    count = prompt.num_tokens if counted is None else counted
+    tokens = len(prompt.token_ids) if request.batch_size > 1 else count
     if tokens > limit:
         cut = _tokenized_from_text(request)
         raise prompt_too_long(limit, limit + 1 if cut else tokens, at_least=cut)
