@@ -9,7 +9,7 @@ from typing import Any
 
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, Output, RequestTrace
+from dpd_router.record.observe import Observer, Output, RequestTrace, Staging
 from dpd_router.transfer.base import Connector, StagedKV
 
 # Seconds from a cut decode call to the release of the KV it may have been reading: far longer than a
@@ -67,7 +67,7 @@ class HeldKV:
 class Completion:
     """Ends a request, exactly once: releases its decoder slot, KV staged for it that no decode call took,
     the in-flight gauge and the caller's `on_finish` (the admission slot), and reports its record, which takes
-    what the decoders produced (`output`) then.
+    what the decoders and the prefill hop produced (`output`, `staging`) then.
 
     Without an `observer` the trace is not reported: a stream's continuation is part of its request,
     which reports it."""
@@ -90,6 +90,7 @@ class Completion:
         self._report_after: tuple[asyncio.Future[Any], Callable[[], None], Callable[[], bool]] | None = None
         self._done = False
         self.output = Output()
+        self.staging = Staging()
         metrics.in_flight.inc()
 
     @property
@@ -149,7 +150,7 @@ class Completion:
         if self._decoder_slot is not None:
             self._decoder_slot.release()
         self._metrics.in_flight.dec()
-        self._trace.take(self.output)
+        self._trace.take(self.output, self.staging)
         observer = self._observer
         if observer is not None and self._report_after is None:
             observer.finish(self._trace)

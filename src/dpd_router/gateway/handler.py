@@ -485,7 +485,7 @@ class Gateway:
                     if staged is not None:
                         abandon(staged)  # still running when the decoder failed first (a failed hand-off)
                     staged = None
-                    trace.prefill_overlaps_decode = False  # what follows starts after it
+                    exchange.staging.overlaps_decode = False  # what follows starts after it
                     plan = self._prefill.after_failure(exchange, exc, plan, prefillers_tried)
                 except DecodeFailed as exc:
                     if staged is not None and exc.in_band and shape.decodes_alone(staged):
@@ -540,7 +540,7 @@ class Gateway:
         return self._connector.decode_call(staged.handoff, staged)
 
     def _note_staged(self, exchange: Exchange, staged: StagedKV | None) -> None:
-        trace, done = exchange.trace, exchange.done
+        done = exchange.done
         prompt = exchange.prompt
         if prompt.later is not None:
             ids = None if staged is None else staged.prompt_ids
@@ -552,11 +552,12 @@ class Gateway:
                 # start as the router's own encoding of the prompt does (another tokenizer or template): the
                 # prefix index must hold what later heads will match.
                 prompt.later.start()
-        trace.staged_tokens = None if staged is None else staged.prompt_tokens
+        staging = exchange.staging
+        staging.staged_tokens = None if staged is None else staged.prompt_tokens
         if staged is None:
             return
         if "remote_prefill_cached_tokens" in staged.params:
-            trace.usage_shows_transfer = False  # the decoder will echo the prefiller's count
+            staging.usage_shows_transfer = False  # the decoder will echo the prefiller's count
         if staged.pending is not None:
             done.defer(staged.pending.cancel)  # the request is over: a prefill still running is not needed
         held = self._shape.held(staged)

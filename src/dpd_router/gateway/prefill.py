@@ -71,7 +71,7 @@ class PrefillHop:
         prefiller = plan.prefiller
         assert prefiller is not None
         tried.append(prefiller)
-        exchange.trace.prefill_error = str(failure)
+        exchange.staging.error = str(failure)
         log.warning("request %s: prefill on %s failed: %s", exchange.request_id, prefiller.url, failure)
         retries = exchange.retries
         # A 4xx is the request's own fault: another prefiller would say the same.
@@ -160,10 +160,10 @@ class PrefillHop:
         request waits at most (1 + prefill_retries) learned deadlines for hung prefillers. Not `watched`:
         prefill_timeout alone bounds it (a concurrent call lasts as long as its decoder takes to fetch the
         KV, however long other prefills took)."""
-        trace, judge = exchange.trace, exchange.prefill_judge
+        staging, judge = exchange.staging, exchange.prefill_judge
         prefiller = handoff.prefiller
-        trace.prefiller = prefiller.url
-        started = trace.prefill_started = time.perf_counter()
+        staging.prefiller = prefiller.url
+        started = staging.started = time.perf_counter()
         tokens = exchange.uncached_tokens
         queued_ahead = prefiller.queued_tokens
         watch = self._watch(exchange, prefiller, tried, queued_ahead) if watched else None
@@ -214,5 +214,5 @@ class PrefillHop:
             finally:
                 if watch is not None:
                     watch.stop()
-                seconds = trace.prefill_seconds = time.perf_counter() - started
-                self._metrics.prefill.labels(model_label(trace.model), outcome).observe(seconds)
+                seconds = staging.seconds = time.perf_counter() - started
+                self._metrics.prefill.labels(model_label(exchange.trace.model), outcome).observe(seconds)

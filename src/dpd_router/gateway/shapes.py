@@ -144,7 +144,7 @@ class Concurrent(Sequential):
         if plan.prefiller is None:
             return None, plan
         handoff = self._handoff(exchange, plan)
-        exchange.trace.prefill_overlaps_decode = True
+        exchange.staging.overlaps_decode = True
         # No watch: the call lasts as long as its decoder takes to fetch the KV, however long prefills take.
         pending = asyncio.create_task(
             self._prefill.call(handoff, exchange, tried, watched=False), name=f"prefill {exchange.request_id}"
@@ -194,6 +194,6 @@ def _settled(task: asyncio.Task[StagedKV], exchange: Exchange) -> None:
         return
     failure = task.exception()
     if failure is None:
-        exchange.trace.staged_tokens = task.result().prompt_tokens
+        exchange.staging.staged_tokens = task.result().prompt_tokens
     elif exchange.first_token.reached:
         log.warning("request %s: the prefill call failed after the decoder answered: %s", exchange.request_id, failure)

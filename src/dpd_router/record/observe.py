@@ -72,6 +72,27 @@ class Output:
         self.token_chunks += count
 
 
+class Staging:
+    """What the prefill hop produced for one request: the prefiller of its last call, when that call started
+    and how long it took, why an earlier one failed, whether it ran beside the decode call, the prompt tokens
+    it staged, and whether the decoder's usage can show the transfer. The hop and the hop shapes write it as
+    they stage; the request's record takes it once, when the request ends (`RequestTrace.take`)."""
+
+    __slots__ = ("error", "overlaps_decode", "prefiller", "seconds", "staged_tokens", "started", "usage_shows_transfer")
+
+    def __init__(self) -> None:
+        self.prefiller: str | None = None
+        self.started: float | None = None
+        self.seconds: float | None = None
+        self.error: str | None = None
+        # The prefill call ran beside the decode call (a concurrent connector: SGLang), not before it.
+        self.overlaps_decode = False
+        self.staged_tokens: int | None = None
+        # vLLM >= 0.32 decoders report the prefiller's cache hit (kv_transfer_params.remote_prefill_cached_tokens)
+        # instead of the tokens they pulled: their usage cannot show whether the KV arrived.
+        self.usage_shows_transfer = True
+
+
 @dataclass
 class RequestTrace:
     """The facts of one request: who asked, how it was planned and served, how it ended. What the
@@ -134,8 +155,16 @@ class RequestTrace:
 
     gaps: list[float] = field(default_factory=list, repr=False)
 
-    def take(self, output: Output) -> None:
-        """What the decoders produced, put on the record as the request ends."""
+    def take(self, output: Output, staging: Staging | None = None) -> None:
+        """What the decoders (and the prefill hop) produced, put on the record as the request ends."""
+        if staging is not None:
+            self.prefiller, self.prefill_started, self.prefill_seconds = (
+                staging.prefiller,
+                staging.started,
+                staging.seconds,
+            )
+            self.prefill_error, self.prefill_overlaps_decode = staging.error, staging.overlaps_decode
+            self.staged_tokens, self.usage_shows_transfer = staging.staged_tokens, staging.usage_shows_transfer
         self.first_token_at, self.last_chunk_at = output.first_token_at, output.last_chunk_at
         self.token_chunks, self.gaps = output.token_chunks, output.gaps
         self.engine_prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens
