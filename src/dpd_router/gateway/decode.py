@@ -131,7 +131,7 @@ class DecodeHop:
     def answer_from_prefill(self, exchange: Exchange, call: DecodeCall, staged: StagedKV | None) -> Answer:
         """The prefill produced the whole answer (one token): relay it as a decoder's, without a decoder."""
         assert call.answered is not None
-        exchange.trace.decoder = None
+        exchange.output.decoder = None
         if not exchange.request.stream:
             content = self._relayed_whole(exchange, call.answered, call, staged, wire_of(exchange.request)).content
             exchange.done()

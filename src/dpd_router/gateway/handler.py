@@ -290,7 +290,7 @@ class Gateway:
         except BaseException:
             done()
             raise
-        return answer, f"{trace.decoder} ({trace.path})"
+        return answer, f"{done.output.decoder} ({trace.path})"
 
     async def _by_ids(self, exchange: Exchange, chat: ClientRequest) -> ClientRequest | None:
         """A Messages or Responses stream's continuation as a text completion of ids: its prompt as the
@@ -459,6 +459,7 @@ class Gateway:
         the KV computes the prompt itself, and a failed decoder is replaced.
         """
         request, trace, done, shape = exchange.request, exchange.trace, exchange.done, self._shape
+        output = exchange.output
         replacement = DecoderReplacement(exchange, self._metrics)
         prefillers_tried: list[Endpoint] = []
         staged: StagedKV | None = None
@@ -473,8 +474,8 @@ class Gateway:
                 if plan.prefiller is not None and staged is None:
                     staged, plan = await self._stage(exchange, plan, prefillers_tried)
                 self._record_plan(trace, plan)
-                trace.decoder = plan.decoder.url
-                trace.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
+                output.decoder = plan.decoder.url
+                output.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
                 decoding = True
                 if staged is None and request.stream:
                     self._await_first_token(exchange, plan)

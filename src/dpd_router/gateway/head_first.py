@@ -86,15 +86,15 @@ class HeadFirst:
         self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None
     ) -> EventStream:
         """The decoder's stream after the head, primed; decoders failing before their first token are replaced."""
-        trace, done = exchange.trace, exchange.done
+        done = exchange.done
         if call.answered is not None:
-            trace.decoder = None
+            exchange.output.decoder = None
             return self._decode.answered_stream(exchange, call, staged)
         replacement = DecoderReplacement(exchange, self._metrics)
         while True:
             decoder = plan.decoder
             done.hold(decoder)
-            trace.decoder = decoder.url
+            exchange.output.decoder = decoder.url
             # The client already has the head: the continuation keeps the phase's timeout.
             deadline = self._decode.continuation_deadline(exchange, decoder)
             try:

@@ -219,18 +219,17 @@ class EventStream:
         self._on_close()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        trace = self._trace
         self._relaying = True
         try:
             try:
                 async for out in self._relay_own():
                     yield out
             except TimeoutError:
-                detail = f"no data from {trace.decoder} for {self._idle_timeout:g} s"
+                detail = f"no data from {self._output.decoder} for {self._idle_timeout:g} s"
                 message = "The decoder stopped sending tokens before the stream ended."
                 self._broken = ("upstream_timeout", detail, message)
             except httpx.HTTPError as exc:
-                detail = f"{type(exc).__name__} while streaming from {trace.decoder}"
+                detail = f"{type(exc).__name__} while streaming from {self._output.decoder}"
                 self._broken = (
                     "upstream_error",
                     detail,

@@ -24,14 +24,17 @@ MAX_RECORDED_GAPS = 4096
 
 
 class Output:
-    """What the decoders produced for one request's client: when its chunks of tokens came, and the token
-    counts the engine's usage reported. The relay (and a stream's continuation, or a head the router sent
-    itself) marks it as the answer goes by; the request's record takes it once, when the request ends
-    (`RequestTrace.take`). What waits on the engine's count (a prompt counted whole later) reads it here."""
+    """What the decode hop produced for one request's client: the decoder of its last call and when that call
+    started, when the chunks of tokens came, and the token counts the engine's usage reported. The relay (and
+    a stream's continuation, or a head the router sent itself) marks it as the answer goes by; the request's
+    record takes it once, when the request ends (`RequestTrace.take`). What waits on the engine's count (a
+    prompt counted whole later) reads it here."""
 
     __slots__ = (
         "cached_tokens",
         "completion_tokens",
+        "decode_started",
+        "decoder",
         "decoder_cached_tokens",
         "first_token_at",
         "gaps",
@@ -41,6 +44,9 @@ class Output:
     )
 
     def __init__(self) -> None:
+        # The decoder of the last decode call (None: none, or the prefill's own answer), and when it started.
+        self.decoder: str | None = None
+        self.decode_started: float | None = None
         self.first_token_at: float | None = None
         self.last_chunk_at: float | None = None
         self.token_chunks = 0
@@ -165,6 +171,7 @@ class RequestTrace:
             )
             self.prefill_error, self.prefill_overlaps_decode = staging.error, staging.overlaps_decode
             self.staged_tokens, self.usage_shows_transfer = staging.staged_tokens, staging.usage_shows_transfer
+        self.decoder, self.decode_started = output.decoder, output.decode_started
         self.first_token_at, self.last_chunk_at = output.first_token_at, output.last_chunk_at
         self.token_chunks, self.gaps = output.token_chunks, output.gaps
         self.engine_prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens

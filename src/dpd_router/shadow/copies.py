@@ -181,7 +181,7 @@ class Shadow:
         assert self._session is not None
         headers = {**self._headers, "x-request-id": copy.request_id}
         # Timed from the call: the wait in the router's queue is not the shadow's latency.
-        trace.started = trace.decode_started = time.perf_counter()
+        trace.started = answer.output.decode_started = time.perf_counter()
         async with self._session.post(self.url + ENGINE_PATHS[copy.kind], data=body, headers=headers) as response:
             if response.status >= 400:
                 status = response.status
