@@ -10,6 +10,7 @@ from typing import Any
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Observer, Output, RequestTrace, Staging
+from dpd_router.routing.planner import Plan
 from dpd_router.transfer.base import Connector, StagedKV
 
 # Seconds from a cut decode call to the release of the KV it may have been reading: far longer than a
@@ -91,11 +92,22 @@ class Completion:
         self._done = False
         self.output = Output()
         self.staging = Staging()
+        # The plan as first made, with the threshold it was judged by, and the plan served last.
+        self._planned: tuple[Plan, int] | None = None
+        self._served: Plan | None = None
         metrics.in_flight.inc()
 
     @property
     def ended(self) -> bool:
         return self._done
+
+    def planned(self, plan: Plan, threshold: int) -> None:
+        """The request's plan as first made, and the threshold it was judged by."""
+        self._planned = (plan, threshold)
+
+    def serving(self, plan: Plan) -> None:
+        """The plan being served now (a fallback's, a replaced decoder's): the last one is the request's."""
+        self._served = plan
 
     def defer(self, cleanup: Callable[[], object]) -> None:
         """Run `cleanup` when the request is over (for example: cancel a prefill still running)."""
@@ -150,6 +162,7 @@ class Completion:
         if self._decoder_slot is not None:
             self._decoder_slot.release()
         self._metrics.in_flight.dec()
+        self._record_plans()
         self._trace.take(self.output, self.staging)
         observer = self._observer
         if observer is not None and self._report_after is None:
@@ -163,6 +176,17 @@ class Completion:
                 ready.add_done_callback(lambda _: self._report(observer, settle, ended))
         if self._on_finish is not None:
             self._on_finish()
+
+    def _record_plans(self) -> None:
+        """The record's plan: what the engines held and the queues when it was made, the path it was served on."""
+        trace = self._trace
+        if self._planned is not None:
+            plan, trace.threshold = self._planned
+            trace.uncached_tokens, trace.prefiller_queue = plan.uncached_tokens, plan.prefiller_queue
+            trace.decoder_streams, trace.decoder_queue = plan.decoder_streams, plan.decoder_queue
+        served = self._served
+        if served is not None:
+            trace.path, trace.reason, trace.uncached_tokens = served.path, served.reason, served.uncached_tokens
 
     def _report(self, observer: Observer, settle: Callable[[], None], ended: float) -> None:
         settle()

@@ -190,7 +190,7 @@ class Gateway:
             if self._shadow is not None and self._shadow.current is not None:  # chosen: copied, never waited for
                 self._offer_shadow(self._shadow.current, request, request_id, prompt, headers or {})
             phase = "plan"
-            plan = await self._plan(request, prompt, planner, headers or {}, trace)
+            plan = await self._plan(request, request_id, prompt, planner, headers or {}, done)
             if prompt.later is not None and plan.prefiller is None:
                 prompt.later.start()
             if prompt.rest is not None:
@@ -259,7 +259,7 @@ class Gateway:
             else:  # a Messages or Responses stream's: its conversation and the text said, counted whole
                 prompt = await self._tokenize(request, first.tenant)
             planner = exchange.planner
-            plan = await self._plan(request, prompt, planner, {}, trace)
+            plan = await self._plan(request, trace.request_id, prompt, planner, {}, done)
             if failed is not None and plan.decoder is failed:
                 other = planner.alternative("decode", prompt, exclude=[failed])
                 plan = plan if other is None else replace(plan, decoder=other)
@@ -290,7 +290,7 @@ class Gateway:
         except BaseException:
             done()
             raise
-        return answer, f"{done.output.decoder} ({trace.path})"
+        return answer, f"{done.output.decoder} ({plan.path})"
 
     async def _by_ids(self, exchange: Exchange, chat: ClientRequest) -> ClientRequest | None:
         """A Messages or Responses stream's continuation as a text completion of ids: its prompt as the
@@ -393,9 +393,16 @@ class Gateway:
         whole.add_done_callback(recorded)
 
     async def _plan(
-        self, request: ClientRequest, prompt: Prompt, planner: Planner, headers: Mapping[str, str], trace: RequestTrace
+        self,
+        request: ClientRequest,
+        request_id: str,
+        prompt: Prompt,
+        planner: Planner,
+        headers: Mapping[str, str],
+        done: Completion,
     ) -> Plan:
-        """The planner's decision for this prompt, refused when the connector cannot serve it."""
+        """The planner's decision for this prompt, refused when the connector cannot serve it; the request's
+        record is told the plan (`done.planned`)."""
         session_key = planner.session_key(headers, request.body)
         kv_hint = await planner.lookup_kv(prompt)
         plan = planner.plan(
@@ -409,16 +416,12 @@ class Gateway:
             self._metrics.last_resort_routes.inc()
             log.warning(
                 "request %s: no decoder passes its health probes; trying %s, which fails only those (%s)",
-                trace.request_id,
+                request_id,
                 plan.decoder.url,
                 plan.decoder.last_error,
             )
         self._check_servable(plan)
-        trace.threshold = planner.threshold
-        trace.uncached_tokens = plan.uncached_tokens
-        trace.decoder_streams = plan.decoder_streams
-        trace.decoder_queue = plan.decoder_queue
-        trace.prefiller_queue = plan.prefiller_queue
+        done.planned(plan, planner.threshold)
         return plan
 
     async def _tokenize(self, request: ClientRequest, tenant: str | None) -> Prompt:
@@ -473,7 +476,7 @@ class Gateway:
                     staged = None
                 if plan.prefiller is not None and staged is None:
                     staged, plan = await self._stage(exchange, plan, prefillers_tried)
-                self._record_plan(trace, plan)
+                done.serving(plan)
                 output.decoder = plan.decoder.url
                 output.decode_started = time.perf_counter()  # a failed attempt's time counts as the router's
                 decoding = True
@@ -503,7 +506,7 @@ class Gateway:
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
         finally:
             if decoding:
-                self._metrics.route_decision(trace.model, trace.arm, trace.path, trace.reason).inc()
+                self._metrics.route_decision(trace.model, trace.arm, plan.path, plan.reason).inc()
 
     async def _stage(
         self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]
@@ -564,10 +567,3 @@ class Gateway:
         held = self._shape.held(staged)
         if held is not None:
             done.hold_kv(held)
-
-    @staticmethod
-    def _record_plan(trace: RequestTrace, plan: Plan) -> None:
-        """Put the plan being served on the trace; the decision is counted once, when serving ends."""
-        trace.path = plan.path
-        trace.reason = plan.reason
-        trace.uncached_tokens = plan.uncached_tokens
