@@ -583,7 +583,7 @@ def test_lmcache_ports_need_one_pair_per_rank() -> None:
 
 async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_sent() -> None:
     from dpd_router.gateway.relay import EventStream
-    from dpd_router.record.observe import Output, RequestTrace
+    from dpd_router.record.observe import Ending, Output
 
     def completion(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -602,12 +602,12 @@ async def test_the_relay_rewrites_a_continuation_stream_after_a_head_the_router_
         b"data: " + orjson.dumps({"id": "cmpl-d", "choices": [], "usage": usage}) + b"\n\n",
         b"data: [DONE]\n\n",
     ]
-    trace, output = RequestTrace(request_id="r", kind="chat", stream=True), Output()
+    output = Output()
     output.mark_token_chunk(0.0)  # the head (the prefiller's token) already went out
     answer = Continuation("chat", FirstToken.from_answer(prefill_answer()))
     upstream = httpx.Response(200, stream=httpx.ByteStream(b"".join(upstream_events)))
     stream = EventStream(
-        upstream, trace, output, cached_tokens=0, on_close=lambda: None, idle_timeout=5, rewrite=answer.chunk
+        upstream, Ending(), output, cached_tokens=0, on_close=lambda: None, idle_timeout=5, rewrite=answer.chunk
     )
     await stream.prime(asyncio.get_running_loop().time() + 5)
     out = b"".join([chunk async for chunk in stream])

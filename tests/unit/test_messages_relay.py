@@ -11,7 +11,7 @@ import pytest
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, failed_before_output, relay_body
 from dpd_router.gateway.wires import MESSAGES_WIRE
-from dpd_router.record.observe import Output, RequestTrace
+from dpd_router.record.observe import Ending, Output, RequestTrace
 from tests.unit.test_relay import Chunks
 
 
@@ -31,10 +31,10 @@ STOP = named("message_stop", {"type": "message_stop"})
 
 async def relay(chunks: list[bytes], *, cached: int | None = None, error: Exception | None = None):
     stream = Chunks(chunks, error)
-    trace, output = RequestTrace(request_id="r", kind="messages", stream=True), Output()
+    trace, output, ending = RequestTrace(request_id="r", kind="messages", stream=True), Output(), Ending()
     relayed = EventStream(
-        httpx.Response(200, stream=stream), trace, output, cached_tokens=cached,
-        on_close=lambda: trace.take(output), idle_timeout=5, wire=MESSAGES_WIRE,
+        httpx.Response(200, stream=stream), ending, output, cached_tokens=cached,
+        on_close=lambda: trace.take(output, ending=ending), idle_timeout=5, wire=MESSAGES_WIRE,
     )  # fmt: skip
     return b"".join([part async for part in relayed]), trace
 
@@ -80,7 +80,7 @@ async def test_an_error_event_before_any_token_fails_the_stream_early() -> None:
     error = named("error", {"type": "error", "error": {"type": "internal_error", "message": "engine broke"}})
     stream = EventStream(
         httpx.Response(200, stream=Chunks([START, error])),
-        RequestTrace(request_id="r", kind="messages", stream=True),
+        Ending(),
         Output(),
         cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=MESSAGES_WIRE,
     )  # fmt: skip

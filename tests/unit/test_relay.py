@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, relay_body
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, Output, RequestTrace
+from dpd_router.record.observe import Ending, Observer, Output, RequestTrace
 
 
 class Chunks(httpx.AsyncByteStream):
@@ -53,16 +53,15 @@ DONE = b"data: [DONE]\n\n"
 
 async def relay(chunks: list[bytes], *, cached: int | None = None, error: Exception | None = None):
     stream = Chunks(chunks, error)
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
-    output = Output()
+    trace, output, ending = RequestTrace(request_id="r", kind="chat", stream=True), Output(), Ending()
     closed: list[bool] = []
 
-    def on_close() -> None:  # the request ends: its record takes the output (Completion)
+    def on_close() -> None:  # the request ends: its record takes the output and the ending (Completion)
         closed.append(True)
-        trace.take(output)
+        trace.take(output, ending=ending)
 
     relayed = EventStream(
-        httpx.Response(200, stream=stream), trace, output, cached_tokens=cached, on_close=on_close, idle_timeout=5
+        httpx.Response(200, stream=stream), ending, output, cached_tokens=cached, on_close=on_close, idle_timeout=5
     )
     out = b"".join([part async for part in relayed])
     return out, trace, stream, closed
@@ -141,15 +140,15 @@ async def test_in_band_engine_error_is_recorded() -> None:
 
 async def test_closing_before_the_end_counts_a_client_disconnect() -> None:
     stream = Chunks([TOKEN, LAST, DONE])
-    trace = RequestTrace(request_id="r", kind="chat", stream=True)
+    ending = Ending()
     relayed = EventStream(
-        httpx.Response(200, stream=stream), trace, Output(), cached_tokens=None, on_close=lambda: None, idle_timeout=5
+        httpx.Response(200, stream=stream), ending, Output(), cached_tokens=None, on_close=lambda: None, idle_timeout=5
     )
     iterator = relayed.__aiter__()
     await iterator.__anext__()
     await iterator.aclose()
     assert stream.closed
-    assert trace.outcome == "client_disconnect"
+    assert ending.outcome == "client_disconnect"
 
 
 def test_whole_answer_usage_is_reconciled() -> None:
@@ -200,7 +199,9 @@ def test_observer_records_metrics_once() -> None:
     )
 
 
-def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tuple[EventStream, RequestTrace, Chunks]:
+def stream_of(
+    chunks: list[bytes], *, idle: float = 5, gap: float = 0.0
+) -> tuple[EventStream, RequestTrace, Chunks, Ending]:
     class Slow(Chunks):
         async def __aiter__(self) -> AsyncIterator[bytes]:
             for chunk in self.chunks:
@@ -208,23 +209,24 @@ def stream_of(chunks: list[bytes], *, idle: float = 5, gap: float = 0.0) -> tupl
                 yield chunk
 
     upstream = Slow(chunks)
-    trace, output = RequestTrace(request_id="r", kind="chat", stream=True), Output()
+    trace, output, ending = RequestTrace(request_id="r", kind="chat", stream=True), Output(), Ending()
     return (
         EventStream(
             httpx.Response(200, stream=upstream),
-            trace,
+            ending,
             output,
             cached_tokens=None,
-            on_close=lambda: trace.take(output),
+            on_close=lambda: trace.take(output, ending=ending),
             idle_timeout=idle,
         ),
         trace,
         upstream,
+        ending,
     )
 
 
 async def test_prime_reads_up_to_the_first_token_and_the_stream_replays_it() -> None:
-    stream, trace, _ = stream_of([ROLE, TOKEN, LAST, DONE])
+    stream, trace, _, _ = stream_of([ROLE, TOKEN, LAST, DONE])
     await stream.prime(asyncio.get_running_loop().time() + 5)
     out = b"".join([part async for part in stream])
     assert out == ROLE + TOKEN + LAST + DONE
@@ -233,22 +235,22 @@ async def test_prime_reads_up_to_the_first_token_and_the_stream_replays_it() -> 
 
 async def test_an_error_before_the_first_token_is_retryable_and_nothing_was_sent() -> None:
     failed = event({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]})
-    stream, trace, upstream = stream_of([ROLE, failed, DONE])
+    stream, _, upstream, ending = stream_of([ROLE, failed, DONE])
     with pytest.raises(DecodeFailedEarly):
         await stream.prime(asyncio.get_running_loop().time() + 5)
     assert upstream.closed
-    assert trace.outcome == "ok", "a retried attempt leaves no failure on the request"
+    assert ending.outcome == "ok", "a retried attempt leaves no failure on the request"
 
 
 async def test_no_first_token_by_the_deadline_times_out() -> None:
-    stream, _, _ = stream_of([TOKEN, DONE], gap=1.0)
+    stream, _, _, _ = stream_of([TOKEN, DONE], gap=1.0)
     with pytest.raises(TimeoutError):
         await stream.prime(asyncio.get_running_loop().time() + 0.05)
     await stream.close()
 
 
 async def test_a_stream_idle_for_too_long_ends_with_an_error_event() -> None:
-    stream, trace, _ = stream_of([TOKEN, LAST, DONE], idle=0.05, gap=0.5)
+    stream, trace, _, _ = stream_of([TOKEN, LAST, DONE], idle=0.05, gap=0.5)
     out = b"".join([part async for part in stream])
     assert b'"error"' in out and out.endswith(DONE)
     assert trace.outcome == "upstream_timeout"
@@ -259,7 +261,7 @@ async def test_a_usage_chunk_the_client_did_not_ask_for_is_read_then_dropped() -
     output = Output()
     relayed = EventStream(
         httpx.Response(200, stream=upstream),
-        RequestTrace(request_id="r", kind="chat", stream=True),
+        Ending(),
         output,
         cached_tokens=None,
         on_close=lambda: None,
@@ -306,7 +308,7 @@ def test_the_request_log_line_carries_the_evidence_of_the_routing_decision(caplo
 
 
 async def test_a_slow_client_is_not_taken_for_an_idle_decoder() -> None:
-    stream, trace, _ = stream_of([TOKEN, LAST, DONE], idle=0.1)
+    stream, trace, _, _ = stream_of([TOKEN, LAST, DONE], idle=0.1)
     out = b""
     async for part in stream:
         out += part
@@ -315,13 +317,13 @@ async def test_a_slow_client_is_not_taken_for_an_idle_decoder() -> None:
 
 
 async def test_each_read_gets_the_whole_idle_limit_however_long_the_stream() -> None:
-    stream, trace, _ = stream_of([TOKEN] * 8 + [LAST, DONE], idle=0.25, gap=0.1)
+    stream, trace, _, _ = stream_of([TOKEN] * 8 + [LAST, DONE], idle=0.25, gap=0.1)
     out = b"".join([part async for part in stream])
     assert out.endswith(DONE) and b'"error"' not in out and trace.outcome == "ok"
 
 
 async def test_a_cancel_from_outside_during_a_read_stays_a_cancel() -> None:
-    stream, trace, _ = stream_of([TOKEN, LAST, DONE], idle=0.2, gap=0.15)
+    stream, trace, _, _ = stream_of([TOKEN, LAST, DONE], idle=0.2, gap=0.15)
 
     async def relay() -> None:
         async for _ in stream:

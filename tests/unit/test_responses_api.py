@@ -13,7 +13,7 @@ import pytest
 
 from dpd_router.gateway.relay import EventStream, relay_body
 from dpd_router.gateway.wires import RESPONSES_WIRE, KeptResponsesWire
-from dpd_router.record.observe import Output, RequestTrace
+from dpd_router.record.observe import Ending, Output
 from dpd_router.request.client_request import parse_request
 from dpd_router.request.errors import InvalidRequest
 from dpd_router.responses.api import Turn
@@ -90,13 +90,13 @@ COMPLETED = named("response.completed", {"response": {"id": "r", "status": "comp
 
 
 async def test_a_stream_is_read_for_its_tokens_and_its_usage_reconciled_at_its_end() -> None:
-    trace, output = RequestTrace(request_id="r", kind="responses", stream=True), Output()
+    ending, output = Ending(), Output()
     relayed = EventStream(
         httpx.Response(200, stream=Chunks([CREATED, DELTA, DELTA, DONE_TEXT, COMPLETED])),
-        trace, output, cached_tokens=0, on_close=lambda: None, idle_timeout=5, wire=RESPONSES_WIRE,
+        ending, output, cached_tokens=0, on_close=lambda: None, idle_timeout=5, wire=RESPONSES_WIRE,
     )  # fmt: skip
     out = b"".join([part async for part in relayed])
-    assert trace.outcome == "ok" and output.token_chunks == 2
+    assert ending.outcome == "ok" and output.token_chunks == 2
     assert output.completion_tokens == 2 and output.prompt_tokens == 300
     completed = orjson.loads(out.split(b"\n\n")[-2].split(b"data: ", 1)[1])
     assert completed["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 0
@@ -131,10 +131,9 @@ async def test_a_kept_stream_is_stored_before_its_end_is_sent_and_says_what_the_
     keeper = Keeper()
     turn = Turn(keeper, "alice", True, "resp_before", [{"role": "user", "content": "hi"}])
     events = [CREATED, DELTA, DELTA, DONE_TEXT, COMPLETED]
-    trace = RequestTrace(request_id="r", kind="responses", stream=True)
     relayed = EventStream(
         httpx.Response(200, stream=Chunks(events if chunked else [b"".join(events)])),
-        trace, Output(), cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=KeptResponsesWire(turn),
+        Ending(), Output(), cached_tokens=None, on_close=lambda: None, idle_timeout=5, wire=KeptResponsesWire(turn),
     )  # fmt: skip
     await relayed.prime(asyncio.get_running_loop().time() + 5)
     async for part in relayed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from dpd_router.gateway.resume import ResumePolicy, Resumer, StreamTape, why_not
 from dpd_router.gateway.resume_text import named_event
 from dpd_router.gateway.wires import MESSAGES_WIRE, OPENAI_WIRE
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Output, RequestTrace
+from dpd_router.record.observe import Ending, Output, RequestTrace
 from dpd_router.request.client_request import parse_request
 
 
@@ -127,9 +128,9 @@ def resumer_of(body: dict[str, Any], kind: str = "chat", left: int = 1) -> tuple
     async def never(*_: Any) -> Any:
         raise AssertionError("not opened here")
 
-    trace = RequestTrace(request_id="r", kind=kind, stream=True)
     resumer = Resumer(
-        request, trace, Output(), policy, None, RouterMetrics(), open=never, timeouts=PhaseTimeouts(),
+        request, "r", time.perf_counter(), Ending(), Output(), policy, None, RouterMetrics(), open=never,
+        timeouts=PhaseTimeouts(),
         strip_usage=False,
     )  # fmt: skip
     return resumer, policy, request
@@ -228,16 +229,18 @@ async def relayed_with_a_resumer(
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
     request = parse_request(kind, orjson.dumps(body))
     policy = ResumePolicy.arm(request, left=left, max_tokens=1000, blocked=blocked)
-    trace, output = RequestTrace(request_id="r", kind=kind, stream=True), Output()
+    trace, output, ending = RequestTrace(request_id="r", kind=kind, stream=True), Output(), Ending()
     metrics = RouterMetrics()
     wire = MESSAGES_WIRE if kind == "messages" else OPENAI_WIRE
     resumer = Resumer(
-        request, trace, output, policy, None, metrics, open=open_continuation, timeouts=PhaseTimeouts(),
+        request, "r", trace.started, ending, output, policy, None, metrics, open=open_continuation,
+        timeouts=PhaseTimeouts(),
         strip_usage=strip_usage, wire=wire,
     )  # fmt: skip
     stream = EventStream(
-        httpx.Response(200, stream=Broken()), trace, output, cached_tokens=None,
-        on_close=lambda: trace.take(output), idle_timeout=5, resumer=resumer, wire=wire, strip_usage=strip_usage,
+        httpx.Response(200, stream=Broken()), ending, output, cached_tokens=None,
+        on_close=lambda: trace.take(output, ending=ending), idle_timeout=5, resumer=resumer, wire=wire,
+        strip_usage=strip_usage,
     )  # fmt: skip
     await stream.prime(asyncio.get_running_loop().time() + 5)
     return b"".join([chunk async for chunk in stream]), trace, metrics
@@ -401,19 +404,20 @@ async def test_a_complete_response_whose_decoder_broke_before_its_end_is_complet
     kept = Kept()
     turn = Turn(kept, "alice", True, None, [])  # type: ignore[arg-type]
     wire = KeptResponsesWire(turn)
-    trace, output, metrics = RequestTrace(request_id="r", kind="responses", stream=True), Output(), RouterMetrics()
+    trace, output, ending = RequestTrace(request_id="r", kind="responses", stream=True), Output(), Ending()
+    metrics = RouterMetrics()
     policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
 
     async def never(*_: Any) -> Any:
         raise AssertionError("a complete answer is not continued")
 
     resumer = Resumer(
-        request, trace, output, policy, None, metrics, open=never, timeouts=PhaseTimeouts(), strip_usage=False,
-        wire=wire,
+        request, "r", trace.started, ending, output, policy, None, metrics, open=never, timeouts=PhaseTimeouts(),
+        strip_usage=False, wire=wire,
     )  # fmt: skip
     stream = EventStream(
-        httpx.Response(200, stream=Broken()), trace, output, cached_tokens=None,
-        on_close=lambda: trace.take(output), idle_timeout=5, resumer=resumer, wire=wire,
+        httpx.Response(200, stream=Broken()), ending, output, cached_tokens=None,
+        on_close=lambda: trace.take(output, ending=ending), idle_timeout=5, resumer=resumer, wire=wire,
     )  # fmt: skip
     await stream.prime(asyncio.get_running_loop().time() + 5)
     out = b"".join([chunk async for chunk in stream])

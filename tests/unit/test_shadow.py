@@ -8,7 +8,7 @@ import pytest
 from dpd_router.config import SettingsError, ShadowSettings, load_settings, updated_settings
 from dpd_router.gateway.wires import MESSAGES_WIRE, RESPONSES_WIRE
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import Ending, Observer
 from dpd_router.request.client_request import parse_request
 from dpd_router.shadow import LiveShadow, RecentLengths, ShadowChoice, ShadowCopy
 from dpd_router.shadow.copies import ShadowAnswer, ShadowAnswerUnreadable, shadow_body, shadow_headers
@@ -109,8 +109,8 @@ def chunk(content: str) -> dict[str, object]:
 
 
 def test_the_answer_is_timed_token_by_token_and_its_usage_kept() -> None:
-    trace = RequestTrace(request_id="r1", kind="chat", stream=True)
-    answer = ShadowAnswer(trace)
+    ending = Ending()
+    answer = ShadowAnswer(ending)
     answer.feed(event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}), 1.0)  # no token yet
     stream = event(chunk("a")) + event(chunk("b"))
     answer.feed(stream[:7], 2.0)  # an event split across reads
@@ -119,22 +119,22 @@ def test_the_answer_is_timed_token_by_token_and_its_usage_kept() -> None:
     answer.feed(event({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3}}) + b"data: [DONE]\n\n", 4)
     answer.end()
     output = answer.output
-    assert trace.outcome == "ok" and output.first_token_at == 2.5
+    assert ending.outcome == "ok" and output.first_token_at == 2.5
     assert output.gaps == [0.0, 1.0] and output.token_chunks == 3 and output.completion_tokens == 3
 
 
 def test_an_answer_that_stops_before_done_or_reports_an_error_fails_the_copy() -> None:
-    cut = RequestTrace(request_id="r1", kind="chat", stream=True)
+    cut = Ending()
     answer = ShadowAnswer(cut)
     answer.feed(event(chunk("a")), 1.0)
     answer.end()
     assert cut.outcome == "error" and "before its end event" in (cut.error or "")
-    failed = RequestTrace(request_id="r2", kind="chat", stream=True)
+    failed = Ending()
     answer = ShadowAnswer(failed)
     answer.feed(event({"error": {"message": "engine overloaded"}}) + b"data: [DONE]\n\n", 1.0)
     answer.end()
     assert failed.outcome == "error" and failed.error == "engine overloaded"
-    endless = ShadowAnswer(RequestTrace(request_id="r3", kind="chat", stream=True))
+    endless = ShadowAnswer(Ending())
     with pytest.raises(ShadowAnswerUnreadable):
         endless.feed(b"data: " + b"x" * (2 << 20), 1.0)
 
@@ -191,7 +191,7 @@ def test_messages_and_responses_copies_are_streams_read_in_their_own_api() -> No
         body = {"model": "m", "input": "hi", "store": False} if kind == "responses" else {"messages": [], "model": "m"}
         sent = orjson.loads(shadow_body(ShadowCopy("r1", kind, orjson.dumps(body), None, 12), None))
         assert sent["stream"] is True and "stream_options" not in sent, "these APIs carry their usage in events"
-    messages = RequestTrace(request_id="r1", kind="messages", stream=True)
+    messages = Ending()
     answer = ShadowAnswer(messages, MESSAGES_WIRE)
     start = {"message": {"id": "m", "content": [], "usage": {"input_tokens": 12, "output_tokens": 0}}}
     answer.feed(named("message_start", start), 1.0)
@@ -201,7 +201,7 @@ def test_messages_and_responses_copies_are_streams_read_in_their_own_api() -> No
     answer.feed(named("message_stop", {}), 3.0)
     answer.end()
     assert messages.outcome == "ok" and answer.output.first_token_at == 2.0 and answer.output.completion_tokens == 2
-    responses = RequestTrace(request_id="r2", kind="responses", stream=True)
+    responses = Ending()
     answer = ShadowAnswer(responses, RESPONSES_WIRE)
     answer.feed(named("response.created", {"response": {"id": "r", "status": "in_progress", "usage": None}}), 1.0)
     answer.feed(named("response.output_text.delta", {"delta": "a", "output_index": 0}), 2.0)
@@ -210,7 +210,7 @@ def test_messages_and_responses_copies_are_streams_read_in_their_own_api() -> No
     answer.end()
     assert responses.outcome == "ok" and answer.output.first_token_at == 2.0
     assert answer.output.completion_tokens == 1
-    cut = RequestTrace(request_id="r3", kind="responses", stream=True)
+    cut = Ending()
     answer = ShadowAnswer(cut, RESPONSES_WIRE)
     answer.feed(named("response.output_text.delta", {"delta": "a", "output_index": 0}), 2.0)
     answer.end()

@@ -9,7 +9,7 @@ from typing import Any
 
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, Output, RequestTrace, Staging
+from dpd_router.record.observe import Ending, Observer, Output, RequestTrace, Staging
 from dpd_router.routing.planner import Plan
 from dpd_router.transfer.base import Connector, StagedKV
 
@@ -68,7 +68,8 @@ class HeldKV:
 class Completion:
     """Ends a request, exactly once: releases its decoder slot, KV staged for it that no decode call took,
     the in-flight gauge and the caller's `on_finish` (the admission slot), and reports its record, which takes
-    what the decoders and the prefill hop produced (`output`, `staging`) then.
+    what the decoders and the prefill hop produced and how the request ended (`output`, `staging`, `ending`)
+    then.
 
     Without an `observer` the trace is not reported: a stream's continuation is part of its request,
     which reports it."""
@@ -92,6 +93,7 @@ class Completion:
         self._done = False
         self.output = Output()
         self.staging = Staging()
+        self.ending = Ending()
         # The plan as first made, with the threshold it was judged by, and the plan served last.
         self._planned: tuple[Plan, int] | None = None
         self._served: Plan | None = None
@@ -163,7 +165,7 @@ class Completion:
             self._decoder_slot.release()
         self._metrics.in_flight.dec()
         self._record_plans()
-        self._trace.take(self.output, self.staging)
+        self._trace.take(self.output, self.staging, self.ending)
         observer = self._observer
         if observer is not None and self._report_after is None:
             observer.finish(self._trace)

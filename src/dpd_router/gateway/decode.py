@@ -163,7 +163,9 @@ class DecodeHop:
         if exchange.resume is not None and continue_with is not None and decoder is not None and call.answer is None:
             resumer = Resumer(
                 exchange.request,
-                exchange.trace,
+                exchange.request_id,
+                exchange.trace.started,
+                exchange.ending,
                 exchange.output,
                 exchange.resume,
                 decoder,
@@ -175,8 +177,9 @@ class DecodeHop:
             )
         return EventStream(
             upstream,
-            exchange.trace,
+            exchange.ending,
             exchange.output,
+            request_id=exchange.request_id,
             engine=decoder,
             cached_tokens=prefiller_cached_tokens(staged),
             on_close=exchange.done,
@@ -232,7 +235,7 @@ class DecodeHop:
         rewrite = None if call.answer is None else call.answer.body
         relayed = relay_body(content, exchange.output, prefiller_cached_tokens(staged), rewrite, wire)
         if relayed.failure is not None:
-            exchange.trace.fail("upstream_error", relayed.failure)
+            exchange.ending.fail("upstream_error", relayed.failure)
         exchange.first_token.reach()
         return relayed
 
@@ -240,7 +243,7 @@ class DecodeHop:
         """Pass an engine's 4xx through as it is (the request's fault); a 5xx is a decoder failure."""
         content = await read_refusal(upstream, decoder)
         status = upstream.status_code
-        exchange.trace.fail("engine_rejected", f"decoder answered {status}", status=status)
+        exchange.ending.fail("engine_rejected", f"decoder answered {status}", status=status)
         exchange.done()
         media_type = upstream.headers.get("content-type", "application/json")
         return WholeAnswer(content, exchange.headers, status=status, media_type=media_type)

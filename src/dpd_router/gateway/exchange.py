@@ -13,7 +13,7 @@ from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.prompt.tokenizer import Prompt
-from dpd_router.record.observe import Output, RequestTrace, Staging
+from dpd_router.record.observe import Ending, Output, RequestTrace, Staging
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.routing.planner import Planner
 
@@ -86,6 +86,11 @@ class Exchange:
     def staging(self) -> Staging:
         """What the prefill hop produced (the request's record takes it at its end)."""
         return self.done.staging
+
+    @property
+    def ending(self) -> Ending:
+        """How the request ended (the request's record takes it at its end)."""
+        return self.done.ending
 
     @property
     def headers(self) -> dict[str, str]:

@@ -213,16 +213,16 @@ class Gateway:
             )
             return await self._serve(exchange, plan)
         except RouterError as exc:
-            trace.fail("error", exc.message, status=exc.status_code)
+            done.ending.fail("error", exc.message, status=exc.status_code)
             done()
             raise
         except asyncio.CancelledError:
             self._metrics.client_disconnects.labels(phase).inc()
-            trace.fail("client_disconnect", f"the client went away during {phase}", status=499)
+            done.ending.fail("client_disconnect", f"the client went away during {phase}", status=499)
             done()
             raise
         except Exception as exc:
-            trace.fail("error", f"internal error: {type(exc).__name__}: {exc}", status=500)
+            done.ending.fail("error", f"internal error: {type(exc).__name__}: {exc}", status=500)
             done()
             raise
 
@@ -246,7 +246,7 @@ class Gateway:
         is not reported."""
         first = exchange.trace
         trace = RequestTrace(
-            request_id=f"{exchange.request_id}-c{first.continuations + 1}", kind=request.kind, stream=True
+            request_id=f"{exchange.request_id}-c{exchange.ending.continuations + 1}", kind=request.kind, stream=True
         )
         trace.model, trace.adapter, trace.arm, trace.tenant = first.model, first.adapter, first.arm, first.tenant
         done = Completion(trace, None, self._metrics)

@@ -41,7 +41,7 @@ class HeadFirst:
     def stream(self, exchange: Exchange, plan: Plan, call: DecodeCall, staged: StagedKV | None) -> StreamedAnswer:
         """The answer: the head now, the continuation once a decoder streams it."""
         assert call.head is not None
-        trace, done, head = exchange.trace, exchange.done, call.head
+        ending, done, head = exchange.ending, exchange.done, call.head
         relayed: list[EventStream] = []
         failed: list[bool] = []  # the continuation could not be served: the request ended with its failure
 
@@ -53,13 +53,13 @@ class HeadFirst:
                 stream = await self._continuation(exchange, plan, call, staged)
             except RouterError as exc:
                 failed.append(True)
-                trace.fail("upstream_error", exc.message)
+                ending.fail("upstream_error", exc.message)
                 yield error_event(exc.message)
                 return
             except Exception as exc:  # a bug, not the client: the stream still ends, in-band
                 log.exception("request %s: the continuation after the first token failed", exchange.request_id)
                 failed.append(True)
-                trace.fail("error", f"internal error: {type(exc).__name__}: {exc}")
+                ending.fail("error", f"internal error: {type(exc).__name__}: {exc}")
                 yield error_event("The router failed to continue this answer.")
                 return
             relayed.append(stream)
@@ -77,7 +77,7 @@ class HeadFirst:
             if not done.ended and not failed:
                 # Ended without a decoder's stream to close (or never began): the client left.
                 self._metrics.client_disconnects.labels("serve").inc()
-                trace.fail("client_disconnect", "the client left before the decoder answered", status=499)
+                ending.fail("client_disconnect", "the client left before the decoder answered", status=499)
             done()
 
         return StreamedAnswer(generator, close, exchange.headers)

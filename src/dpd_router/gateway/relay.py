@@ -25,7 +25,7 @@ from dpd_router.gateway.resume import Resumer
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineAnswer
-from dpd_router.record.observe import Output, RequestTrace
+from dpd_router.record.observe import Ending, Output
 from dpd_router.request.errors import RouterError
 
 log = logging.getLogger("dpd_router.gateway")
@@ -58,9 +58,10 @@ class EventStream:
     def __init__(
         self,
         upstream: EngineAnswer,
-        trace: RequestTrace,
+        ending: Ending,
         output: Output,
         *,
+        request_id: str = "-",
         cached_tokens: int | None,
         on_close: Callable[[], None],
         idle_timeout: float,
@@ -87,15 +88,16 @@ class EventStream:
         self._strip_usage = strip_usage
         self._rewrite = rewrite
         self._chunks = upstream.aiter_raw()
-        self._trace = trace
+        self._ending = ending
         self._output = output
+        self._request_id = request_id
         self.cached_tokens = cached_tokens
         self._on_close = on_close
         self._idle_timeout = idle_timeout
         self._pending = b""
         self._head = b""
         self._early_failure: str | None = None
-        # This stream's own first token (the trace's may come earlier: a head the router sent itself).
+        # This stream's own first token (the request's may come earlier: a head the router sent itself).
         self._saw_token = False
         self._relaying = False
         self._ended = False
@@ -211,7 +213,7 @@ class EventStream:
         self._closed = True
         self._stop_idle_check()
         if not self._complete and not self._failed:
-            self._trace.fail("client_disconnect", "the client disconnected during the stream", status=499)
+            self._ending.fail("client_disconnect", "the client disconnected during the stream", status=499)
             if self._on_disconnect is not None:
                 self._on_disconnect()
         with anyio.CancelScope(shield=True):
@@ -268,7 +270,7 @@ class EventStream:
     async def _after_failure(self, outcome: str, detail: str, message: str) -> AsyncIterator[bytes]:
         """The rest of a stream whose decoder failed after output: continued on another decoder where it can
         be, else ended with an in-band error."""
-        trace, resumer = self._trace, self._resumer
+        ending, resumer, request_id = self._ending, self._resumer, self._request_id
         reason = "disabled" if resumer is None else resumer.why_not(self._saw_token)
         if resumer is not None and reason is None:
             self._stop_idle_check()
@@ -283,30 +285,30 @@ class EventStream:
                 resumer.count("failed", "unserved")
                 detail = f"{detail}; its continuation failed: {exc.message}"
             except Exception as exc:  # a bug, not the engines: the stream still ends, in-band
-                log.exception("request %s: the continuation after a failed decoder failed", trace.request_id)
+                log.exception("request %s: the continuation after a failed decoder failed", request_id)
                 resumer.count("failed", "error")
                 detail = f"{detail}; its continuation failed: {type(exc).__name__}: {exc}"
         elif resumer is not None:
             resumer.count("not_tried", reason or "")
-            trace.continued_after = f"not continued ({reason})"
-            ending = resumer.ending() if reason == "answer_complete" else None
-            if ending is not None:
+            ending.continued_after = f"not continued ({reason})"
+            end = resumer.ending() if reason == "answer_complete" else None
+            if end is not None:
                 # The client has the whole answer: it ends as the decoder would have ended it, not with an error,
                 # read as the decoder's own end would have been (the broken decoder's partial event is dropped).
                 log.warning(
                     "request %s: %s after the answer's last token; its end written from what was kept",
-                    trace.request_id,
+                    request_id,
                     detail,
                 )
                 self._pending = b""
-                out = self._absorb(ending)
+                out = self._absorb(end)
                 await self._settle()
                 self._complete = True
                 yield out
                 return
-        log.warning("request %s: %s; the stream ends (%s)", trace.request_id, detail, trace.continued_after)
+        log.warning("request %s: %s; the stream ends (%s)", request_id, detail, ending.continued_after)
         self._complete = self._failed = True
-        trace.fail(outcome, detail)
+        ending.fail(outcome, detail)
         yield self._error_event(message)
 
     async def _settle(self) -> None:
@@ -315,7 +317,7 @@ class EventStream:
             await self._wire.settle()
 
     def _relay_events(self, events: list[bytes]) -> bytes:
-        trace, wire, output = self._trace, self._wire, self._output
+        ending, wire, output = self._ending, self._wire, self._output
         data, ends, only_tokens = wire.data, wire.ends, wire.only_tokens
         now = time.perf_counter()
         tokens = 0  # chunks of output in this read: they reached the router together, so are marked together
@@ -355,9 +357,9 @@ class EventStream:
                 else:
                     if self._resumer is not None:
                         self._resumer.count("not_tried", reason or "")
-                        trace.continued_after = f"not continued ({reason})"
+                        ending.continued_after = f"not continued ({reason})"
                     self._failed = True
-                    trace.fail("upstream_error", failure)
+                    ending.fail("upstream_error", failure)
             if wire.has_token(payload):
                 self._saw_token = True
                 tokens += 1

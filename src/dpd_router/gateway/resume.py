@@ -44,7 +44,7 @@ from dpd_router.gateway.resume_text import (
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire, reconcile_usage
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Output, RequestTrace
+from dpd_router.record.observe import Ending, Output
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.request.errors import RouterError
 from dpd_router.transfer import chat_chunks
@@ -238,7 +238,9 @@ class Resumer:
     def __init__(
         self,
         request: ClientRequest,
-        trace: RequestTrace,
+        request_id: str,
+        started: float,
+        ending: Ending,
         output: Output,
         policy: ResumePolicy,
         decoder: Endpoint | None,
@@ -250,8 +252,10 @@ class Resumer:
         wire: Wire = OPENAI_WIRE,
     ) -> None:
         self._request = request
-        self._trace = trace
-        # The first stream's output: the continuation's chunks and usage go on it.
+        self._request_id = request_id
+        self._started = started  # when the request reached the router (a perf_counter reading)
+        # The first stream's ending and output: the continuation's failure, chunks and usage go on them.
+        self._ending = ending
         self._output = output
         self._open = open
         self._timeouts = timeouts
@@ -273,7 +277,7 @@ class Resumer:
 
     def why_not(self, saw_output: bool) -> str | None:
         """Why the stream cannot be continued now (None: it can)."""
-        policy, tape, trace = self._policy, self.tape, self._trace
+        policy, tape = self._policy, self.tape
         if policy.blocked is not None or tape is None:
             return policy.blocked or "disabled"
         if tape.over:
@@ -291,7 +295,7 @@ class Resumer:
             return "parsed_output"
         elif tape.prompt is None or (saw_output and not tape.output):
             return "no_token_ids"
-        if time.perf_counter() - trace.started >= self._timeouts.total:
+        if time.perf_counter() - self._started >= self._timeouts.total:
             return "deadline"
         return None
 
@@ -358,7 +362,7 @@ class Resumer:
     async def relay(self, failure: str, cached_tokens: int | None) -> AsyncIterator[bytes]:
         """The rest of the answer, from another decoder, in the client's API; raises RouterError when it
         cannot be opened (the caller ends the stream as without a continuation)."""
-        policy, trace = self._policy, self._trace
+        policy, ending = self._policy, self._ending
         request = self.continuation()
         if request is None:
             return
@@ -366,11 +370,11 @@ class Resumer:
         if not isinstance(answer, StreamedAnswer):
             detail = answer.content[:300].decode(errors="replace")
             raise RouterError(f"the continuation was refused ({answer.status}): {detail}")
-        trace.continuations += 1
-        trace.continued_after = f"{failure} after {self._kept_tokens} tokens; continued on {where}"
+        ending.continuations += 1
+        ending.continued_after = f"{failure} after {self._kept_tokens} tokens; continued on {where}"
         log.warning(
             "request %s: the decoder %s failed after %d tokens (%s); continuing on %s",
-            trace.request_id,
+            self._request_id,
             None if self._decoder is None else self._decoder.url,
             self._kept_tokens,
             failure,
@@ -396,7 +400,7 @@ class Resumer:
     async def _written(self, events: list[bytes], cached_tokens: int | None) -> list[bytes]:
         """A continuation's chat events as the Messages or Responses events the client's stream goes on with;
         the usage and the ended response are the wire's to record (and, for a kept response, to keep)."""
-        writer, wire, trace, output = self._writer, self._wire, self._trace, self._output
+        writer, wire, output = self._writer, self._wire, self._output
         assert writer is not None
         out: list[bytes] = []
         ended = False
@@ -414,7 +418,7 @@ class Resumer:
                     continue
                 if "error" in payload:
                     message = OPENAI_WIRE.errored(payload) or "the continuation failed"
-                    trace.fail("upstream_error", message)
+                    self._ending.fail("upstream_error", message)
                     return [*out, wire.error_event(message).removesuffix(_EVENT_END)]
                 payloads = writer.chunk(payload)
             for written in payloads:
@@ -429,7 +433,6 @@ class Resumer:
 
     def _rewrite(self, event: bytes, cached_tokens: int | None) -> bytes:
         """A continuation's event as the first answer's: its id, API and usage."""
-        trace = self._trace
         if not event.startswith(_DATA) or event.startswith(_DONE):
             return event
         try:
@@ -439,7 +442,7 @@ class Resumer:
         if not isinstance(payload, dict):
             return event
         if "error" in payload:
-            trace.fail("upstream_error", OPENAI_WIRE.errored(payload) or "the continuation failed")
+            self._ending.fail("upstream_error", OPENAI_WIRE.errored(payload) or "the continuation failed")
             return event
         # The client had the prompt's ids (if it asked) with the first answer: the continuation's prompt is not
         # one it sent. Its output ids go on where the client asked for them (null where not, as vLLM writes).

@@ -99,6 +99,30 @@ class Staging:
         self.usage_shows_transfer = True
 
 
+class Ending:
+    """How a request ended: its status, outcome and error (the last failure recorded; ok without one), and
+    what became of a stream whose decoder failed after output (continued elsewhere, or why not). Whatever
+    ends the request records it here (the handler, the decode hop, the relay, a stream's continuation); the
+    request's record takes it once, when the request ends (`RequestTrace.take`)."""
+
+    __slots__ = ("continuations", "continued_after", "error", "outcome", "status")
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.outcome = "ok"
+        self.error: str | None = None
+        # Times the stream was continued on another decoder after its decoder failed (gateway/resume.py),
+        # and the failure it was continued after (or why it was not).
+        self.continuations = 0
+        self.continued_after: str | None = None
+
+    def fail(self, outcome: str, error: str, status: int | None = None) -> None:
+        self.outcome = outcome
+        self.error = error
+        if status is not None:
+            self.status = status
+
+
 @dataclass
 class RequestTrace:
     """The facts of one request: who asked, how it was planned and served, how it ended. What the
@@ -161,8 +185,12 @@ class RequestTrace:
 
     gaps: list[float] = field(default_factory=list, repr=False)
 
-    def take(self, output: Output, staging: Staging | None = None) -> None:
-        """What the decoders (and the prefill hop) produced, put on the record as the request ends."""
+    def take(self, output: Output, staging: Staging | None = None, ending: Ending | None = None) -> None:
+        """What the decoders (and the prefill hop) produced, and how the request ended, put on the record as
+        the request ends."""
+        if ending is not None:
+            self.status, self.outcome, self.error = ending.status, ending.outcome, ending.error
+            self.continuations, self.continued_after = ending.continuations, ending.continued_after
         if staging is not None:
             self.prefiller, self.prefill_started, self.prefill_seconds = (
                 staging.prefiller,
@@ -176,12 +204,6 @@ class RequestTrace:
         self.token_chunks, self.gaps = output.token_chunks, output.gaps
         self.engine_prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens
         self.cached_tokens, self.decoder_cached_tokens = output.cached_tokens, output.decoder_cached_tokens
-
-    def fail(self, outcome: str, error: str, status: int | None = None) -> None:
-        self.outcome = outcome
-        self.error = error
-        if status is not None:
-            self.status = status
 
 
 def outcome_of(trace: RequestTrace) -> Outcome:

@@ -23,7 +23,7 @@ from dpd_router.config import ShadowSettings
 from dpd_router.gateway.wires import OPENAI_WIRE, Wire, wire_for
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, Output, RequestTrace
+from dpd_router.record.observe import Ending, Observer, Output, RequestTrace
 from dpd_router.request.client_request import ClientRequest, RequestKind
 from dpd_router.routing.request import session_key
 from dpd_router.shadow.choice import ShadowChoice
@@ -157,16 +157,17 @@ class Shadow:
         trace.path = self._settings.kind
         trace.reason = SHADOW_ARM
         trace.prompt_tokens = copy.prompt_tokens
-        answer = ShadowAnswer(trace, wire_for(copy.kind))
+        ending = Ending()
+        answer = ShadowAnswer(ending, wire_for(copy.kind))
         try:
             body = await self._body(copy)
             async with asyncio.timeout(self._settings.timeout):
                 await self._call(copy, body, trace, answer)
         except TimeoutError:
-            trace.fail("timeout", f"no whole answer within {self._settings.timeout:g} s")
+            ending.fail("timeout", f"no whole answer within {self._settings.timeout:g} s")
         except Exception as exc:  # a shadow's failure is counted and logged, never raised
-            trace.fail("error", f"{type(exc).__name__}: {exc}")
-        trace.take(answer.output)  # what came before a timeout too
+            ending.fail("error", f"{type(exc).__name__}: {exc}")
+        trace.take(answer.output, ending=ending)  # what came before a timeout too
         self._observer.record(trace, time.perf_counter())
         self._metrics.shadow_requests.labels(trace.outcome).inc()
         if trace.outcome != "ok":
@@ -185,7 +186,7 @@ class Shadow:
         async with self._session.post(self.url + ENGINE_PATHS[copy.kind], data=body, headers=headers) as response:
             if response.status >= 400:
                 status = response.status
-                trace.fail(f"status_{status // 100}xx", f"the shadow answered {status}", status=status)
+                answer.ending.fail(f"status_{status // 100}xx", f"the shadow answered {status}", status=status)
                 return
             async for chunk in response.content.iter_any():
                 answer.feed(chunk, time.perf_counter())
@@ -236,10 +237,10 @@ def shadow_body(copy: ShadowCopy, model: str | None) -> bytes:
 
 class ShadowAnswer:
     """Reads a shadow's event stream, in the API it is written in (its `Wire`, as the relay reads a decoder's):
-    its first token, gaps and usage into `output`, a failure it reports into its trace; the text is dropped."""
+    its first token, gaps and usage into `output`, a failure it reports into its `ending`; the text is dropped."""
 
-    def __init__(self, trace: RequestTrace, wire: Wire = OPENAI_WIRE) -> None:
-        self._trace = trace
+    def __init__(self, ending: Ending, wire: Wire = OPENAI_WIRE) -> None:
+        self.ending = ending
         self.output = Output()
         self._failed = False
         self._wire = wire
@@ -265,7 +266,7 @@ class ShadowAnswer:
         """The first failure the stream showed is the shadow's."""
         if not self._failed:
             self._failed = True
-            self._trace.fail("error", failure)
+            self.ending.fail("error", failure)
 
     def _read(self, event: bytes, now: float) -> None:
         wire = self._wire
