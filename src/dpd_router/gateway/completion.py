@@ -101,7 +101,13 @@ class Completion:
 
     @property
     def ended(self) -> bool:
+        """Whether the request has ended (what it held released, its record written)."""
         return self._done
+
+    @property
+    def served(self) -> Plan | None:
+        """The plan served last (None: none was served)."""
+        return self._served
 
     def planned(self, plan: Plan, threshold: int) -> None:
         """The request's plan as first made, and the threshold it was judged by."""

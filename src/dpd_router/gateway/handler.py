@@ -290,7 +290,8 @@ class Gateway:
         except BaseException:
             done()
             raise
-        return answer, f"{done.output.decoder} ({plan.path})"
+        served = done.served or plan
+        return answer, f"{done.output.decoder} ({served.path})"
 
     async def _by_ids(self, exchange: Exchange, chat: ClientRequest) -> ClientRequest | None:
         """A Messages or Responses stream's continuation as a text completion of ids: its prompt as the

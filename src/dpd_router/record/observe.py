@@ -125,8 +125,9 @@ class Ending:
 
 @dataclass
 class RequestTrace:
-    """The facts of one request: who asked, how it was planned and served, how it ended. What the
-    decoders produced is taken from their `Output` once, at the end."""
+    """The facts of one request: who asked, how it was planned and served, how it ended. Who asked and its
+    prompt are known as it starts; what the hops produced (`Output`, `Staging`), how it ended (`Ending`) and
+    its plans are taken once, when it ends (gateway/completion.py)."""
 
     request_id: str
     kind: str
