@@ -438,3 +438,73 @@ async def test_a_complete_response_whose_decoder_broke_before_its_end_is_complet
     assert [response["id"] for response in kept.responses] == [turn.id], "kept before the client saw its end"
     labels = {"api": "responses", "outcome": "not_tried", "reason": "answer_complete"}
     assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1
+
+
+@pytest.mark.parametrize("cut_after", ["response.output_text.done", "response.output_item.done"])
+async def test_the_end_written_for_a_broken_response_is_the_one_its_decoder_would_have_sent(cut_after: str) -> None:
+    """The simulated engine's Responses stream (as vLLM's: created, in progress, the item and part opened, a delta
+    a token, both closed, completed), cut after `cut_after`: the events the router writes parse as the official
+    client's, and the response completed is the decoder's own but for its usage (null) and what the router
+    tells the client of its own (id, store)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    from dpd_router.gateway.wires import KeptResponsesWire
+    from dpd_router.responses.api import Turn
+    from dpd_sim.responses import StreamedResponse
+
+    body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": True, "max_output_tokens": 16}
+    engine = StreamedResponse(body)
+    chunks: list[dict[str, Any]] = [
+        {"id": "chatcmpl-7", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"id": "chatcmpl-7", "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {"id": "chatcmpl-7", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+        {"id": "chatcmpl-7", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
+    ]
+    whole = b"".join(engine.event(orjson.dumps(chunk)) for chunk in chunks)
+    events = [event for event in whole.split(b"\n\n") if event]
+    cut = next(i for i, event in enumerate(events) if event.startswith(b"event: " + cut_after.encode())) + 1
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for event in events[:cut]:
+                yield event + b"\n\n"
+            raise httpx.ReadError("reset")
+
+    request = parse_request("responses", orjson.dumps(body))
+    kept = Kept()
+    turn = Turn(kept, "alice", True, None, [])  # type: ignore[arg-type]
+    wire = KeptResponsesWire(turn)
+    output, ending = Output(), Ending()
+
+    async def never(*_: Any) -> Any:
+        raise AssertionError("a complete answer is not continued")
+
+    resumer = Resumer(
+        request, "r", time.perf_counter(), ending, output, ResumePolicy.arm(request, left=1, max_tokens=1000), None,
+        RouterMetrics(), open=never, timeouts=PhaseTimeouts(), strip_usage=False, wire=wire,
+    )  # fmt: skip
+    stream = EventStream(
+        httpx.Response(200, stream=Broken()), ending, output, cached_tokens=None, on_close=lambda: None,
+        idle_timeout=5, resumer=resumer, wire=wire,
+    )  # fmt: skip
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    out = b"".join([chunk async for chunk in stream])
+
+    sent = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in out.split(b"\n\n") if e.startswith(b"event: ")]
+    engines = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in events]
+    assert [e["type"] for e in sent] == [e["type"] for e in engines], "the events the engine would have sent"
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    for event in sent:
+        adapter.validate_python(event)  # as the official client reads each one
+    completed, expected = sent[-1]["response"], engines[-1]["response"]
+    assert completed["usage"] is None and ending.outcome == "ok"
+    assert completed["id"] == turn.id and completed["store"] is True
+    if cut_after == "response.output_text.done":
+        # Its item never went by: the router's item says no logprobs as its part events do ([]), where this
+        # engine's final item writes null.
+        assert completed["output"][0]["content"][0].pop("logprobs") == []
+        expected["output"][0]["content"][0].pop("logprobs")
+    ours = {key: value for key, value in completed.items() if key not in ("id", "store", "usage")}
+    assert ours == {key: value for key, value in expected.items() if key not in ("id", "store", "usage")}
+    assert [response["id"] for response in kept.responses] == [turn.id]

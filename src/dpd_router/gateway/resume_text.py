@@ -60,6 +60,10 @@ class Said:
     head: dict[str, Any] | None = None  # message_start's message, or response.created's response
     at: dict[str, Any] = field(default_factory=dict)  # where the text goes: block index, or item and part
     sequence: int = 0  # the Responses stream's next sequence number
+    # A Responses stream's text part and message item as the engine closed them (content_part.done,
+    # output_item.done), where those went by.
+    part: dict[str, Any] | None = None
+    item: dict[str, Any] | None = None
 
 
 # The bytes a Messages or Responses stream keeps for each token of the bound (`stream_continuation_max_tokens`):
@@ -167,6 +171,10 @@ def _read_response_event(kind: Any, payload: dict[str, Any], said: Said, texts: 
         texts.append(str(payload.get("delta") or ""))
         said.deltas += 1
         said.at.update(item_id=payload.get("item_id"), content_index=payload.get("content_index", 0))
+    elif kind == "response.content_part.done" and isinstance(payload.get("part"), dict):
+        said.part = payload["part"]
+    elif kind == "response.output_item.done" and isinstance(payload.get("item"), dict):
+        said.item = payload["item"]
     elif isinstance(kind, str) and kind.endswith(".delta"):
         said.parsed = True  # reasoning, a function call's arguments
 
@@ -308,18 +316,32 @@ class ResponsesAnswer(_ChatAnswer):
     def after_text(self, *, length: bool, passed: set[str]) -> list[dict[str, Any]]:
         """The events that close an answer whose text was all said before its decoder broke (its
         output_text.done went by, and the events named in `passed`): numbered on from the last that went by,
-        the response `incomplete` where the output limit ended it (`length`), its usage unknown."""
+        the part and item as the engine closed them where it did, the response `incomplete` where the output
+        limit ended it (`length`), its usage unknown."""
         self._finish = ("length" if length else "stop", None)
-        events = [event for event in self._closing(None)[1:] if event["type"] not in passed]
+        closing = self._closing(None, part=self._said.part, item=self._said.item)
+        events = [event for event in closing[1:] if event["type"] not in passed]
         for number, event in enumerate(events, start=self._said.sequence):
             event["sequence_number"] = number
         return events
 
-    def _closing(self, usage: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def _closing(
+        self,
+        usage: dict[str, Any] | None,
+        *,
+        part: dict[str, Any] | None = None,
+        item: dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
         text = "".join(self._texts)
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        part = part or {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         status = "incomplete" if self._finish[0] == "length" else "completed"
-        item = {"id": self._item_id, "type": "message", "role": "assistant", "status": "completed", "content": [part]}
+        item = item or {
+            "id": self._item_id,
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [part],
+        }
         response = {**(self._said.head or {}), "status": status, "output": [item]}
         response["incomplete_details"] = {"reason": "max_output_tokens"} if status == "incomplete" else None
         response["usage"] = self._usage(usage)
