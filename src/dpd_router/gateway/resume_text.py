@@ -109,7 +109,8 @@ class EventTape:
         whose message_delta (its stop reason and usage) went by lacks only its message_stop; a Responses
         stream whose text is all said (its output_text.done went by) lacks the events that close its part,
         its item and the response, which the router writes from what went by (the response.created head, the
-        text), as a continuation's end is written, without a usage (the engine told none before its end).
+        text, the part and item where the engine closed them), as a continuation's end is written, without a
+        usage (the engine told none before its end).
         `max_output`: the client's limit on output tokens (an answer with as many deltas ended by it). None
         where the events cannot tell: a Messages stream before its message_delta, a Responses stream with an
         item other than its text or no response.created."""
