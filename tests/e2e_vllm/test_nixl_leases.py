@@ -99,7 +99,18 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
             request = asyncio.create_task(
                 client.post(f"{router}/v1/chat/completions", json=chat(long_text(), stream=stream))
             )
-            await asyncio.wait_for(link.answering.wait(), REQUEST_TIMEOUT)
+            answering = asyncio.create_task(link.answering.wait())
+            await asyncio.wait({answering, request}, timeout=REQUEST_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+            if not answering.done():
+                # Say what became of the request the link never saw answered, rather than wait on for it.
+                answering.cancel()
+                answered = request.result() if request.done() and request.exception() is None else None
+                decisions = await metric_total(router, "dpd_router_route_decisions_total", path="disaggregated")
+                raise AssertionError(
+                    f"stream={stream}: no prefill answer crossed the link; the request "
+                    + (f"was answered {answered.status_code}: {answered.text[:300]}" if answered else f"{request}")
+                    + f"; disaggregated decisions so far: {decisions:g}"
+                )
             request.cancel()
             await asyncio.gather(request, return_exceptions=True)
 

@@ -70,7 +70,7 @@ class SlowLink:
         completion_asked: asyncio.Event,
         holding: list[bool],
     ) -> None:
-        while chunk := await reader.read(65536):
+        while chunk := await _read(reader):
             if chunk.startswith((b"GET ", b"POST ", b"PUT ", b"DELETE ")):  # a new request on the connection
                 holding[0] = chunk.startswith(b"POST /v1/")
             if chunk.startswith(b"POST /v1/"):
@@ -103,3 +103,11 @@ class SlowLink:
         # router sends its next request into a connection no engine reads and waits for good.
         with contextlib.suppress(OSError):
             writer.write_eof()
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes:
+    """The next bytes the router sent; none once it reset the connection (a call it cut short), as at its end."""
+    try:
+        return await reader.read(65536)
+    except ConnectionError:
+        return b""
