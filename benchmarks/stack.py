@@ -20,7 +20,7 @@ import httpx
 
 from dpd_sim.cluster import SimCluster
 from dpd_sim.gpu import TimingModel
-from dpd_sim.ports import free_port
+from dpd_sim.ports import BIND_ATTEMPTS, free_port, port_taken
 from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 HOST = "127.0.0.1"
@@ -68,7 +68,6 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-_BIND_ATTEMPTS = 4
 # Flags whose value is a port the process binds besides the one it serves on: chosen again too.
 _PORT_FLAGS = ("--prometheus-port",)
 
@@ -113,15 +112,15 @@ class Service:
         benchmarks start servers side by side; seen in CI as uvicorn's "address already in use"):
         such a start is tried again on fresh ports, a few times.
         """
-        for attempt in range(_BIND_ATTEMPTS):
+        for attempt in range(BIND_ATTEMPTS):
             try:
                 return await self._start_once(wait)
             except _PortTaken:
                 tail = self.log_tail()
                 if self.log_path is not None:
                     self.log_path.unlink(missing_ok=True)
-                if attempt == _BIND_ATTEMPTS - 1:
-                    raise RuntimeError(f"{self.name} found its ports taken {_BIND_ATTEMPTS} times:\n{tail}") from None
+                if attempt == BIND_ATTEMPTS - 1:
+                    raise RuntimeError(f"{self.name} found its ports taken {BIND_ATTEMPTS} times:\n{tail}") from None
                 self._repick_ports()
         raise AssertionError("unreachable")
 
@@ -152,7 +151,7 @@ class Service:
         async with httpx.AsyncClient(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    if "address already in use" in self.log_tail(100_000).lower():
+                    if port_taken(self.log_tail(100_000)):
                         raise _PortTaken(self.name)
                     raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):

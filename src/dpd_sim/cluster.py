@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from dpd_sim.config import Role
-from dpd_sim.ports import free_ports
+from dpd_sim.ports import BIND_ATTEMPTS, free_ports, port_taken
 from dpd_sim.tokenizer_kit import ensure_tokenizer
 
 if TYPE_CHECKING:
@@ -278,14 +278,14 @@ class SimCluster:
         """Wait until a spawned engine is healthy; one whose port another process bound first (between
         `free_ports` and its own bind: tests and benchmarks start servers side by side) is spawned
         again on fresh ports, a few times."""
-        for attempt in range(_BIND_ATTEMPTS):
+        for attempt in range(BIND_ATTEMPTS):
             try:
                 await self._wait_healthy(engine)
                 return
             except EngineStartError:
-                if engine.process is None or engine.alive or not _port_taken(engine.log_tail(100_000)):
+                if engine.process is None or engine.alive or not port_taken(engine.log_tail(100_000)):
                     raise
-                if attempt == _BIND_ATTEMPTS - 1:
+                if attempt == BIND_ATTEMPTS - 1:
                     raise
             taken = {engine.port} | ({engine.kv_events_port} if engine.kv_events_port is not None else set())
             fresh = free_ports(len(taken), taken=taken)
@@ -331,13 +331,6 @@ class SimCluster:
             await asyncio.wait_for(process.wait(), self.stop_grace)
         except TimeoutError:
             await self.kill(engine)
-
-
-_BIND_ATTEMPTS = 4
-
-
-def _port_taken(log: str) -> bool:
-    return "address already in use" in log.lower()
 
 
 def _listener(port: int) -> socket.socket:

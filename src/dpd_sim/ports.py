@@ -55,6 +55,16 @@ def free_ports(count: int, *, taken: set[int] | None = None, rng: random.Random 
     return chosen
 
 
+# How often a server is started on fresh ports when another process bound a chosen one first.
+BIND_ATTEMPTS = 4
+
+
+def port_taken(log: str) -> bool:
+    """Whether a server's output says another process bound a port it was given first (uvicorn writes "address
+    already in use", the OS's message and other servers "Address already in use")."""
+    return "address already in use" in log.lower()
+
+
 def free_port() -> int:
     """One port from `free_ports`: for a server started next, in this process or another."""
     return free_ports(1)[0]
