@@ -20,6 +20,7 @@ from dpd_router.gateway.wires import MESSAGES_WIRE, OPENAI_WIRE
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.record.observe import Ending, Output, RequestTrace
 from dpd_router.request.client_request import parse_request
+from tests.unit.test_responses_api import Keeper
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -351,14 +352,41 @@ async def test_a_complete_message_whose_decoder_broke_before_its_stop_ends_with_
         assert b"event: error" in out and trace.outcome != "ok"
 
 
-class Kept:
-    """A turn's history that records the responses it was asked to keep."""
+async def relayed_broken_response(
+    sent: Sequence[bytes], body: dict[str, Any], *, partial: bytes = b""
+) -> tuple[bytes, Ending, Any, Keeper, RouterMetrics]:
+    """A Responses stream the client stores, whose decoder sends the events `sent` (then `partial`, an event it
+    cut short) and breaks, relayed with a Resumer that must not continue it: what the client got, how the
+    request ended, its turn and what the turn kept, and the metrics."""
+    from dpd_router.gateway.wires import KeptResponsesWire
+    from dpd_router.responses.api import Turn
 
-    def __init__(self) -> None:
-        self.responses: list[dict[str, Any]] = []
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for event in sent:
+                yield event + b"\n\n"
+            if partial:
+                yield partial
+            raise httpx.ReadError("reset")
 
-    async def keep(self, turn: Any, response: dict[str, Any]) -> None:
-        self.responses.append(response)
+    async def never(*_: Any) -> Any:
+        raise AssertionError("a complete answer is not continued")
+
+    request = parse_request("responses", orjson.dumps(body))
+    keeper = Keeper()
+    turn = Turn(keeper, "alice", True, None, [])  # type: ignore[arg-type]
+    wire = KeptResponsesWire(turn)
+    output, ending, metrics = Output(), Ending(), RouterMetrics()
+    resumer = Resumer(
+        request, "r", time.perf_counter(), ending, output, ResumePolicy.arm(request, left=1, max_tokens=1000), None,
+        metrics, open=never, timeouts=PhaseTimeouts(), strip_usage=False, wire=wire,
+    )  # fmt: skip
+    stream = EventStream(
+        httpx.Response(200, stream=Broken()), ending, output, cached_tokens=None, on_close=lambda: None,
+        idle_timeout=5, resumer=resumer, wire=wire,
+    )  # fmt: skip
+    await stream.prime(asyncio.get_running_loop().time() + 5)
+    return b"".join([chunk async for chunk in stream]), ending, turn, keeper, metrics
 
 
 @pytest.mark.parametrize("passed", [0, 1, 2], ids=["after its text", "after its part", "after its item"])
@@ -369,8 +397,6 @@ async def test_a_complete_response_whose_decoder_broke_before_its_end_is_complet
     """A Responses stream whose text was all said (its output_text.done went by) lacks only the events that
     close the part, the item and the response: written from what went by, numbered on, and the response read
     as the decoder's own would have been, so a response the client stores is kept under the router's id."""
-    from dpd_router.gateway.wires import KeptResponsesWire
-    from dpd_router.responses.api import Turn
 
     def named(kind: str, sequence: int, **fields: Any) -> bytes:
         return named_event({"type": kind, "sequence_number": sequence, **fields})
@@ -389,40 +415,16 @@ async def test_a_complete_response_whose_decoder_broke_before_its_end_is_complet
         named("response.content_part.done", 6, **at, part=part),
         named("response.output_item.done", 7, output_index=0, item={**item, "status": "completed", "content": [part]}),
     ][: 6 + passed]
-
-    class Broken(httpx.AsyncByteStream):
-        async def __aiter__(self) -> Any:
-            for chunk in sent:
-                yield chunk + b"\n\n"
-            yield b"event: response.comp"  # a partial event, never relayed
-            raise httpx.ReadError("reset")
-
     body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": True}
     if max_output is not None:
         body["max_output_tokens"] = max_output
-    request = parse_request("responses", orjson.dumps(body))
-    kept = Kept()
-    turn = Turn(kept, "alice", True, None, [])  # type: ignore[arg-type]
-    wire = KeptResponsesWire(turn)
-    trace, output, ending = RequestTrace(request_id="r", kind="responses", stream=True), Output(), Ending()
-    metrics = RouterMetrics()
-    policy = ResumePolicy.arm(request, left=1, max_tokens=1000)
+    out, ending, turn, keeper, metrics = await relayed_broken_response(
+        sent,
+        body,
+        partial=b"event: response.comp",  # a partial event, never relayed
+    )
 
-    async def never(*_: Any) -> Any:
-        raise AssertionError("a complete answer is not continued")
-
-    resumer = Resumer(
-        request, "r", trace.started, ending, output, policy, None, metrics, open=never, timeouts=PhaseTimeouts(),
-        strip_usage=False, wire=wire,
-    )  # fmt: skip
-    stream = EventStream(
-        httpx.Response(200, stream=Broken()), ending, output, cached_tokens=None,
-        on_close=lambda: trace.take(output, ending=ending), idle_timeout=5, resumer=resumer, wire=wire,
-    )  # fmt: skip
-    await stream.prime(asyncio.get_running_loop().time() + 5)
-    out = b"".join([chunk async for chunk in stream])
-
-    assert b"error" not in out and b"response.comp\n" not in out and trace.outcome == "ok"
+    assert b"error" not in out and b"response.comp\n" not in out and ending.outcome == "ok"
     events = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in out.split(b"\n\n") if e.startswith(b"event: ")]
     assert [e["type"] for e in events[6:]] == [
         "response.content_part.done",
@@ -435,7 +437,7 @@ async def test_a_complete_response_whose_decoder_broke_before_its_end_is_complet
     assert completed["status"] == status and completed["id"] == turn.id
     assert completed["output"][0]["content"][0]["text"] == "Hello" and completed["output"][0]["status"] == "completed"
     assert completed["usage"] is None, "the engine told no counts before its end"
-    assert [response["id"] for response in kept.responses] == [turn.id], "kept before the client saw its end"
+    assert [response["id"] for response in keeper.kept] == [turn.id], "kept before the client saw its end"
     labels = {"api": "responses", "outcome": "not_tried", "reason": "answer_complete"}
     assert metrics.registry.get_sample_value("dpd_router_stream_continuations_total", labels) == 1
 
@@ -449,8 +451,6 @@ async def test_the_end_written_for_a_broken_response_is_the_one_its_decoder_woul
     import pydantic
     from openai.types.responses import ResponseStreamEvent
 
-    from dpd_router.gateway.wires import KeptResponsesWire
-    from dpd_router.responses.api import Turn
     from dpd_sim.responses import StreamedResponse
 
     body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": True, "max_output_tokens": 16}
@@ -464,32 +464,7 @@ async def test_the_end_written_for_a_broken_response_is_the_one_its_decoder_woul
     whole = b"".join(engine.event(orjson.dumps(chunk)) for chunk in chunks)
     events = [event for event in whole.split(b"\n\n") if event]
     cut = next(i for i, event in enumerate(events) if event.startswith(b"event: " + cut_after.encode())) + 1
-
-    class Broken(httpx.AsyncByteStream):
-        async def __aiter__(self) -> Any:
-            for event in events[:cut]:
-                yield event + b"\n\n"
-            raise httpx.ReadError("reset")
-
-    request = parse_request("responses", orjson.dumps(body))
-    kept = Kept()
-    turn = Turn(kept, "alice", True, None, [])  # type: ignore[arg-type]
-    wire = KeptResponsesWire(turn)
-    output, ending = Output(), Ending()
-
-    async def never(*_: Any) -> Any:
-        raise AssertionError("a complete answer is not continued")
-
-    resumer = Resumer(
-        request, "r", time.perf_counter(), ending, output, ResumePolicy.arm(request, left=1, max_tokens=1000), None,
-        RouterMetrics(), open=never, timeouts=PhaseTimeouts(), strip_usage=False, wire=wire,
-    )  # fmt: skip
-    stream = EventStream(
-        httpx.Response(200, stream=Broken()), ending, output, cached_tokens=None, on_close=lambda: None,
-        idle_timeout=5, resumer=resumer, wire=wire,
-    )  # fmt: skip
-    await stream.prime(asyncio.get_running_loop().time() + 5)
-    out = b"".join([chunk async for chunk in stream])
+    out, ending, turn, keeper, _ = await relayed_broken_response(events[:cut], body)
 
     sent = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in out.split(b"\n\n") if e.startswith(b"event: ")]
     engines = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in events]
@@ -507,4 +482,4 @@ async def test_the_end_written_for_a_broken_response_is_the_one_its_decoder_woul
         expected["output"][0]["content"][0].pop("logprobs")
     ours = {key: value for key, value in completed.items() if key not in ("id", "store", "usage")}
     assert ours == {key: value for key, value in expected.items() if key not in ("id", "store", "usage")}
-    assert [response["id"] for response in kept.responses] == [turn.id]
+    assert [response["id"] for response in keeper.kept] == [turn.id]
