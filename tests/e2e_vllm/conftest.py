@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from openai import AsyncOpenAI
 
@@ -33,7 +32,7 @@ from dpd_sim.vllm_cpu import (
     check_memory,
     ensure_env,
 )
-from tests.integration.conftest import running_router
+from tests.integration.conftest import local_client, running_router
 
 # A chat prompt of about 700 tokens is disaggregated; one of about 25 goes straight to the decoder.
 THRESHOLD = 256
@@ -76,7 +75,7 @@ async def metric_total(base_url: str, name: str, **labels: str) -> float:
     """The sum of every sample called `name` (over the labels not given) on a Prometheus endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+    async with local_client(timeout=30.0) as client:
         response = await client.get(f"{base_url}/metrics")
         response.raise_for_status()
     total = 0.0
@@ -89,7 +88,7 @@ async def metric_total(base_url: str, name: str, **labels: str) -> float:
 
 async def post(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """A non-streamed call straight to an engine (or the router); the JSON answer."""
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client:
+    async with local_client(timeout=REQUEST_TIMEOUT) as client:
         response = await client.post(f"{base_url}{path}", json=body)
     assert response.status_code == 200, f"{base_url}{path} answered {response.status_code}: {response.text[:500]}"
     return response.json()

@@ -12,13 +12,14 @@ import pytest
 
 from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import MODEL_NAME, REQUEST_TIMEOUT, EngineCounters, _say, long_text
+from tests.integration.conftest import local_client
 
 CONTEXT = 4096  # the engines' --max-model-len
 TOKEN = 100  # a token id of the tiny model's vocabulary
 
 
 async def call(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client:
+    async with local_client(timeout=REQUEST_TIMEOUT) as client:
         return await client.post(f"{base_url}{path}", json={"model": MODEL_NAME, **body})
 
 
@@ -116,7 +117,7 @@ async def test_continuous_usage_reaches_the_client_as_the_decoder_wrote_it(
 
 
 async def test_healthcheck_answers_as_health(router: str) -> None:
-    async with httpx.AsyncClient(base_url=router, timeout=30, trust_env=False) as client:
+    async with local_client(base_url=router, timeout=30) as client:
         health, healthcheck = await client.get("/health"), await client.get("/healthcheck")
     assert healthcheck.status_code == health.status_code == 200
 
@@ -138,7 +139,7 @@ async def test_tokenize_and_detokenize_answer_as_the_engine_does(
     router: str, nixl_pair: VllmPair, path: str, body: dict[str, Any]
 ) -> None:
     """Benchmark tools count prompts with /tokenize: through the router they get the decoder's own answer."""
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client:
+    async with local_client(timeout=REQUEST_TIMEOUT) as client:
         routed = await client.post(f"{router}{path}", json=body)
         reference = await client.post(f"{nixl_pair.decode.url}{path}", json=body)
     _say(f"{path} {sorted(body)}: router {routed.status_code}, engine {reference.status_code}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
 from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair, write_lora_adapter
@@ -19,6 +18,7 @@ from tests.e2e_vllm.conftest import (
     openai_client,
     router_for,
 )
+from tests.integration.conftest import local_client
 
 ADAPTER = "tiny-sql"
 
@@ -27,7 +27,7 @@ ADAPTER = "tiny-sql"
 async def adapter(nixl_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     """The adapter loaded on both engines for this module's tests, unloaded after."""
     path = write_lora_adapter(tmp_path_factory.mktemp("lora") / ADAPTER, nixl_pair.model_dir)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client:
+    async with local_client(timeout=REQUEST_TIMEOUT) as client:
         for engine in nixl_pair.engines:
             loaded = await client.post(
                 f"{engine.url}/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": str(path)}

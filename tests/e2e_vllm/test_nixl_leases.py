@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 
-import httpx
-
 from dpd_router.transfer.nixl import PREFILL_KV_PARAMS
 from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (
@@ -26,7 +24,7 @@ from tests.e2e_vllm.conftest import (
     post,
     router_for,
 )
-from tests.integration.conftest import settled
+from tests.integration.conftest import local_client, settled
 from tests.integration.slow_link import SlowLink
 
 LEASE_SECONDS = 30  # vLLM's kv_lease_duration default
@@ -79,7 +77,7 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
         ):
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             assert len((await post(router, path, body))["choices"]) == 3
-        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client:
+        async with local_client(timeout=REQUEST_TIMEOUT) as client:
             response = await client.post(
                 f"{router}/v1/chat/completions", json=chat(long_text(), n=3, temperature=1.0, seed=7, stream=True)
             )
@@ -92,7 +90,7 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
     async with (
         SlowLink(prefill.url, hold=0.2) as link,
         router_for(nixl_pair, prefill_urls=[link.url]) as router,
-        httpx.AsyncClient(timeout=REQUEST_TIMEOUT, trust_env=False) as client,
+        local_client(timeout=REQUEST_TIMEOUT) as client,
     ):
         for stream in (False, True):
             link.answering.clear()

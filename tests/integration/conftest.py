@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,20 @@ from dpd_router.config import load_settings
 from dpd_sim.cluster import SimCluster
 
 MODEL = "sim-model"
+
+# The helpers' calls go to 127.0.0.1 in plain HTTP, yet httpx builds each new client a TLS context, reading and
+# parsing the CA bundle: 20 ms of CPU, stretched past a second on a CI machine whose two cores real CPU engines
+# keep busy, and spent on the event loop the router under test shares (its calls and the test's connects wait).
+# One context, made once, serves every client the tests make.
+LOCAL_TLS = ssl.create_default_context()
+# A helper's call waits as long as the router's own engine calls may (a starved CI machine's loop can be held
+# up for seconds), not httpx's default of 5 s; what a test waits for is bounded by the test itself.
+HELPER_TIMEOUT = 30.0
+
+
+def local_client(**kwargs: Any) -> httpx.AsyncClient:
+    """An httpx client for calls to 127.0.0.1 from a test (no proxies, the shared TLS context)."""
+    return httpx.AsyncClient(verify=LOCAL_TLS, trust_env=False, **{"timeout": HELPER_TIMEOUT, **kwargs})
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +101,7 @@ def cluster_settings(cluster: SimCluster, tokenizer_dir: Path, *, threshold: int
 
 
 async def engine_stats(url: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as client:
+    async with local_client() as client:
         response = await client.get(f"{url}/sim/stats")
         response.raise_for_status()
         return response.json()
@@ -114,13 +129,17 @@ async def kinds_seen(urls: list[str], request_id: str) -> list[str]:
     return [str(entry["kind"]) for url in urls for entry in await requests_seen(url, request_id)]
 
 
-async def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:
+async def metric(
+    base_url: str, name: str, labels: dict[str, str] | None = None, *, client: httpx.AsyncClient | None = None
+) -> float:
     """The sum of a Prometheus endpoint's samples of `name` with these `labels` (0 when absent):
-    a label left out is summed over."""
+    a label left out is summed over. `client`: one to ask with (else one made for the call)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(f"{base_url}/metrics")).text
+    if client is None:
+        async with local_client() as own:
+            return await metric(base_url, name, labels, client=own)
+    text = (await client.get(f"{base_url}/metrics")).text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -131,6 +150,6 @@ async def metric(base_url: str, name: str, labels: dict[str, str] | None = None)
 
 async def settled(base_url: str, *, within: float = 10.0) -> None:
     """Wait until the router has finished recording every request (a client can see [DONE] first)."""
-    async with asyncio.timeout(within):
-        while await metric(base_url, "dpd_router_in_flight_requests") != 0:  # noqa: ASYNC110 - polling another task's state
+    async with asyncio.timeout(within), local_client() as client:
+        while await metric(base_url, "dpd_router_in_flight_requests", client=client) != 0:  # noqa: ASYNC110 - polling another task's state
             await asyncio.sleep(0.02)
