@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, normalizers
 
 from dpd_router.config import load_settings
 from dpd_router.pool.pool import Pool
-from dpd_router.prompt.bounds import BYTE_LEVEL, SENTENCEPIECE, WORDPIECE, Bound, prompt_bound
+from dpd_router.prompt.bounds import BYTE_LEVEL, SENTENCEPIECE, WIDE_SPACES, WORDPIECE, Bound, prompt_bound, words_in
 from dpd_router.prompt.tokenizer import LocalTokenizer, Prompt, PromptReader, read_prompt, utf8_size
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.request.client_request import parse_request
@@ -129,6 +129,26 @@ def test_a_texts_bytes_bound_its_tokens_its_words_bound_them_from_below_and_its_
             assert known == ids[: len(known)], family
             assert prompt.at_most is None or len(ids) <= prompt.at_most, family
         assert list(prompts[-1].token_ids) == ids, family
+
+
+# Pieces of text around every kind of space str.split() splits on, ASCII and wider, runs of them included.
+_WORDS_AND_SPACES = st.lists(
+    st.sampled_from(
+        [" ", "  ", "\t", "\n\r", "\x1c", "\x0b", *WIDE_SPACES, "a", "word", "é", "日本", "\U0001f600", "x" * 300]
+    ),
+    max_size=600,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=_WORDS_AND_SPACES, most=st.integers(1, 700))
+def test_words_are_counted_as_a_split_counts_them_as_far_as_asked(pieces: list[str], most: int) -> None:
+    text = "".join(pieces)
+    assert min(words_in(text, most), most) == min(len(text.split()), most)
+
+
+def test_the_wide_spaces_are_every_space_above_ascii_a_split_splits_on() -> None:
+    assert list(WIDE_SPACES) == [chr(code) for code in range(128, 0x110000) if chr(code).isspace()]
 
 
 async def heads_read(tokenizer: LocalTokenizer, text: str, *, special: bool, step: int) -> list[Prompt]:

@@ -209,3 +209,36 @@ def longest_token_bytes(tokenizer: Any) -> int:
         shrinks = True
     longest = max((len(piece.encode("utf-8", "surrogatepass")) for piece in pieces), default=1)
     return (longest + 1) * (3 if shrinks else 1)
+
+
+# Each byte of a UTF-8 text as a space (an ASCII character str.split() splits on) or not: a word starts where a
+# byte that is not follows one that is. A multi-byte character's bytes are never ASCII, so never a space here:
+# the characters above ASCII that str.split() splits on (WIDE_SPACES) are made spaces first.
+_SPACE_OR_NOT = bytes(32 if chr(byte).isspace() else 120 for byte in range(128)) + b"x" * 128
+WIDE_SPACES = (
+    "\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+_CHARS_A_WORD = 6  # characters looked at for each word still to find, at a time: a head of the text, mostly
+
+
+def words_in(text: str, most: int) -> int:
+    """The words of `text` as `str.split()` finds them, counted up to `most` (`most` or more returned: the
+    text has that many or more).
+
+    Counted in bytes, with no string made per word, and over the head that holds them: `str.split` makes each
+    word an object (a 1,600-word prompt's first 1,000 words: 33 us; here 14)."""
+    found = 0
+    after_space = True  # the text's start is a word's start
+    start, end = 0, len(text)
+    while start < end and found < most:
+        step = max((most - found) * _CHARS_A_WORD, 1024)
+        chunk = text[start : start + step]
+        if not chunk.isascii():
+            for space in WIDE_SPACES:
+                if space in chunk:
+                    chunk = chunk.replace(space, " ")
+        marks = chunk.encode("utf-8", "surrogatepass").translate(_SPACE_OR_NOT)
+        found += marks.count(b" x") + (after_space and marks[:1] == b"x")
+        after_space = marks[-1:] == b" "
+        start += step
+    return found
