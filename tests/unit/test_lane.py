@@ -1,12 +1,14 @@
 """The completions lane's own parts: request ids, the answer's head as Starlette wrote it, the client's
-departure, and the log writer that keeps stderr off the event loop."""
+departure, the log writer that keeps stderr off the event loop, and the collector's settings while serving."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import logging
 import time
+import weakref
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
@@ -14,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from dpd_router.api.answers import raw_headers
 from dpd_router.api.departure import ON_LOST, Departure
 from dpd_router.api.openai import RequestIds
+from dpd_router.app import YOUNG_COLLECTION_AFTER, frozen_heap
 from dpd_router.record.logs import JsonFormatter, LineWriter
 
 
@@ -108,3 +111,20 @@ def test_log_lines_are_written_in_order_a_warning_at_once_and_the_rest_on_close(
         writer.close()
         logger.handlers[:] = []
     assert stream.getvalue().splitlines()[-1].count("fourth") == 1, "closing writes what is left"
+
+
+def test_while_the_router_serves_its_startup_heap_is_frozen_and_young_collections_wait_longer() -> None:
+    before = gc.get_threshold()
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (max(before[0], YOUNG_COLLECTION_AFTER), *before[1:])
+        alive = weakref.ref(_Cyclic())  # garbage in a cycle, made while serving: still collected
+        assert alive() is not None
+        gc.collect()
+        assert alive() is None
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self
