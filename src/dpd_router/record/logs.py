@@ -102,8 +102,11 @@ class LineWriter(logging.Handler):
 
 
 def configure_logging(level: str, fmt: str) -> None:
-    # What every record would look up and the formatters never write: the process, thread and process name.
+    # What every record would look up and the formatters never write: the process, thread and process name,
+    # and the file and line that logged it (found by walking the caller's frames: a fifth of a request
+    # line's cost). The logging HOWTO's own advice for a logger on a hot path.
     logging.logProcesses = logging.logThreads = logging.logMultiprocessing = False
+    logging._srcfile = None
     handler = LineWriter(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger("dpd_router")
