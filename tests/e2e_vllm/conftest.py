@@ -32,6 +32,7 @@ from dpd_sim.vllm_cpu import (
     check_memory,
     ensure_env,
 )
+from tests.e2e_vllm.stalls import REPORTED_SECONDS, StallWatch
 from tests.integration.conftest import local_client, running_router
 
 # A chat prompt of about 700 tokens is disaggregated; one of about 25 goes straight to the decoder.
@@ -123,10 +124,18 @@ def _say(text: str) -> None:
     print(f"\n[e2e_vllm] {text}", file=sys.stderr, flush=True)
 
 
+# Where this process's event loop was held up (stalls.py): said at the end of a run, failed or not.
+STALLS = StallWatch()
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if REPORT:
         terminalreporter.section("real vLLM engines")
         for line in REPORT:
+            terminalreporter.write_line(line)
+    if stalls := STALLS.report():
+        terminalreporter.section(f"the test process's main thread held for {REPORTED_SECONDS:g} s or more")
+        for line in stalls:
             terminalreporter.write_line(line)
 
 
