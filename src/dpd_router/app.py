@@ -64,6 +64,11 @@ def create_app(settings: Settings, *, refused_connections: RefusedConnections | 
     return lane
 
 
+# Net allocations of container objects (those allocated less those freed) between young collections while the
+# router serves (frozen_heap).
+YOUNG_COLLECTION_AFTER = 10_000
+
+
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """What startup built (the tokenizer, templates, the libraries' modules: hundreds of thousands of objects)
@@ -92,10 +97,6 @@ def frozen_heap() -> Iterator[None]:
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
-
-
-# Net allocations of container objects (those allocated less those freed) between young collections.
-YOUNG_COLLECTION_AFTER = 10_000
 
 
 class CompletionsLane:

@@ -34,6 +34,7 @@ from dpd_sim.vllm_cpu import (
 )
 from tests.e2e_vllm.stalls import REPORTED_SECONDS, StallWatch
 from tests.integration.conftest import local_client, running_router
+from tests.integration.conftest import openai_client as integration_openai_client
 
 # A chat prompt of about 700 tokens is disaggregated; one of about 25 goes straight to the decoder.
 THRESHOLD = 256
@@ -69,7 +70,7 @@ def completion(prompt: str, **extra: Any) -> dict[str, Any]:
 
 
 def openai_client(base_url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
+    return integration_openai_client(base_url, timeout=REQUEST_TIMEOUT)
 
 
 async def metric_total(base_url: str, name: str, **labels: str) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from dpd_router.app import build_server
 from dpd_router.config import load_settings
@@ -75,7 +75,9 @@ async def serving(server: uvicorn.Server, sock: socket.socket, *, within: float 
 
 
 def openai_client(base_url: str, *, api_key: str = "unused", **kwargs: Any) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
+    """The official client, on an HTTP client of its own kind made with the shared TLS context (see LOCAL_TLS)."""
+    http_client = DefaultAsyncHttpxClient(verify=LOCAL_TLS, trust_env=False)
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, http_client=http_client, **kwargs)
 
 
 def chat_body(content: str, *, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
