@@ -389,6 +389,35 @@ async def relayed_broken_response(
     return b"".join([chunk async for chunk in stream]), ending, turn, keeper, metrics
 
 
+def named(kind: str, sequence: int, **fields: Any) -> bytes:
+    """A Responses stream's event as its engine writes it, numbered `sequence`."""
+    return named_event({"type": kind, "sequence_number": sequence, **fields})
+
+
+def message_events(first: int, index: int, item: dict[str, Any], part: dict[str, Any], **extra: Any) -> list[bytes]:
+    """A message item's events from its output_item.added to its output_item.done, numbered from `first`, at
+    output `index`, its text "Hello" in two deltas (`extra`: fields of each delta and of the text's done)."""
+    at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    closed = {**item, "status": "completed", "content": [part]}
+    return [
+        named("response.output_item.added", first, output_index=index, item=item),
+        named("response.content_part.added", first + 1, **at, part={**part, "text": ""}),
+        named("response.output_text.delta", first + 2, **at, delta="Hel", **extra),
+        named("response.output_text.delta", first + 3, **at, delta="lo", **extra),
+        named("response.output_text.done", first + 4, **at, text="Hello", **extra),
+        named("response.content_part.done", first + 5, **at, part=part),
+        named("response.output_item.done", first + 6, output_index=index, item=closed),
+    ]
+
+
+def stored_body(max_output: int | None) -> dict[str, Any]:
+    """A streamed Responses request the client stores, with its output limit if any."""
+    body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": True}
+    if max_output is not None:
+        body["max_output_tokens"] = max_output
+    return body
+
+
 @pytest.mark.parametrize("passed", [0, 1, 2], ids=["after its text", "after its part", "after its item"])
 @pytest.mark.parametrize("max_output", [None, 2], ids=["stopped", "at the output limit"])
 async def test_a_complete_response_whose_decoder_broke_before_its_end_is_completed_and_kept(
@@ -398,29 +427,13 @@ async def test_a_complete_response_whose_decoder_broke_before_its_end_is_complet
     close the part, the item and the response: written from what went by, numbered on, and the response read
     as the decoder's own would have been, so a response the client stores is kept under the router's id."""
 
-    def named(kind: str, sequence: int, **fields: Any) -> bytes:
-        return named_event({"type": kind, "sequence_number": sequence, **fields})
-
     head = {"id": "resp_engine", "object": "response", "model": "m", "status": "in_progress", "output": []}
     item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-    at = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
     part = {"type": "output_text", "text": "Hello", "annotations": []}
-    sent = [
-        named("response.created", 0, response={**head, "usage": None}),
-        named("response.output_item.added", 1, output_index=0, item=item),
-        named("response.content_part.added", 2, **at, part={**part, "text": ""}),
-        named("response.output_text.delta", 3, **at, delta="Hel"),
-        named("response.output_text.delta", 4, **at, delta="lo"),
-        named("response.output_text.done", 5, **at, text="Hello"),
-        named("response.content_part.done", 6, **at, part=part),
-        named("response.output_item.done", 7, output_index=0, item={**item, "status": "completed", "content": [part]}),
-    ][: 6 + passed]
-    body: dict[str, Any] = {"model": "m", "input": "hi", "stream": True, "store": True}
-    if max_output is not None:
-        body["max_output_tokens"] = max_output
+    sent = [named("response.created", 0, response={**head, "usage": None}), *message_events(1, 0, item, part)]
     out, ending, turn, keeper, metrics = await relayed_broken_response(
-        sent,
-        body,
+        sent[: 6 + passed],
+        stored_body(max_output),
         partial=b"event: response.comp",  # a partial event, never relayed
     )
 
@@ -483,3 +496,68 @@ async def test_the_end_written_for_a_broken_response_is_the_one_its_decoder_woul
     ours = {key: value for key, value in completed.items() if key not in ("id", "store", "usage")}
     assert ours == {key: value for key, value in expected.items() if key not in ("id", "store", "usage")}
     assert [response["id"] for response in keeper.kept] == [turn.id]
+
+
+@pytest.mark.parametrize("passed", [0, 1, 2], ids=["after its text", "after its part", "after its item"])
+@pytest.mark.parametrize("max_output", [None, 3], ids=["stopped", "at the output limit"])
+async def test_a_response_that_reasoned_before_its_text_is_completed_with_its_reasoning(
+    passed: int, max_output: int | None
+) -> None:
+    """A reasoning model's Responses stream: a reasoning item the engine closed, then the message, whose text
+    was all said when the decoder broke. The response the router completes holds both items, the reasoning
+    as the engine closed it and the message as the text said; each event parses as the official client's.
+    Its reasoning deltas count as output: four of them reach a limit of three (incomplete)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    head = {"id": "resp_engine", "object": "response", "created_at": 1, "model": "m", "status": "in_progress"}
+    head |= {"output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "usage": None}
+    thought = {"id": "rs_1", "type": "reasoning", "summary": [], "status": "in_progress"}
+    thought_done = {**thought, "status": "completed", "content": [{"type": "reasoning_text", "text": "Think."}]}
+    in_thought = {"item_id": "rs_1", "output_index": 0, "content_index": 0}
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}
+    sent = [
+        named("response.created", 0, response=head),
+        named("response.output_item.added", 1, output_index=0, item=thought),
+        named("response.reasoning_text.delta", 2, **in_thought, delta="Thi"),
+        named("response.reasoning_text.delta", 3, **in_thought, delta="nk."),
+        named("response.reasoning_text.done", 4, **in_thought, text="Think."),
+        named("response.output_item.done", 5, output_index=0, item=thought_done),
+        *message_events(6, 1, item, part, logprobs=[]),
+    ]
+    out, ending, turn, keeper, _ = await relayed_broken_response(sent[: 11 + passed], stored_body(max_output))
+
+    assert b"event: error" not in out and ending.outcome == "ok"
+    events = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in out.split(b"\n\n") if e.startswith(b"event: ")]
+    assert [e["type"] for e in events[11:]] == [
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+    for event in events[11:]:
+        adapter.validate_python(event)
+    completed = events[-1]["response"]
+    assert completed["output"][0] == thought_done, "the reasoning as the engine closed it"
+    assert completed["output"][1]["content"] == [part] and completed["output"][1]["id"] == "msg_1"
+    assert completed["status"] == ("incomplete" if max_output == 3 else "completed")
+    assert completed["id"] == turn.id and [response["id"] for response in keeper.kept] == [turn.id]
+
+
+async def test_a_response_whose_reasoning_the_engine_had_not_closed_before_its_text_ends_with_an_error() -> None:
+    """Where an item before the message never went by closed, what the response held cannot be told."""
+
+    head = {"id": "resp_engine", "object": "response", "model": "m", "status": "in_progress", "output": []}
+    at = {"item_id": "msg_1", "output_index": 1, "content_index": 0}
+    sent = [
+        named("response.created", 0, response=head),
+        named("response.output_item.added", 1, output_index=0, item={"id": "rs_1", "type": "reasoning", "summary": []}),
+        named("response.reasoning_text.delta", 2, item_id="rs_1", output_index=0, content_index=0, delta="Hm"),
+        named("response.output_item.added", 3, output_index=1, item={"id": "msg_1", "type": "message", "content": []}),
+        named("response.output_text.delta", 4, **at, delta="Hi"),
+        named("response.output_text.done", 5, **at, text="Hi"),
+    ]
+    out, ending, *_ = await relayed_broken_response(sent, {"model": "m", "input": "hi", "stream": True})
+    assert b"event: error" in out and ending.outcome != "ok"

@@ -64,6 +64,11 @@ class Said:
     # output_item.done), where those went by.
     part: dict[str, Any] | None = None
     item: dict[str, Any] | None = None
+    # A Responses stream's items by output index, as added and as the engine closed them (a reasoning item
+    # before the message, say), and the output events of items other than the text (their deltas).
+    added: dict[int, dict[str, Any]] = field(default_factory=dict)
+    closed: dict[int, dict[str, Any]] = field(default_factory=dict)
+    other_deltas: int = 0
 
 
 # The bytes a Messages or Responses stream keeps for each token of the bound (`stream_continuation_max_tokens`):
@@ -109,18 +114,28 @@ class EventTape:
         whose message_delta (its stop reason and usage) went by lacks only its message_stop; a Responses
         stream whose text is all said (its output_text.done went by) lacks the events that close its part,
         its item and the response, which the router writes from what went by (the response.created head, the
-        text, the part and item where the engine closed them), as a continuation's end is written, without a
-        usage (the engine told none before its end).
-        `max_output`: the client's limit on output tokens (an answer with as many deltas ended by it). None
-        where the events cannot tell: a Messages stream before its message_delta, a Responses stream with an
-        item other than its text or no response.created."""
+        items before the message as the engine closed them (reasoning), the text, the part and item where the
+        engine closed them), as a continuation's end is written, without a usage (the engine told none before
+        its end).
+        `max_output`: the client's limit on output tokens (an answer with as many output deltas ended by it).
+        None where the events cannot tell: a Messages stream before its message_delta, a Responses stream
+        whose text is not its last item's, with an item before it the engine did not close, or with no
+        response.created."""
         if self._api == "messages":
             return named_event({"type": "message_stop"}) + b"\n\n" if self._stopped else None
         said = self.said()
-        if not self.finished or said.parsed or said.head is None:
+        if not self.finished or said.head is None:
             return None
-        length = max_output is not None and said.deltas >= max_output
-        events = ResponsesAnswer(said).after_text(length=length, passed=self._closed)
+        message = said.at.get("output_index", 0)
+        item = said.added.get(message)
+        if item is None or item.get("type") != "message" or message != max(said.added):
+            return None  # the text is not the last item's: what came after it cannot be told
+        before = [index for index in said.added if index != message]
+        if any(index not in said.closed for index in before):
+            return None
+        length = max_output is not None and said.deltas + said.other_deltas >= max_output
+        answer = ResponsesAnswer(said)
+        events = answer.after_text(length=length, passed=self._closed, before=[said.closed[i] for i in sorted(before)])
         return b"".join(named_event(event) + b"\n\n" for event in events)
 
     def said(self) -> Said:
@@ -165,19 +180,29 @@ def _read_response_event(kind: Any, payload: dict[str, Any], said: Said, texts: 
         said.head = payload["response"]
     elif kind == "response.output_item.added":
         item = payload.get("item")
+        index = payload.get("output_index", 0)
         if not isinstance(item, dict) or item.get("type") != "message":
             said.parsed = True
-        said.at = {"output_index": payload.get("output_index", 0), "item": item}
+        if isinstance(item, dict) and isinstance(index, int):
+            said.added[index] = item
+        said.at = {"output_index": index, "item": item}
+        said.part = said.item = None  # those of the item before, if any
     elif kind == "response.output_text.delta":
         texts.append(str(payload.get("delta") or ""))
         said.deltas += 1
         said.at.update(item_id=payload.get("item_id"), content_index=payload.get("content_index", 0))
     elif kind == "response.content_part.done" and isinstance(payload.get("part"), dict):
-        said.part = payload["part"]
+        if payload.get("output_index", 0) == said.at.get("output_index", 0):  # the text's part, not reasoning's
+            said.part = payload["part"]
     elif kind == "response.output_item.done" and isinstance(payload.get("item"), dict):
-        said.item = payload["item"]
+        index = payload.get("output_index", 0)
+        if isinstance(index, int):
+            said.closed[index] = payload["item"]
+        if index == said.at.get("output_index", 0):
+            said.item = payload["item"]
     elif isinstance(kind, str) and kind.endswith(".delta"):
         said.parsed = True  # reasoning, a function call's arguments
+        said.other_deltas += 1
 
 
 def by_ids(chat: ClientRequest, prompt_ids: list[int]) -> ClientRequest:
@@ -314,13 +339,16 @@ class ResponsesAnswer(_ChatAnswer):
         self._texts.append(text)
         return self._event("response.output_text.delta", self._at({"delta": text, "logprobs": []}))
 
-    def after_text(self, *, length: bool, passed: set[str]) -> list[dict[str, Any]]:
+    def after_text(
+        self, *, length: bool, passed: set[str], before: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """The events that close an answer whose text was all said before its decoder broke (its
         output_text.done went by, and the events named in `passed`): numbered on from the last that went by,
-        the part and item as the engine closed them where it did, the response `incomplete` where the output
-        limit ended it (`length`), its usage unknown."""
+        the part and item as the engine closed them where it did, the items `before` the message (as the
+        engine closed them) first in the response's output, the response `incomplete` where the output limit
+        ended it (`length`), its usage unknown."""
         self._finish = ("length" if length else "stop", None)
-        closing = self._closing(None, part=self._said.part, item=self._said.item)
+        closing = self._closing(None, part=self._said.part, item=self._said.item, before=before)
         events = [event for event in closing[1:] if event["type"] not in passed]
         for number, event in enumerate(events, start=self._said.sequence):
             event["sequence_number"] = number
@@ -332,6 +360,7 @@ class ResponsesAnswer(_ChatAnswer):
         *,
         part: dict[str, Any] | None = None,
         item: dict[str, Any] | None = None,
+        before: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         text = "".join(self._texts)
         part = part or {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -343,7 +372,7 @@ class ResponsesAnswer(_ChatAnswer):
             "status": "completed",
             "content": [part],
         }
-        response = {**(self._said.head or {}), "status": status, "output": [item]}
+        response = {**(self._said.head or {}), "status": status, "output": [*(before or []), item]}
         response["incomplete_details"] = {"reason": "max_output_tokens"} if status == "incomplete" else None
         response["usage"] = self._usage(usage)
         return [
