@@ -27,6 +27,8 @@ class CutLinks:
             self._targets.append((parts.hostname, parts.port))
         self.after = after
         self.cut = asyncio.Event()
+        # The request lines that went through, for a test to say what it saw where no stream was cut.
+        self.requests: list[bytes] = []
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -73,13 +75,21 @@ class CutLinks:
 
         return relay
 
-    @staticmethod
-    async def _requests(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, streamed: list[bool]) -> None:
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, streamed: list[bool]) -> None:
+        # A read can end inside the marker (a long prompt's body comes in several): the last bytes of the
+        # request's previous read are looked at with the next.
+        tail = b""
         while data := await reader.read(65536):
-            if b"POST /v1/" in data:
+            start = data.find(b"POST /v1/")
+            if start >= 0:  # a new request on the connection: nothing of the last one counts
                 streamed[0] = False
-            if any(marker in data for marker in _STREAMED):
+                self.requests.append(bytes(data[start : data.find(b"\r\n", start)]))
+                window = data[start:]
+            else:
+                window = tail + data
+            if any(marker in window for marker in _STREAMED):
                 streamed[0] = True
+            tail = window[-len(_STREAMED[1]) :]
             writer.write(data)
             await writer.drain()
         writer.write_eof()
