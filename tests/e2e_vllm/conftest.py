@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import pytest
 from openai import AsyncOpenAI
 
@@ -33,7 +34,7 @@ from dpd_sim.vllm_cpu import (
     ensure_env,
 )
 from tests.e2e_vllm.stalls import REPORTED_SECONDS, StallWatch
-from tests.integration.conftest import local_client, running_router
+from tests.integration.conftest import LOCAL_TLS, local_client, running_router
 from tests.integration.conftest import openai_client as integration_openai_client
 
 # A chat prompt of about 700 tokens is disaggregated; one of about 25 goes straight to the decoder.
@@ -71,6 +72,14 @@ def completion(prompt: str, **extra: Any) -> dict[str, Any]:
 
 def openai_client(base_url: str) -> AsyncOpenAI:
     return integration_openai_client(base_url, timeout=REQUEST_TIMEOUT)
+
+
+def anthropic_client(base_url: str) -> anthropic.AsyncAnthropic:
+    """Anthropic's client, on an HTTP client of its own kind made with the tests' shared TLS context."""
+    http_client = anthropic.DefaultAsyncHttpxClient(verify=LOCAL_TLS, trust_env=False)
+    return anthropic.AsyncAnthropic(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT, http_client=http_client
+    )
 
 
 async def metric_total(base_url: str, name: str, **labels: str) -> float:

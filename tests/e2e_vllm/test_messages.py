@@ -12,16 +12,16 @@ import pytest
 from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair
 from tests.e2e_vllm.conftest import (
     ANSWER_TOKENS,
-    REQUEST_TIMEOUT,
     THRESHOLD,
     EngineCounters,
+    anthropic_client,
     counters_after_a_transfer,
     long_text,
 )
 
 
 def client(base_url: str) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
+    return anthropic_client(base_url)
 
 
 async def message_text(base_url: str, body: dict[str, Any], *, stream: bool) -> tuple[str, anthropic.types.Usage]:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import anthropic
 import pytest
 
 from dpd_sim.vllm_cpu import MODEL_NAME, VllmPair
-from tests.e2e_vllm.conftest import ANSWER_TOKENS, REQUEST_TIMEOUT, _say, ask, long_text, metric_total, router_for
+from tests.e2e_vllm.conftest import ANSWER_TOKENS, _say, anthropic_client, ask, long_text, metric_total, router_for
 from tests.integration.cut_link import CutLinks
 
 # The first streamed answer through the links is cut after this many SSE events (the chat stream's role
@@ -63,18 +62,14 @@ async def test_a_messages_stream_cut_off_its_decoder_goes_on_as_one_message(nixl
         router_for(nixl_pair, decode_urls=links.urls) as router,
     ):
         async with (
-            anthropic.AsyncAnthropic(
-                base_url=router, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT
-            ) as client,
+            anthropic_client(router) as client,
             client.messages.stream(**body) as events,
         ):
             pieces = [text async for text in events.text_stream]
             message = await events.get_final_message()
         assert links.cut.is_set(), "the stream was cut"
         assert await metric_total(router, "dpd_router_stream_continuations_total", outcome="continued") == 1
-    async with anthropic.AsyncAnthropic(
-        base_url=decoder, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT
-    ) as client:
+    async with anthropic_client(decoder) as client:
         reference = await client.messages.create(**body)
     text, expected = "".join(pieces), reference.content[0].text
     assert message.content[0].text == text and len(text) > len(pieces[0])
