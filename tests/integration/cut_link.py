@@ -83,7 +83,7 @@ class CutLinks:
             start = data.find(b"POST /v1/")
             if start >= 0:  # a new request on the connection: nothing of the last one counts
                 streamed[0] = False
-                self.requests.append(bytes(data[start : data.find(b"\r\n", start)]))
+                self.requests.append(bytes(data[start : start + 200]).split(b"\r\n", 1)[0])
                 window = data[start:]
             else:
                 window = tail + data
