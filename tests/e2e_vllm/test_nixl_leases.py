@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+from dpd_router.gateway.prefill import ORPHANED_PREFILL_GRACE
 from dpd_router.transfer.nixl import PREFILL_KV_PARAMS
 from dpd_sim.vllm_cpu import VllmPair
 from tests.e2e_vllm.conftest import (
@@ -28,6 +29,8 @@ from tests.integration.conftest import local_client, settled
 from tests.integration.slow_link import SlowLink
 
 LEASE_SECONDS = 30  # vLLM's kv_lease_duration default
+ANSWER_HELD = 2.0  # seconds the slow link holds a prefill's answer
+RELEASES_ANSWERED = 2.0  # seconds for the releases the router sent to be answered (a refusal, at once)
 EXPIRED = re.compile(r"Releasing expired KV blocks for request (\S+)")
 UNRECOGNIZED = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+)")
 
@@ -87,8 +90,11 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
         )
 
     # Item 5: clients that leave once the prefiller has staged their KV, before the router read its answer.
+    # The link holds the answer long enough for the client's leaving to reach the router first on a machine
+    # the engines starve (a step of the test process can take fifty times as long there): held 0.2 s, the
+    # router once read the answer first and sent the decode call, which the client's leaving then cut.
     async with (
-        SlowLink(prefill.url, hold=0.2) as link,
+        SlowLink(prefill.url, hold=ANSWER_HELD) as link,
         router_for(nixl_pair, prefill_urls=[link.url]) as router,
         local_client(timeout=REQUEST_TIMEOUT) as client,
     ):
@@ -115,14 +121,25 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
         # Each left KV for nobody, which the router releases once the held answer arrives. The lease
         # check below is the proof that nothing waited for its lease; the count is reported.
         await settled(router, within=30)
+
+        async def orphans_seen() -> dict[str, int]:
+            return {
+                outcome: int(await metric_total(router, "dpd_router_orphaned_prefills_total", outcome=outcome))
+                for outcome in ("released", "cut", "failed")
+            }
+
+        async def both_orphans_ended() -> bool:
+            """The requests are over before their prefill calls are: the router is not closed (which cuts an
+            orphan's call, leaving its blocks to their lease) until both calls have ended."""
+            return sum((await orphans_seen()).values()) >= 2
+
+        await eventually(both_orphans_ended, within=ORPHANED_PREFILL_GRACE + 30)
+        await asyncio.sleep(RELEASES_ANSWERED)
         released = await metric_total(router, "dpd_router_kv_released_total", connector="nixl")
         # A call still unanswered after the grace (a starved machine) is cut, and one that failed left the
         # router nothing to release: what the engine staged for those waits out its lease. The router
         # counts them, and only those may expire.
-        orphans = {
-            outcome: int(await metric_total(router, "dpd_router_orphaned_prefills_total", outcome=outcome))
-            for outcome in ("released", "cut", "failed")
-        }
+        orphans = await orphans_seen()
         unreleased = orphans["cut"] + orphans["failed"]
         _say(f"clients that left as the prefill answered: 2; KV released by the router: {released:g}; {orphans}")
 
