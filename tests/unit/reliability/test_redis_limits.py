@@ -14,6 +14,11 @@ from dpd_router.api.redis_limits import KEY_PREFIX, RedisBuckets
 from dpd_router.record.metrics import RouterMetrics
 from tests.redis_server import RedisServer
 
+# The bucket tests judge the store's answers, not its speed: on a loaded machine (the suite's workers share two
+# cores) connecting and loading the script can take longer than the router's own 0.1 s, which is a fallback to
+# the local buckets there, not an answer.
+ANSWERS_WITHIN = 5.0
+
 
 class Clock:
     def __init__(self, now: float = 1000.0) -> None:
@@ -28,7 +33,7 @@ def errors(metrics: RouterMetrics) -> float:
 
 
 async def test_a_minute_of_burst_then_refill_by_the_time_passed(redis: RedisServer) -> None:
-    store = RedisBuckets(redis.url, RouterMetrics())
+    store = RedisBuckets(redis.url, RouterMetrics(), timeout=ANSWERS_WITHIN)
     try:
         for _ in range(60):
             assert await store.take("k:requests", 60, 1, now=1000.0) == 0
@@ -41,7 +46,7 @@ async def test_a_minute_of_burst_then_refill_by_the_time_passed(redis: RedisServ
 
 
 async def test_an_amount_larger_than_the_bucket_needs_a_full_one_and_leaves_it_in_debt(redis: RedisServer) -> None:
-    store = RedisBuckets(redis.url, RouterMetrics())
+    store = RedisBuckets(redis.url, RouterMetrics(), timeout=ANSWERS_WITHIN)
     try:
         assert await store.take("k:prompt_tokens", 100, 150, now=0.0) == 0
         assert await store.take("k:prompt_tokens", 100, 150, now=0.0) == pytest.approx(90.0)  # from -50 to 100
@@ -53,7 +58,7 @@ async def test_an_amount_larger_than_the_bucket_needs_a_full_one_and_leaves_it_i
 async def test_the_script_answers_as_the_in_process_bucket_does(redis: RedisServer) -> None:
     clock = Clock(0.0)
     local = TokenBucket(30, clock=clock)
-    store = RedisBuckets(redis.url, RouterMetrics())
+    store = RedisBuckets(redis.url, RouterMetrics(), timeout=ANSWERS_WITHIN)
     steps = [(0.0, 10), (0.0, 25), (1.0, 5), (7.5, 3), (0.2, 40), (60.0, 40), (0.0, 1), (13.0, 12), (0.0, 30)]
     try:
         for elapsed, amount in steps:
@@ -64,7 +69,7 @@ async def test_the_script_answers_as_the_in_process_bucket_does(redis: RedisServ
 
 
 async def test_a_bucket_is_forgotten_once_it_would_be_full_again(redis: RedisServer) -> None:
-    store = RedisBuckets(redis.url, RouterMetrics())
+    store = RedisBuckets(redis.url, RouterMetrics(), timeout=ANSWERS_WITHIN)
     client = aioredis.Redis.from_url(redis.url)
     try:
         assert await store.take("k:requests", 6, 3, now=0.0) == 0
@@ -76,7 +81,7 @@ async def test_a_bucket_is_forgotten_once_it_would_be_full_again(redis: RedisSer
 
 
 async def test_without_a_time_passed_the_servers_clock_is_used(redis: RedisServer) -> None:
-    store = RedisBuckets(redis.url, RouterMetrics())
+    store = RedisBuckets(redis.url, RouterMetrics(), timeout=ANSWERS_WITHIN)
     try:
         assert await store.take("k:requests", 1, 1) == 0
         assert await store.take("k:requests", 1, 1) == pytest.approx(60.0, abs=0.5)
