@@ -2,14 +2,35 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dpd_router.api.errors import response_for
-from dpd_router.request.client_request import clean_request_id, parse_request
+from dpd_router.request.client_request import (
+    COUNTED_WHOLE_BYTES,
+    FEW_BRACKETS,
+    clean_request_id,
+    count_brackets,
+    parse_request,
+)
 from dpd_router.request.errors import InvalidRequest, ModelNotFound, NoHealthyDecoder
 
 
 def chat(**fields: object) -> bytes:
     return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+# Bodies around both cut-offs: short ones counted whole, long ones searched, with few brackets or many.
+_BRACKET_BYTES = st.lists(
+    st.one_of(st.sampled_from([b"[", b"{", b"]", b"}", b"x", b" "]), st.binary(min_size=1, max_size=64)),
+    max_size=FEW_BRACKETS * 3,
+).map(b"".join)
+
+
+@given(_BRACKET_BYTES, st.integers(0, 3 * COUNTED_WHOLE_BYTES))
+def test_brackets_are_counted_as_every_byte_counted_would(parts: bytes, prose: int) -> None:
+    for raw in (parts, b"a" * prose + parts, parts + b"z" * prose, b"[" + b"q" * prose + parts + b"{"):
+        assert count_brackets(raw) == raw.count(b"[") + raw.count(b"{")
 
 
 def test_unknown_fields_are_kept_untouched() -> None:

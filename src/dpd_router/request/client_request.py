@@ -145,11 +145,36 @@ def parse_request(
     return request
 
 
+# Past this many brackets found one at a time, the rest of the body is counted in one pass.
+FEW_BRACKETS = 16
+# Below this many bytes, counting every byte costs less than the searches' calls.
+COUNTED_WHOLE_BYTES = 1024
+
+
+def count_brackets(raw: bytes) -> int:
+    """How many `[` and `{` the body holds.
+
+    Found one by one while there are few (a chat body holds a handful): each search skips the prose
+    between them at memchr's pace, where `bytes.count` reads every byte (6 us for 10 kB of prompt, more
+    than orjson takes to parse it); a body with many, or a short one, is counted by `bytes.count`."""
+    if len(raw) < COUNTED_WHOLE_BYTES:
+        return raw.count(b"[") + raw.count(b"{")
+    found = 0
+    for bracket in (b"[", b"{"):
+        at = raw.find(bracket)
+        while at >= 0:
+            found += 1
+            if found > FEW_BRACKETS:
+                return raw.count(b"[") + raw.count(b"{")
+            at = raw.find(bracket, at + 1)
+    return found
+
+
 def _brackets(raw: bytes, *, yielding: bool) -> int:
     """How many `[` and `{` the body holds; a `yielding` one counted a megabyte at a time (one count over
     tens of MB holds the interpreter for milliseconds)."""
     if not yielding:
-        return raw.count(b"[") + raw.count(b"{")
+        return count_brackets(raw)
     step = 1 << 20
     return sum(raw.count(b"[", at, at + step) + raw.count(b"{", at, at + step) for at in range(0, len(raw), step))
 

@@ -29,7 +29,7 @@ import orjson
 
 from dpd_router.prompt.tokenizer import LARGE_REQUEST_BYTES
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.request.client_request import ClientRequest
+from dpd_router.request.client_request import ClientRequest, count_brackets
 from dpd_router.request.errors import InvalidRequest, ResponseNotFound, StoreUnavailable
 from dpd_router.responses import api as responses_api
 from dpd_router.responses.store import ResponseStore, StoredResponse
@@ -165,7 +165,7 @@ def _expand(request: ClientRequest, chain: list[StoredResponse], own_input: list
     body["input"] = [*_context(chain), *own_input]
     request.converted = responses_api.template_body(body)
     request.raw = orjson.dumps(body)
-    request.brackets = request.raw.count(b"[") + request.raw.count(b"{")
+    request.brackets = count_brackets(request.raw)
     request.body_changed = True
 
 
