@@ -23,6 +23,7 @@ from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics, model_label
 from dpd_router.request.errors import PrefillFailed, PrefillUnavailable
+from dpd_router.request.frozen import evolve
 from dpd_router.routing.planner import PREFILL_FAILED, Plan
 from dpd_router.startup.tasks import cancel_and_wait
 from dpd_router.transfer.base import Connector, Handoff, StagedKV
@@ -64,7 +65,7 @@ class PrefillHop:
         then finishes, and what it staged is released."""
         hop = self.call(handoff, exchange, tried, watched=True)
         staged = await (hop if held is None else self._finished_even_if_left(hop, handoff, held))
-        return replace(staged, handoff=handoff)
+        return evolve(staged, handoff=handoff)
 
     def after_failure(self, exchange: Exchange, failure: PrefillFailed, plan: Plan, tried: list[Endpoint]) -> Plan:
         """The plan after `plan.prefiller` failed: another prefiller, or the policy (fallback or 503)."""

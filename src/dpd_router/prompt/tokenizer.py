@@ -25,7 +25,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from dpd_router.prompt.chat_render import PlainChatTemplate
 from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
 from dpd_router.request.client_request import MANY_CONTAINERS, ClientRequest
 from dpd_router.request.errors import InvalidRequest, UpstreamError
+from dpd_router.request.frozen import evolve
 
 
 @dataclass(frozen=True)
@@ -930,7 +931,7 @@ class PromptReader:
         plan settled by them saw at least as many tokens. Settled, the prompt asks its words nothing more
         (nor keeps this reader alive through `at_least`)."""
         known = self.prompt
-        return replace(known, num_tokens=max(known.num_tokens, self._floor), floor=self._floor, at_least=None, **rest)
+        return evolve(known, num_tokens=max(known.num_tokens, self._floor), floor=self._floor, at_least=None, **rest)
 
     def _known(self, ids: Sequence[int], end: int) -> Prompt:
         """The prompt known by its first `ids`, which stand for `text[:end]`."""

@@ -20,6 +20,7 @@ from dpd_router.pool.pool import Pool
 from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.request.errors import NoHealthyDecoder
+from dpd_router.request.frozen import evolve
 from dpd_router.routing.adaptive import AdaptiveModel, AdaptivePolicy
 from dpd_router.routing.cache import CacheLocator, CacheSource, KVHintSource
 from dpd_router.routing.load import Balance
@@ -315,7 +316,7 @@ class Planner:
         decoder = self.choose_decoder(request)
         cached = self.cache.cached_tokens(request, decoder) if self.cache and self._threshold.cache_aware else 0
         uncached = self._threshold.uncached_tokens(prompt.num_tokens, cached)
-        plan = replace(
+        plan = evolve(
             self._decide(request, decoder, uncached, batch_size),
             decoder_streams=running_streams(decoder, time.monotonic()),
             decoder_queue=float(decoder.queued_tokens),
