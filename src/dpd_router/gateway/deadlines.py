@@ -77,26 +77,59 @@ class CostBound:
 
     def learn(self, size: Sequence[int], seconds: float) -> None:
         if seconds >= 0:
-            self._seen.append((tuple(max(part, 1) for part in size), seconds))
+            self._seen.append((tuple([max(part, 1) for part in size]), seconds))
 
     def expected(self, size: Sequence[int]) -> float | None:
         """The expected seconds of a hop of `size`; None before any hop was learned."""
-        if not self._seen:
+        return expected_of(tuple(self._seen), size)
+
+    def seen(self) -> Seen:
+        """The hops learned so far, as they stand now (for an estimate made later: `expected_of`)."""
+        return tuple(self._seen)
+
+
+# Completed hops: each one's size (every dimension at least 1) and seconds.
+Seen = tuple[tuple[tuple[int, ...], float], ...]
+
+
+def expected_of(seen: Seen, size: Sequence[int]) -> float | None:
+    """The expected seconds of a hop of `size` from the hops `seen` (CostBound's estimate); None for none."""
+    if not seen:
+        return None
+    wanted = [max(part, 1) for part in size]
+    # One comprehension per arity (hops have one or two dimensions): a generic loop over the dimensions cost
+    # several times more.
+    if len(wanted) == 1:
+        (want,) = wanted
+        bounds = [seconds if want <= have else seconds * want / have for (have,), seconds in seen]
+    elif len(wanted) == 2:
+        first, second = wanted
+        bounds = [seconds * max(1.0, first / a, second / b) for (a, b), seconds in seen]
+    else:
+        bounds = [seconds * max(1.0, *(w / h for w, h in zip(wanted, had, strict=True))) for had, seconds in seen]
+    return statistics.median(bounds)
+
+
+class LearnedDeadline:
+    """A hop's learned deadline from the hops learned when it started, worked out when first asked for.
+
+    A hop's watch needs it only once the hop has run `policy.floor` seconds (no learned deadline is
+    shorter), and most hops end long before: the median over the window (4 us a hop) is then never taken.
+    Calling it gives what `HopDeadlines.deadline` gave when the hop started.
+    """
+
+    __slots__ = ("_cap", "_policy", "_seen", "_size")
+
+    def __init__(self, seen: Seen, size: Sequence[int], policy: DeadlinePolicy, cap: float) -> None:
+        self._seen, self._size, self._policy, self._cap = seen, size, policy, cap
+
+    def __call__(self) -> float | None:
+        """The deadline in seconds, when it is below the cap (None: the cap alone applies)."""
+        expected = expected_of(self._seen, self._size)
+        if expected is None:
             return None
-        wanted = [max(part, 1) for part in size]
-        # One comprehension per arity (hops have one or two dimensions): this runs for every hop a watch
-        # or deadline judges, over the whole window, and a generic loop over the dimensions cost several times more.
-        if len(wanted) == 1:
-            (want,) = wanted
-            bounds = [seconds if want <= have else seconds * want / have for (have,), seconds in self._seen]
-        elif len(wanted) == 2:
-            first, second = wanted
-            bounds = [seconds * max(1.0, first / a, second / b) for (a, b), seconds in self._seen]
-        else:
-            bounds = [
-                seconds * max(1.0, *(w / h for w, h in zip(wanted, seen, strict=True))) for seen, seconds in self._seen
-            ]
-        return statistics.median(bounds)
+        seconds = max(self._policy.floor, self._policy.factor * expected)
+        return seconds if seconds < self._cap else None
 
 
 class HopDeadlines:
@@ -113,14 +146,18 @@ class HopDeadlines:
     ) -> float | None:
         """Seconds a hop of `size` may take before it is abandoned, when that is below `cap`; None
         while too few hops are learned (or learned deadlines are off): then `cap` alone applies."""
+        later = self.deadline_later(kind, size, policy, cap, with_kv=with_kv)
+        return None if later is None else later()
+
+    def deadline_later(
+        self, kind: HopKind, size: Sequence[int], policy: DeadlinePolicy, cap: float, *, with_kv: bool = False
+    ) -> LearnedDeadline | None:
+        """`deadline`, from the hops learned by now, worked out when called; None where `deadline` is None
+        for want of hops learned (or with learned deadlines off)."""
         bound = self._bound(kind, with_kv)
         if policy.factor <= 0 or len(bound) < policy.samples:
             return None
-        expected = bound.expected(size)
-        if expected is None:
-            return None
-        seconds = max(policy.floor, policy.factor * expected)
-        return seconds if seconds < cap else None
+        return LearnedDeadline(bound.seen(), size, policy, cap)
 
     def _bound(self, kind: HopKind, with_kv: bool) -> CostBound:
         key = (kind, with_kv)

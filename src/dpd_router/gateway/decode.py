@@ -19,13 +19,13 @@ import httpx
 
 from dpd_router.gateway.answer import Answer, StreamedAnswer, WholeAnswer
 from dpd_router.gateway.concurrent import prefiller_cached_tokens
-from dpd_router.gateway.deadlines import prior
+from dpd_router.gateway.deadlines import LearnedDeadline
 from dpd_router.gateway.errors import DecodeFailed, missed_learned_deadline
 from dpd_router.gateway.exchange import Exchange
 from dpd_router.gateway.policy import Deadline
 from dpd_router.gateway.relay import DecodeFailedEarly, EventStream, RelayedBody, failed_before_output, relay_body
 from dpd_router.gateway.resume import Resumer
-from dpd_router.gateway.watch import EngineProbe, HopWatch
+from dpd_router.gateway.watch import EngineProbe, HopWatch, watch_hop
 from dpd_router.gateway.wires import Wire, wire_of
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.engine_pool import PooledAnswer
@@ -268,36 +268,33 @@ class DecodeHop:
         learned = None
         others = exchange.planner.pool.healthy("decode")
         if replaceable and any(other is not decoder for other in others):
-            policy = timeouts.learned
+            policy, deadlines = timeouts.learned, exchange.deadlines
             if request.stream:
-                learned = exchange.deadlines.deadline("first_token", (tokens,), policy, cap, with_kv=with_kv)
+                learned = deadlines.deadline_later("first_token", (tokens,), policy, cap, with_kv=with_kv)
             elif (output := self._most_output(exchange)) is not None:
-                learned = exchange.deadlines.deadline("answer", (tokens, output), policy, cap, with_kv=with_kv)
-        return Deadline(started, started + cap, learned, self._watch(exchange, decoder, tokens, learned, cap))
+                learned = deadlines.deadline_later("answer", (tokens, output), policy, cap, with_kv=with_kv)
+        return Deadline(started, started + cap, self._watch(exchange, decoder, tokens, learned, cap))
 
     def continuation_deadline(self, exchange: Exchange, decoder: Endpoint) -> Deadline:
         """The deadline of a decode call whose client has its head already: the phase's timeout,
         cut short only for a hung decoder."""
         cap = exchange.timeouts.first_token
         started = asyncio.get_running_loop().time()
-        return Deadline(
-            started, started + cap, None, self._watch(exchange, decoder, exchange.prompt.num_tokens, None, cap)
-        )
+        return Deadline(started, started + cap, self._watch(exchange, decoder, exchange.prompt.num_tokens, None, cap))
 
     def _watch(
-        self, exchange: Exchange, decoder: Endpoint, tokens: int, learned: float | None, cap: float
+        self, exchange: Exchange, decoder: Endpoint, tokens: int, learned: LearnedDeadline | None, cap: float
     ) -> HopWatch | None:
         """The call's watch: at its learned deadline or, before there is history, when its first
         token should have come (a whole answer may take far longer, but an engine that answers the
         probe is waited for)."""
         timeouts = exchange.timeouts
-        expected = learned if learned is not None else max(timeouts.learned.floor, prior(tokens))
-        if expected >= cap or (learned is None and timeouts.hang_probe <= 0):
-            return None
-        return HopWatch(
+        return watch_hop(
             decoder,
-            expected,
-            learned=learned is not None,
+            tokens=tokens,
+            learned=learned,
+            cap=cap,
+            floor=timeouts.learned.floor,
             probe=self._probe,
             model=_model_of(exchange),
             probe_timeout=timeouts.hang_probe,
@@ -384,8 +381,8 @@ def decode_errors(
         yield
     except TimeoutError:
         verdict = None if deadline.watch is None else deadline.watch.verdict
-        if verdict == "slow" and deadline.learned is not None:
-            raise missed_learned_deadline(deadline.learned) from None
+        if verdict == "slow" and deadline.watch is not None:  # only a watch at a learned deadline says it
+            raise missed_learned_deadline(deadline.watch.expected) from None
         if verdict == "hung":
             raise hung(decoder, deadline) from None
         decoder.record_failure(timeout_failure)

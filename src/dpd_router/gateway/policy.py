@@ -65,12 +65,11 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class Deadline:
     """When a decode call must have answered at the latest (a loop time: the phase's timeout, missed:
-    the client gets 504), and the watch that may end it sooner: past a learned deadline (`learned`
-    seconds) with the decoder idle, or with the decoder hung (the decoder is then replaced)."""
+    the client gets 504), and the watch that may end it sooner: past a learned deadline with the decoder
+    idle, or with the decoder hung (the decoder is then replaced)."""
 
     started: float
     at: float
-    learned: float | None = None
     watch: HopWatch | None = None
 
     def bound(self) -> Bound:

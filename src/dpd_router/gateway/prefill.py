@@ -16,10 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from dpd_router.gateway.completion import HeldKV
-from dpd_router.gateway.deadlines import prior
 from dpd_router.gateway.errors import ANSWERED_PREFILL_FAILURES
 from dpd_router.gateway.exchange import Exchange
-from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
+from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch, watch_hop
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.record.metrics import RouterMetrics, model_label
 from dpd_router.request.errors import PrefillFailed, PrefillUnavailable
@@ -136,15 +135,14 @@ class PrefillHop:
         falls_back = retries.prefill_failure_policy == "fallback" and self._serves_direct
         learned = None
         if falls_back or (len(tried) < retries.prefill_retries and self._untried(exchange, prefiller, tried)):
-            learned = exchange.deadlines.deadline("prefill", (size,), timeouts.learned, timeouts.prefill)
-        expected = learned if learned is not None else max(timeouts.learned.floor, prior(size))
-        if expected >= timeouts.prefill or (learned is None and timeouts.hang_probe <= 0):
-            return None
+            learned = exchange.deadlines.deadline_later("prefill", (size,), timeouts.learned, timeouts.prefill)
         model = exchange.request.body.get("model")
-        return HopWatch(
+        return watch_hop(
             prefiller,
-            expected,
-            learned=learned is not None,
+            tokens=size,
+            learned=learned,
+            cap=timeouts.prefill,
+            floor=timeouts.learned.floor,
             probe=self._probe,
             model=model if isinstance(model, str) else None,
             probe_timeout=timeouts.hang_probe,

@@ -29,16 +29,22 @@ from __future__ import annotations
 import asyncio
 import uuid
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
 import httpx
 import orjson
 
+from dpd_router.gateway.deadlines import LearnedDeadline, prior
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
 
 Verdict = Literal["slow", "hung"]
+
+# When a watch first looks at its hop (seconds from the hop's start), and whether that is a learned deadline
+# (a hop past it and idle is "slow") or a time to ask whether the engine hangs; None: no look at all.
+Expectation = tuple[float, bool] | None
 
 # How late a look may run (a share of its period, and at least this many seconds) and still judge.
 LATE_SHARE = 0.25
@@ -92,11 +98,15 @@ class HopWatch:
         probe: EngineProbe | None,
         model: str | None,
         probe_timeout: float,
+        settle: Callable[[], Expectation] | None = None,
     ) -> None:
+        """`settle`: the expectation is worked out at the first look, `expected` seconds in (no later than
+        whatever it settles on): there it says when the hop is looked at, if at all."""
         self._loop = asyncio.get_running_loop()
         self._endpoint = endpoint
         self._period = expected
         self._learned = learned
+        self._settle = settle
         self._probe = probe if model is not None and probe_timeout > 0 else None
         self._model = model or ""
         self._probe_timeout = probe_timeout
@@ -124,6 +134,16 @@ class HopWatch:
     def _look(self) -> None:
         self._timer = None
         now = self._loop.time()
+        if self._settle is not None:
+            settle, self._settle = self._settle, None
+            expectation = settle()
+            if expectation is None:
+                return  # nothing to look at after all: the phase's timeout alone bounds the hop
+            self._period, self._learned = expectation
+            self._due = self.started + self._period
+            if self._due > now:
+                self._timer = self._loop.call_at(self._due, self._look)
+                return
         if now - self._due > max(LATE_SECONDS, LATE_SHARE * self._period):
             self.late_looks += 1
             self._again(now + self._period)
@@ -160,6 +180,43 @@ class HopWatch:
         self.verdict = verdict
         if self._scope is not None:
             self._scope.reschedule(self._loop.time())
+
+
+def watch_hop(
+    endpoint: Endpoint,
+    *,
+    tokens: int,
+    learned: LearnedDeadline | None,
+    cap: float,
+    floor: float,
+    probe: EngineProbe | None,
+    model: str | None,
+    probe_timeout: float,
+) -> HopWatch | None:
+    """The watch of a hop of `tokens` uncached prompt tokens that `cap` seconds bound (None: the cap alone).
+
+    At its learned deadline, where there is one below the cap; else, when a prior from its size says and
+    only to ask whether the engine hangs (never with the probe off). A learned deadline is worked out at a
+    first look `floor` seconds in (none is shorter), where most hops have long ended."""
+
+    def without_history() -> Expectation:
+        expected = max(floor, prior(tokens))
+        return None if expected >= cap or probe_timeout <= 0 else (expected, False)
+
+    def settle() -> Expectation:
+        assert learned is not None
+        seconds = learned()
+        return without_history() if seconds is None else (seconds, True)
+
+    if learned is None or floor >= cap:  # at or past the cap, no learned deadline applies
+        expectation = without_history()
+        if expectation is None:
+            return None
+        expected, _ = expectation
+        return HopWatch(endpoint, expected, learned=False, probe=probe, model=model, probe_timeout=probe_timeout)
+    return HopWatch(
+        endpoint, floor, learned=False, probe=probe, model=model, probe_timeout=probe_timeout, settle=settle
+    )
 
 
 class Bound:

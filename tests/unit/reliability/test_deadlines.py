@@ -74,3 +74,20 @@ def test_the_expected_time_is_the_median_of_every_seen_hops_scaled_bound(dimensi
             for sizes, seconds in kept
         ]
         assert bound.expected(size) == pytest.approx(statistics.median(scaled), rel=1e-12)
+
+
+def test_a_deadline_worked_out_later_is_the_one_its_hop_had_when_it_started() -> None:
+    """Worked out at the hop's first look, from the hops learned when it started: hops learned meanwhile (a
+    burst of slow ones) do not move it."""
+    deadlines = HopDeadlines()
+    for seconds in (0.2, 0.3, 0.25):
+        deadlines.learn("prefill", (1000,), seconds)
+    at_start = deadlines.deadline("prefill", (1500,), POLICY, cap=120.0)
+    later = deadlines.deadline_later("prefill", (1500,), POLICY, cap=120.0)
+    for _ in range(10):
+        deadlines.learn("prefill", (1000,), 5.0)
+    assert later is not None and later() == at_start == pytest.approx(4 * 0.25 * 1.5)
+    assert deadlines.deadline("prefill", (1500,), POLICY, cap=120.0) == pytest.approx(4 * 5.0 * 1.5)
+    capped = deadlines.deadline_later("prefill", (1500,), POLICY, cap=1.0)
+    assert capped is not None and capped() is None, "the cap is judged when it is worked out"
+    assert HopDeadlines().deadline_later("prefill", (1500,), POLICY, cap=120.0) is None, "nothing learned"

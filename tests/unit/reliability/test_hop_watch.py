@@ -12,7 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from dpd_router.gateway.watch import Bound, EngineProbe, HopWatch
+from dpd_router.gateway.deadlines import DeadlinePolicy, HopDeadlines
+from dpd_router.gateway.watch import Bound, EngineProbe, Expectation, HopWatch, watch_hop
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.transport import EngineCalls
 
@@ -169,3 +170,68 @@ def test_a_hang_opens_the_breaker_at_once() -> None:
     endpoint.record_hang("hung")
     assert not endpoint.available
     assert endpoint.breaker.times_opened == 1
+
+
+def learned_watch(endpoint: Endpoint, engine: Engine, deadlines: HopDeadlines, *, cap: float = 30.0) -> HopWatch | None:
+    """The watch of a prefill of 100 tokens judged by `deadlines` (floor 0.05 s, four times the usual)."""
+    policy = DeadlinePolicy(factor=4.0, floor=0.05, samples=1)
+    return watch_hop(
+        endpoint,
+        tokens=100,
+        learned=deadlines.deadline_later("prefill", (100,), policy, cap),
+        cap=cap,
+        floor=policy.floor,
+        probe=engine.probe(),
+        model="m",
+        probe_timeout=0.2,
+    )
+
+
+async def test_a_learned_deadline_is_worked_out_at_the_first_look_and_judges_as_one_known_from_the_start() -> None:
+    """The first look comes at the floor; there the deadline (0.2 s here) is worked out and the hop is looked
+    at again then: an idle engine is left as slow at 0.2 s, not at the floor."""
+    endpoint, engine = Endpoint("http://idle", "prefill"), Engine(hung=False)
+    deadlines = HopDeadlines()
+    deadlines.learn("prefill", (100,), 0.05)
+    hop_watch = learned_watch(endpoint, engine, deadlines)
+    assert hop_watch is not None
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await hop(hop_watch, 10.0)
+    waited = asyncio.get_running_loop().time() - started
+    assert hop_watch.verdict == "slow" and hop_watch.expected == pytest.approx(0.2)
+    assert 0.2 <= waited < 5.0
+    assert engine.probes == [], "history judges it: no probe"
+
+
+async def test_a_hop_over_before_its_first_look_never_works_its_deadline_out() -> None:
+    endpoint, engine = Endpoint("http://quick", "prefill"), Engine(hung=False)
+    deadlines = HopDeadlines()
+    deadlines.learn("prefill", (100,), 0.05)
+    asked: list[bool] = []
+    hop_watch = learned_watch(endpoint, engine, deadlines)
+    assert hop_watch is not None
+    settle = hop_watch._settle
+    assert settle is not None
+
+    def counted() -> Expectation:
+        asked.append(True)
+        return settle()
+
+    hop_watch._settle = counted
+    await hop(hop_watch, 0.01)
+    await asyncio.sleep(0.1)  # past where the first look would have come
+    assert asked == [] and hop_watch.verdict is None
+
+
+async def test_a_learned_deadline_past_the_cap_leaves_the_hop_to_the_hang_probe() -> None:
+    """Worked out at or past the cap, the learned deadline gives way to the prior's look for a hang, as
+    it did known at the start (the prior, 4 s and more, past this cap: no look at all)."""
+    endpoint, engine = Endpoint("http://idle", "prefill"), Engine(hung=False)
+    deadlines = HopDeadlines()
+    deadlines.learn("prefill", (100,), 0.5)  # 2 s learned, past the cap of 1 s
+    hop_watch = learned_watch(endpoint, engine, deadlines, cap=1.0)
+    assert hop_watch is not None
+    with pytest.raises(TimeoutError):
+        await hop(hop_watch, 10.0, cap=0.3)
+    assert hop_watch.verdict is None and engine.probes == []
