@@ -54,6 +54,33 @@ async def test_answers_read_to_their_end_leave_one_connection_reused() -> None:
     assert server.connections == 1 and len(server.requests) == 5
 
 
+async def test_an_answer_arrived_whole_is_taken_at_once_and_frees_its_connection() -> None:
+    async with serving(keep_answering()) as (server, url), engine_pool() as pool:
+        answer = await pool.post(url, b"{}", {}, connect_timeout=5)
+        async with asyncio.timeout(5):
+            while (content := answer.arrived_whole()) is None:  # noqa: ASYNC110 - the body may come a read after the head
+                await asyncio.sleep(0.001)
+        assert content == b'{"ok": true}'
+        assert await (await pool.post(url, b"{}", {}, connect_timeout=5)).aread() == b'{"ok": true}'
+    assert server.connections == 1, "taken whole, it gave its connection back"
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part",  # more to come, then cut
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n",
+    ],
+)
+async def test_an_answer_not_arrived_whole_is_left_to_be_read(sent: bytes) -> None:
+    async with serving(answer_once(sent)) as (_, url), engine_pool() as pool:
+        answer = await pool.post(url, b"{}", {}, connect_timeout=5)
+        assert answer.arrived_whole() is None
+        with pytest.raises(httpx.ReadError):
+            await answer.aread()
+        assert answer.arrived_whole() is None, "failed: read raises, nothing taken"
+
+
 async def test_an_idle_connection_past_its_keepalive_expiry_is_not_reused() -> None:
     async with serving(keep_answering()) as (server, url), engine_pool(keepalive_expiry=0.05) as pool:
         for _ in range(2):
@@ -103,6 +130,19 @@ async def test_a_body_without_length_runs_to_the_close() -> None:
     async with serving(answer_once(sent)) as (_, url), engine_pool() as pool:
         answer = await pool.post(url, b"{}", {}, connect_timeout=5)
         assert await answer.aread() == b"all of it"
+
+
+async def test_an_answers_headers_read_as_they_came_in_any_case_repeats_kept() -> None:
+    sent = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Part: a\r\nx-part: b\r\n"
+        b"CONTENT-LENGTH: 12\r\n\r\nall 12 bytes"
+    )
+    async with serving(answer_once(sent)) as (_, url), engine_pool() as pool:
+        answer = await pool.post(url, b"{}", {}, connect_timeout=5)
+        headers = answer.headers
+        assert headers["content-type"] == "application/json" and headers.getall("X-PART") == ["a", "b"]  # type: ignore[attr-defined]
+        assert answer.headers is headers, "decoded once"
+        assert await answer.aread() == b"all 12 bytes"
 
 
 async def test_a_caller_waits_for_a_free_connection_and_times_out_as_a_pool_timeout() -> None:

@@ -55,12 +55,12 @@ class PooledAnswer:
         "_done",
         "_error",
         "_head",
+        "_headers",
         "_keep_alive",
         "_paused",
         "_released",
         "_until_eof",
         "_waiter",
-        "headers",
         "raw_headers",
         "status_code",
     )
@@ -79,20 +79,34 @@ class PooledAnswer:
         self._until_eof = False
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.status_code = 0
-        self.headers: Mapping[str, str] = _NO_HEADERS
+        self._headers: Mapping[str, str] | None = None
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The answer's headers (none before they arrived), decoded when first asked for: most answers'
+        are never read (a prefill's, a whole answer's), and decoding them cost 2 us an answer."""
+        headers = self._headers
+        if headers is None:
+            if not self.status_code:
+                return _NO_HEADERS
+            headers = self._headers = CIMultiDictProxy(
+                CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in self.raw_headers)
+            )
+        return headers
 
     # What the connection's parser reports.
 
     def head_received(self, status: int) -> None:
         self.status_code = status
-        headers: CIMultiDict[str] = CIMultiDict(
-            (name.decode("latin-1"), value.decode("latin-1")) for name, value in self.raw_headers
-        )
-        self.headers = CIMultiDictProxy(headers)
         # Neither a length nor chunks: the body runs until the engine closes the connection.
-        self._until_eof = (
-            "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower()
-        )
+        sized = chunked = False
+        for name, value in self.raw_headers:
+            lowered = name.lower()
+            if lowered == b"content-length":
+                sized = True
+            elif lowered == b"transfer-encoding":
+                chunked = chunked or b"chunked" in value.lower()
+        self._until_eof = not sized and not chunked
         if not self._head.done():
             self._head.set_result(None)
 
@@ -149,12 +163,7 @@ class PooledAnswer:
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         while True:
             if self._chunks:
-                chunks, self._chunks = self._chunks, []
-                self._buffered = 0
-                if self._paused:
-                    self._paused = False
-                    self._connection.resume()
-                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                yield self._take()
             elif self._error is not None:
                 raise self._error
             elif self._done:
@@ -165,7 +174,37 @@ class PooledAnswer:
                 await self._waiter
 
     async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.aiter_raw()])
+        # aiter_raw's loop without its generator: a whole answer has mostly arrived by the time it is read.
+        parts: list[bytes] = []
+        while True:
+            if self._chunks:
+                parts.append(self._take())
+            elif self._error is not None:
+                raise self._error
+            elif self._done:
+                self.release()
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            else:
+                self._waiter = self._connection.loop.create_future()
+                await self._waiter
+
+    def arrived_whole(self) -> bytes | None:
+        """The whole body, read now, when all of it has arrived (as `aread` would return it without
+        waiting); None while some is to come or the answer failed (`aread` then waits, or raises)."""
+        if not self._done or self._error is not None:
+            return None
+        content = self._take() if self._chunks else b""
+        self.release()
+        return content
+
+    def _take(self) -> bytes:
+        """The bytes arrived and not yet read, the connection reading again if it waited for them to be."""
+        chunks, self._chunks = self._chunks, []
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            self._connection.resume()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def aclose(self) -> None:
         self.release()
