@@ -30,7 +30,7 @@ from dpd_router.gateway.wires import Wire, wire_of
 from dpd_router.pool.endpoint import Endpoint
 from dpd_router.pool.engine_pool import PooledAnswer
 from dpd_router.pool.served_model import ServedModel
-from dpd_router.pool.transport import EngineAnswer, EngineCalls
+from dpd_router.pool.transport import EngineAnswer, EngineCalls, arrived_whole
 from dpd_router.prompt.context_window import output_budget
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.request.errors import UpstreamError, UpstreamTimeout
@@ -203,9 +203,15 @@ class DecodeHop:
     ) -> Answer:
         late = f"The decoder did not finish within {exchange.timeouts.total:g} s."
         try:
-            with decode_errors(decoder, deadline, late=late, timeout_failure="timeout", broke="broke off its answer"):
-                async with deadline.bound():
-                    content = await upstream.aread()
+            # Mostly the answer came whole with its status line: then its read waits for nothing, and the
+            # timeout scope around it (3 us) would bound nothing.
+            content = arrived_whole(upstream)
+            if content is None:
+                with decode_errors(
+                    decoder, deadline, late=late, timeout_failure="timeout", broke="broke off its answer"
+                ):
+                    async with deadline.bound():
+                        content = await upstream.aread()
         finally:
             await close_quietly(upstream)
         decoder.progressed(asyncio.get_running_loop().time())

@@ -110,6 +110,12 @@ class EngineAnswer(Protocol):
     async def aclose(self) -> None: ...
 
 
+def arrived_whole(answer: EngineAnswer) -> bytes | None:
+    """The answer's whole body when all of it has arrived (nothing to wait for: no deadline needs to bound
+    its read), else None. Only the request path's own pool tells."""
+    return answer.arrived_whole() if isinstance(answer, PooledAnswer) else None
+
+
 def _release(response: aiohttp.ClientResponse) -> None:
     if response.content.at_eof():
         response.release()  # read to the end: the connection goes back to the pool
