@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import re
 import shutil
 import statistics
@@ -101,7 +100,11 @@ COUNTER = b"@@N@@"
 def wrk_script(body: bytes, directory: Path) -> Path:
     """The Lua script that makes wrk POST `body` as JSON (the body read from a file beside it). A body with
     `COUNTER` in it has a number there that counts up from a random start, request by request, so that no
-    two bodies are the same (a benchmark that repeats one body measures a cache of that body)."""
+    two bodies are the same (a benchmark that repeats one body measures a cache of that body).
+
+    The start is drawn by each wrk run as it starts (from /dev/urandom), not written into the script: one
+    script runs several times (a warm-up, the rounds, each setup), and a start fixed in it sent every run the
+    bodies of the first, which a router's caches (its piece cache: prompt/tokenizer.py) then answered."""
     directory.mkdir(parents=True, exist_ok=True)
     body_path = directory / "body.json"
     script = body_path.with_suffix(".lua")
@@ -125,7 +128,10 @@ def wrk_script(body: bytes, directory: Path) -> Path:
         f'f = io.open("{body_path.with_suffix(".tail")}", "rb")\n'
         "local tail = f:read('*a')\n"
         "f:close()\n"
-        f"local n = {random.randrange(10**12)}\n"
+        'local urandom = io.open("/dev/urandom", "rb")\n'
+        "local n = 0\n"
+        "for byte in urandom:read(5):gmatch(\".\") do n = n * 256 + byte:byte() end\n"
+        "urandom:close()\n"
         'local headers = {["Content-Type"] = "application/json"}\n'
         "request = function()\n"
         "  n = n + 1\n"
