@@ -130,7 +130,7 @@ def wrk_script(body: bytes, directory: Path) -> Path:
         "f:close()\n"
         'local urandom = io.open("/dev/urandom", "rb")\n'
         "local n = 0\n"
-        "for byte in urandom:read(5):gmatch(\".\") do n = n * 256 + byte:byte() end\n"
+        'for byte in urandom:read(5):gmatch(".") do n = n * 256 + byte:byte() end\n'
         "urandom:close()\n"
         'local headers = {["Content-Type"] = "application/json"}\n'
         "request = function()\n"
