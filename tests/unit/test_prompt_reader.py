@@ -239,7 +239,7 @@ def test_the_plan_of_a_prompt_read_in_part_is_the_plan_of_the_whole_prompt(
         reader = await tokenizer.reader(request, max_tokens=case.limit)
         assert reader is not None
         fast = planner_for(case, whole)
-        read = await read_prompt(reader, fast.tokens_to_settle, case.limit)
+        read = await read_prompt(reader, fast.tokens_to_settle, case.limit, below=fast.threshold)
         rest = None if read.rest is None else await read.rest
         return whole, read, rest
 
@@ -483,6 +483,47 @@ async def test_a_static_threshold_has_a_prompt_encoded_no_further_than_its_plan_
         assert await read.rest is None
         assert max(encoded, default=0) < len(text)
         assert planner.plan(read).path == planner.plan(whole).path
+
+
+@pytest.mark.parametrize(("share", "most_read"), [(1.1, 0.5), (1.5, 0.9), (2.0, 1.0)])
+async def test_a_prompt_below_the_threshold_but_not_by_its_bytes_is_read_until_its_bound_shows_it(
+    deciding: LocalTokenizer, share: float, most_read: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its bytes (`share` times the threshold) do not show it below the threshold, its estimate does: a head
+    brings its bound (the head's tokens and the rest's bytes) below the threshold, with a smaller part of it
+    encoded the nearer its bytes are to the threshold (`most_read`, a share of its characters); it is planned
+    as the whole prompt is, and nothing more is encoded after. Without `below`, the plan asks for the
+    threshold's tokens and it is encoded whole."""
+    threshold = 1024
+    words, text = 0, ""
+    while utf8_size(text) < share * threshold:
+        words += 16
+        text = text_of(words, 7)
+    request = parse_request("completion", orjson.dumps({"prompt": text}))
+    whole = await deciding.tokenize(request)
+    assert whole.num_tokens < threshold
+    settings = load_settings(
+        decode_urls=["http://127.0.0.1:8200"],
+        prefill_urls=["http://127.0.0.1:8100"],
+        routing_threshold=threshold,
+        threshold_mode="static",
+    )
+    planner = build_planner(settings, Pool(settings.prefill_urls, settings.decode_urls), RouterMetrics())
+    encoded = spy_encodings(monkeypatch)
+    for below in (threshold, None):
+        encoded.clear()
+        reader = await deciding.reader(request)
+        assert reader is not None
+        read = await read_prompt(reader, planner.tokens_to_settle, None, below=below)
+        assert read.rest is None or await read.rest is None
+        await asyncio.sleep(0.05)
+        assert planner.plan(read).path == planner.plan(whole).path == "direct"
+        if below is None or most_read >= 1.0:
+            assert read.at_most is None or sum(encoded) >= len(text)  # read whole (or nearly)
+            continue
+        assert read.at_most is not None and read.at_most < threshold
+        assert list(read.token_ids) == list(whole.token_ids[: len(read.token_ids)])
+        assert 0 < sum(encoded) <= most_read * len(text), (sum(encoded), len(text))
 
 
 async def test_a_prefill_answers_ids_make_a_prompt_read_in_part_whole(deciding: LocalTokenizer) -> None:

@@ -337,6 +337,7 @@ class Gateway:
             limit,
             later=lambda prompt: prompt.at_most is not None and prompt.at_most >= planner.threshold,
             whole=planner.weighs_whole_prefixes,
+            below=planner.threshold,
         )
 
     @staticmethod

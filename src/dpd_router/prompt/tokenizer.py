@@ -1027,16 +1027,26 @@ async def read_prompt(
     *,
     later: Callable[[Prompt], bool] = lambda prompt: False,
     whole: bool = False,
+    below: int | None = None,
 ) -> Prompt:
     """The prompt read as far as `settle` (how many first tokens would settle the plan: 0 when it is
     settled, None when only the whole prompt will do) and the context window of `limit` tokens need:
     a prompt known in part, its whole encoding coming in `rest` where `whole` asks for it (left to the
-    caller where `later` says so of the prompt as read; see PromptReader.rest), or the whole prompt."""
+    caller where `later` says so of the prompt as read; see PromptReader.rest), or the whole prompt.
+
+    `below`: the threshold a prompt settles under once its bound falls below it. A prompt whose estimate
+    is below it (its bytes do not show it yet) reads, of the tokens `settle` asks for, only as many as bring
+    its bound below the threshold: the head's tokens and the rest's bytes (PromptReader.tokens_to_bound).
+    Asked for the threshold's tokens, which would show it long, such a prompt was encoded whole to show it
+    short: one of 1.1 times the threshold's bytes now encodes its first quarter. Only how far a step reads
+    changes: `settle` still decides when the plan is settled."""
     prompt = reader.prompt
     while prompt.at_most is not None:
         wanted = settle(prompt)
         if wanted is None:
             wanted = prompt.at_most  # the whole prompt
+        elif wanted and below is not None and prompt.num_tokens < below <= prompt.at_most:
+            wanted = min(wanted, reader.tokens_to_bound(below))
         if limit is not None and prompt.at_most >= limit and (wanted == 0 or prompt.token_ids):
             if wanted == 0 and not prompt.token_ids:
                 # Planned without reading, but the bytes do not show the window fits: a head first, whose
