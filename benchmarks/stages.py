@@ -3,7 +3,7 @@
 Two instant engines (benchmarks/instant_engine.py), a prefiller and a decoder, behind one dpd-router process
 (a static threshold of 1,024 tokens: a long prompt takes both hops) and behind the Python floor
 (benchmarks/floor_proxy.py: uvicorn, orjson and the router's engine pool, nothing of the router's own). wrk
-drives four loads in turn (LOADS; every body differs: a request number starts its message), each twice a
+drives five loads in turn (LOADS; every body differs: a request number starts its message), each twice a
 round on the router: once for its CPU time per request (utime+stime from /proc over the requests wrk
 completed), once under py-spy, which samples the router's
 threads while they are on a CPU. Each sample goes to one stage: that of its innermost frame the stage map
@@ -78,6 +78,9 @@ LOADS = (
     Load("b", 64, stream=True, concurrency=64, floor=True),
     Load("c", 1600, stream=False, concurrency=64, floor=False),
     Load("d", 32768, stream=False, concurrency=1, floor=False),
+    # Below the threshold, but its bytes (about 3,000) do not show it: its tokens are counted, as far as
+    # its bound needs (most of it).
+    Load("e", 640, stream=False, concurrency=64, floor=False),
 )
 
 # Stage -> the frames it owns: a module path as py-spy prints it (a file, or a package with its "/"),
@@ -342,7 +345,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("this benchmark needs py-spy: `pip install py-spy` (the project's test extra has it)")
     factory = PromptFactory(ensure_tokenizer())
     scratch = Path(tempfile.mkdtemp(prefix="stages-"))
-    loads = [*LOADS[:3], replace(LOADS[3], tokens=args.long_tokens)]
+    loads = [*LOADS[:3], replace(LOADS[3], tokens=args.long_tokens), *LOADS[4:]]
     scripts = {load.key: capacity.wrk_script(load.body(factory), scratch / load.key) for load in loads}
     services = await bring_up()
     router, floor = services["router"], services["floor"]

@@ -173,11 +173,11 @@ def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp
 
     assert all(run["summary"]["requests"] > 0 and run["summary"]["errors"] == 0 for run in results["runs"])
     assert {(run["setup"], run["load"]) for run in results["runs"]} == {
-        *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcd"),
+        *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcde"),
         ("floor", "a"),
         ("floor", "b"),
     }
-    for load in "abcd":
+    for load in "abcde":
         profile = results["profiles"][load]
         assert profile["samples"] > 0
         assert set(profile["stages"]) == set(STAGES) and sum(profile["stages"].values()) == profile["samples"]
@@ -186,7 +186,7 @@ def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp
         decisions = {
             key for run in results["runs"] if run["load"] == load and "decisions" in run for key in run["decisions"]
         }
-        assert decisions == ({"direct/below_threshold"} if load in "ab" else {"disaggregated/long_prompt"})
+        assert decisions == ({"direct/below_threshold"} if load in "abe" else {"disaggregated/long_prompt"})
     text = (tmp_path / "results.md").read_text()
     assert "**Python floor**" in text and "Top 10 leaf functions" in text
 
