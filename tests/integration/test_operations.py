@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dpd_router.api.auth import hash_key
 from dpd_sim.cluster import SimCluster
 from tests.integration.conftest import MODEL, chat_body, cluster_settings, metric, running_router, settled
+from tests.integration.slow_link import SlowLink
 
 THRESHOLD = 64
 LONG = "Every region reported steady growth while costs stayed flat across the whole year. " * 10
@@ -228,3 +229,26 @@ async def test_a_decoder_that_recomputes_the_prompt_is_flagged_as_an_ineffective
         await settled(base_url)
         assert await metric(base_url, "dpd_router_kv_transfer_ineffective_total") == 1
         assert any("KV transfer ineffective" in record.getMessage() for record in caplog.records)
+
+
+async def test_a_prefill_timeout_raised_while_serving_is_the_prefill_calls_whole_limit(tokenizer_dir: Path) -> None:
+    """Started with a prefill timeout of 1 s, the router is given 20 s while it serves; a prefill whose answer the
+    link holds 1.5 s is then waited for and the request goes through both hops. The prefill call has no limit of
+    its own from startup under the hop's (which capped a raised timeout at the value the router started with)."""
+    async with (
+        SimCluster(in_process=True, prefill=1, decode=1, tokenizer=tokenizer_dir, model=MODEL) as cluster,
+        SlowLink(cluster.prefill_urls[0], hold=1.5) as link,
+        running_router(**settings_for(cluster, tokenizer_dir, prefill_urls=[link.url], prefill_timeout=1.0)) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        held = await client.post("/v1/chat/completions", json=chat_body(f"held {LONG}", max_tokens=4))
+        assert held.status_code == 200  # the prefill past its 1 s: served by the decoder alone
+        assert await metric(url, "dpd_router_prefill_fallbacks_total") == 1
+        raised = await client.put("/admin/config", json={"prefill_timeout": 20.0}, headers=ADMIN)
+        assert raised.status_code == 200
+        waited = await client.post("/v1/chat/completions", json=chat_body(f"waited {LONG}", max_tokens=4))
+        assert waited.status_code == 200
+        await settled(url)
+        assert await metric(url, "dpd_router_prefill_fallbacks_total") == 1, "the raised timeout waited for it"
+        assert await metric(url, "dpd_router_prefill_seconds_count", {"outcome": "timeout"}) == 1
+        assert await metric(url, "dpd_router_prefill_seconds_count", {"outcome": "ok"}) == 1

@@ -233,15 +233,20 @@ class EngineCalls:
         request may have reached the engine).
         """
         connect = next((limit for limit in (limits.connect, limits.read) if limit is not None), math.inf)
+        if limits.read is None:  # bounded by the caller (a prefill hop): no scope of its own
+            return await self._whole(url, body, headers, connect)
         try:
             async with asyncio.timeout(limits.read):
-                answer = await self.post(url, body, headers, connect_timeout=connect)
-                try:
-                    return WholeAnswer(answer.status_code, await answer.aread())
-                finally:
-                    await answer.aclose()
+                return await self._whole(url, body, headers, connect)
         except TimeoutError:
             raise httpx.ReadTimeout(f"no whole answer from {url} within {limits.read:g} s") from None
+
+    async def _whole(self, url: str, body: bytes, headers: Mapping[str, str], connect: float) -> WholeAnswer:
+        answer = await self.post(url, body, headers, connect_timeout=connect)
+        try:
+            return WholeAnswer(answer.status_code, await answer.aread())
+        finally:
+            await answer.aclose()
 
     def _url(self, url: str) -> httpx.URL:
         parsed = self._urls.get(url)

@@ -162,6 +162,14 @@ class Connector(Protocol):
         ...
 
 
+def hop_limits(timeout: httpx.Timeout) -> httpx.Timeout:
+    """A prefill call's own limits: its connect timeout alone. The prefill hop (gateway/prefill.py) bounds the
+    whole call, by the live `prefill_timeout` and the call's watch; a read limit of its own inside that, fixed
+    when the connector was built, cost every call a timer and capped a `prefill_timeout` raised while serving
+    at its startup value. A connector's other calls (a release, a drain) keep their whole limits."""
+    return httpx.Timeout(None, connect=timeout.connect)
+
+
 async def post_prefill(
     engines: EngineCalls,
     prefiller: Endpoint,
@@ -304,6 +312,7 @@ class SequentialConnector:
     def __init__(self, engines: EngineCalls, *, timeout: httpx.Timeout, path_for: dict[str, str]):
         self._engines = engines
         self._timeout = timeout
+        self._hop_limits = hop_limits(timeout)
         self._path_for = path_for
 
     async def start(self) -> None:
@@ -349,7 +358,7 @@ class SequentialConnector:
             self._path_for[request.kind],
             self.prefill_body(request, ids=ids),
             request_id=request_id,
-            limits=self._timeout,
+            limits=self._hop_limits,
         )
         return self.read_answer(payload)
 

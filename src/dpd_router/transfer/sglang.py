@@ -25,7 +25,7 @@ from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.tokenizer import Prompt
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.request.errors import PrefillFailed
-from dpd_router.transfer.base import DecodeCall, Handoff, StagedKV, prefill_usage, send_prefill
+from dpd_router.transfer.base import DecodeCall, Handoff, StagedKV, hop_limits, prefill_usage, send_prefill
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 _ROOM_BITS = 63
@@ -107,7 +107,7 @@ class SGLangConnector:
         bootstrap_ports: Mapping[str, int] | None = None,
     ) -> None:
         self._engines = engines
-        self._timeout = timeout
+        self._hop_limits = hop_limits(timeout)
         self._path_for = path_for
         self._bootstrap_port = bootstrap_port
         self._bootstrap_ports = dict(bootstrap_ports or {})
@@ -139,7 +139,7 @@ class SGLangConnector:
             self._path_for[handoff.request.kind],
             engine_body(handoff.request, handoff.transfer),
             request_id=handoff.request_id,
-            limits=self._timeout,
+            limits=self._hop_limits,
         )
         return read_answer(content, handoff.prefiller)
 

@@ -20,6 +20,7 @@ from dpd_router.transfer.base import (
     DecodeCall,
     Handoff,
     StagedKV,
+    hop_limits,
     new_transfer_id,
     post_prefill,
     prefill_usage,
@@ -67,6 +68,7 @@ class LMCacheConnector:
     ) -> None:
         self._engines = engines
         self._timeout = timeout
+        self._hop_limits = hop_limits(timeout)
         self._receivers = receivers
         self.notifications = notifications
         self._notify_timeout = notify_timeout
@@ -115,7 +117,7 @@ class LMCacheConnector:
                 COMPLETIONS_PATH,
                 prefill_body(handoff.request, handoff.prompt, spec),
                 request_id=handoff.request_id,
-                limits=self._timeout,
+                limits=self._hop_limits,
             )
             first = FirstToken.from_answer(payload)
             landed = await self.notifications.wait(req_id, self._notify_timeout)
