@@ -12,7 +12,7 @@ from dpd_router.gateway import Gateway, PhaseTimeouts, RetryPolicy
 from dpd_router.pool.pool import Pool
 from dpd_router.pool.served_model import ServedModel
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import DEFAULT_ARM, Observer
 from dpd_router.request.client_request import parse_request
 from dpd_router.routing.adaptive import AdaptiveModel
 from dpd_router.routing.experiments import ExperimentArms, arm_position
@@ -52,9 +52,8 @@ def routers(experiments: dict[str, Any] | None) -> tuple[Gateway, Planner, Plann
 
 def planned(gateway: Gateway, principal: Principal, headers: dict[str, str] | None = None) -> tuple[Planner, str]:
     request = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
-    trace = RequestTrace(request_id="r-1", kind="chat", stream=False)
-    planner = gateway._planner_of(request, principal, headers or {}, trace, None)
-    return planner, trace.arm
+    planner, arm = gateway._planner_of(request, principal, headers or {}, "r-1", None)
+    return planner, arm or DEFAULT_ARM
 
 
 def test_requests_on_the_shared_pool_take_their_arm_and_are_labelled_with_it() -> None:

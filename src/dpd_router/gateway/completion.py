@@ -9,7 +9,7 @@ from typing import Any
 
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Ending, Observer, Output, RequestTrace, Staging
+from dpd_router.record.observe import Asked, Ending, Observer, Output, RequestTrace, Staging
 from dpd_router.routing.planner import Plan
 from dpd_router.transfer.base import Connector, StagedKV
 
@@ -67,21 +67,24 @@ class HeldKV:
 
 class Completion:
     """Ends a request, exactly once: releases its decoder slot, KV staged for it that no decode call took,
-    the in-flight gauge and the caller's `on_finish` (the admission slot), and reports its record, which takes
-    what the decoders and the prefill hop produced and how the request ended (`output`, `staging`, `ending`)
-    then.
+    the in-flight gauge and the caller's `on_finish` (the admission slot), and writes and reports its record,
+    which takes who asked, the prompt as read, its plans, what the decoders and the prefill hop
+    produced and how the request ended (`output`, `staging`, `ending`) then.
 
     Without an `observer` the trace is not reported: a stream's continuation is part of its request,
     which reports it."""
 
     def __init__(
         self,
-        trace: RequestTrace,
+        asked: Asked,
         observer: Observer | None,
         metrics: RouterMetrics,
         on_finish: Callable[[], None] | None = None,
     ) -> None:
-        self._trace = trace
+        self._trace = RequestTrace(request_id=asked.request_id, kind=asked.kind, stream=asked.stream)
+        self._asked = asked
+        # The prompt as read: its tokens (None where its count comes after the end) and the seconds it took.
+        self._prompt: tuple[int | None, float | None] = (None, None)
         self._observer = observer
         self._metrics = metrics
         self._on_finish = on_finish
@@ -89,7 +92,7 @@ class Completion:
         self._decoder_slot: Slot | None = None
         self._kv: HeldKV | None = None
         self._deferred: list[Callable[[], object]] = []
-        self._report_after: tuple[asyncio.Future[Any], Callable[[], None], Callable[[], bool]] | None = None
+        self._report_after: tuple[asyncio.Future[Any], Callable[[RequestTrace], None], Callable[[], bool]] | None = None
         self._done = False
         self.output = Output()
         self.staging = Staging()
@@ -98,6 +101,15 @@ class Completion:
         self._planned: tuple[Plan, int] | None = None
         self._served: Plan | None = None
         metrics.in_flight.inc()
+
+    def asked_by(self, asked: Asked) -> None:
+        """Who asked, once more is known of it (the experiment arm its planner is)."""
+        self._asked = asked
+
+    def read(self, tokens: int | None, seconds: float | None) -> None:
+        """The prompt as read: its tokens (None: counted after the end, by the engine's usage or the whole
+        encoding; see `report_after`), and the seconds reading it took."""
+        self._prompt = (tokens, seconds)
 
     @property
     def ended(self) -> bool:
@@ -122,7 +134,11 @@ class Completion:
         self._deferred.append(cleanup)
 
     def report_after(
-        self, ready: asyncio.Future[Any], settle: Callable[[], None], *, unless: Callable[[], bool] = lambda: False
+        self,
+        ready: asyncio.Future[Any],
+        settle: Callable[[RequestTrace], None],
+        *,
+        unless: Callable[[], bool] = lambda: False,
     ) -> None:
         """Report the trace (metrics, log line, learning) once `ready` is done, or at the end if `unless()`
         is true then, and `settle` has put what it knows on the trace: a prompt planned on its first
@@ -171,7 +187,7 @@ class Completion:
             self._decoder_slot.release()
         self._metrics.in_flight.dec()
         self._record_plans()
-        self._trace.take(self.output, self.staging, self.ending)
+        self._trace.take(self.output, self.staging, self.ending, asked=self._asked, prompt=self._prompt)
         observer = self._observer
         if observer is not None and self._report_after is None:
             observer.finish(self._trace)
@@ -196,6 +212,6 @@ class Completion:
         if served is not None:
             trace.path, trace.reason, trace.uncached_tokens = served.path, served.reason, served.uncached_tokens
 
-    def _report(self, observer: Observer, settle: Callable[[], None], ended: float) -> None:
-        settle()
+    def _report(self, observer: Observer, settle: Callable[[RequestTrace], None], ended: float) -> None:
+        settle(self._trace)
         observer.finish(self._trace, ended=ended)

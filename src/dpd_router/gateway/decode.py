@@ -164,7 +164,7 @@ class DecodeHop:
             resumer = Resumer(
                 exchange.request,
                 exchange.request_id,
-                exchange.trace.started,
+                exchange.asked.started,
                 exchange.ending,
                 exchange.output,
                 exchange.resume,

@@ -13,7 +13,7 @@ from dpd_router.gateway.policy import PhaseTimeouts, RetryPolicy
 from dpd_router.gateway.resume import ResumePolicy
 from dpd_router.pool.endpoint import Endpoint, Slot
 from dpd_router.prompt.tokenizer import Prompt
-from dpd_router.record.observe import Ending, Output, RequestTrace, Staging
+from dpd_router.record.observe import Asked, Ending, Output, Staging
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.routing.planner import Planner
 
@@ -55,7 +55,8 @@ class Exchange:
     uncached_tokens: int
     planner: Planner
     request_id: str
-    trace: RequestTrace
+    # Who asked (its model and arm label the hops' metrics; a continuation starts from it).
+    asked: Asked
     done: Completion
     # The router asked the stream for a usage chunk the client did not: drop it before the client.
     strip_usage: bool

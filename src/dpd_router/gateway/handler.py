@@ -43,9 +43,10 @@ from dpd_router.pool.transport import EngineCalls
 from dpd_router.prompt.context_window import check_context_length, prompt_too_long
 from dpd_router.prompt.tokenizer import LocalTokenizer, Prompt, PromptTooLong, TokenCounter, read_prompt
 from dpd_router.record.metrics import RouterMetrics
-from dpd_router.record.observe import Observer, RequestTrace
+from dpd_router.record.observe import Asked, Observer, RequestTrace
 from dpd_router.request.client_request import ClientRequest
 from dpd_router.request.errors import PrefillFailed, PrefillUnavailable, RouterError
+from dpd_router.request.frozen import evolve
 from dpd_router.routing.adapters import AdapterPlanners
 from dpd_router.routing.experiments import ExperimentArms
 from dpd_router.routing.planner import KV_REJECTED, Plan, Planner
@@ -120,26 +121,25 @@ class Gateway:
         request: ClientRequest,
         principal: Principal,
         headers: Mapping[str, str],
-        trace: RequestTrace,
+        request_id: str,
         adapter: str | None,
-    ) -> Planner:
+    ) -> tuple[Planner, str | None]:
         """The tenant's planner; for a LoRA adapter, the one over the tenant's engines that list it; on the
-        shared pool, the planner of the experiment arm the request falls in, if any (named on the trace).
+        shared pool, the planner of the experiment arm the request falls in, if any, and the arm's name.
         Arms split the shared pool's base-model traffic only: a tenant's reserved engines keep their own
         settings."""
         planner = self.planner_for(principal.tenant)
         if adapter is not None and self._adapters is not None:
-            return self._adapters.planner_for(planner, adapter)
+            return self._adapters.planner_for(planner, adapter), None
         experiments = self._experiments
         if experiments is None or not experiments.active or planner is not self._planners[None]:
-            return planner
+            return planner, None
         session_key = planner.session_key(headers, request.body) if experiments.sticky_by == "session" else None
         api_key = None if principal.key_id == ANONYMOUS.key_id else principal.key_id
-        arm = experiments.assign(session_key=session_key, api_key=api_key, request_id=trace.request_id)
+        arm = experiments.assign(session_key=session_key, api_key=api_key, request_id=request_id)
         if arm is None:
-            return planner
-        trace.arm = arm.name
-        return arm.planner
+            return planner, None
+        return arm.planner, arm.name
 
     def deadlines_for(self, tenant: str | None) -> HopDeadlines:
         return self._deadlines.get(tenant) or self._deadlines[None]
@@ -166,27 +166,32 @@ class Gateway:
         count from the moment the request reached the router. `adapter`: the LoRA adapter the request
         names, served only by engines that list it.
         """
-        trace = RequestTrace(request_id=request_id, kind=request.kind, stream=request.stream)
-        if arrived is not None:
-            trace.started = arrived
-        trace.queue_seconds = queued
-        trace.tenant = principal.tenant
-        trace.model = self._model.name
-        trace.adapter = adapter
-        trace.key_id = principal.key_id
-        done = Completion(trace, self._observer, self._metrics, on_finish)
+        asked = Asked(
+            request_id,
+            request.kind,
+            request.stream,
+            started=time.perf_counter() if arrived is None else arrived,
+            queue_seconds=queued,
+            tenant=principal.tenant,
+            model=self._model.name,
+            adapter=adapter,
+            key_id=principal.key_id,
+        )
+        done = Completion(asked, self._observer, self._metrics, on_finish)
         phase = "tokenize"
         try:
             if adapter is not None and self._adapter_loader is not None:
                 # Loaded where no engine of a role lists it yet, before its planner looks for engines that do.
                 await self._adapter_loader.ensure(self.planner_for(principal.tenant).pool, adapter)
-            planner = self._planner_of(request, principal, headers or {}, trace, adapter)
-            prompt = await self._prepare(request, principal, trace, planner)
+            planner, arm = self._planner_of(request, principal, headers or {}, request_id, adapter)
+            if arm is not None:
+                done.asked_by(asked := evolve(asked, arm=arm))
+            prompt = await self._prepare(request, principal, done, planner)
             if prompt.later is not None:
                 # However the request ends (a plan refused, a prefill answer without ids), the whole count comes.
                 done.defer(prompt.later.start)
             if prompt.rest is not None:
-                self._count_whole_later(prompt, prompt.rest, done, trace)
+                self._count_whole_later(prompt, prompt.rest, done)
             if self._shadow is not None and self._shadow.current is not None:  # chosen: copied, never waited for
                 self._offer_shadow(self._shadow.current, request, request_id, prompt, headers or {})
             phase = "plan"
@@ -202,7 +207,7 @@ class Gateway:
                 plan.uncached_tokens,
                 planner,
                 request_id,
-                trace,
+                asked,
                 done,
                 ask_for_usage(request),
                 self.deadlines_for(principal.tenant),
@@ -244,12 +249,15 @@ class Gateway:
         continues the text said) as a request of its own, planned like any (a long one is prefilled again),
         away from the `failed` decoder. It is part of the first request, which reports it: its own trace
         is not reported."""
-        first = exchange.trace
-        trace = RequestTrace(
-            request_id=f"{exchange.request_id}-c{exchange.ending.continuations + 1}", kind=request.kind, stream=True
+        first = exchange.asked
+        asked = evolve(
+            first,
+            request_id=f"{exchange.request_id}-c{exchange.ending.continuations + 1}",
+            kind=request.kind,
+            stream=True,
+            started=time.perf_counter(),
         )
-        trace.model, trace.adapter, trace.arm, trace.tenant = first.model, first.adapter, first.arm, first.tenant
-        done = Completion(trace, None, self._metrics)
+        done = Completion(asked, None, self._metrics)
         try:
             if request.kind == "chat" and exchange.request.kind in ("messages", "responses"):
                 request = await self._by_ids(exchange, request) or request
@@ -259,7 +267,7 @@ class Gateway:
             else:  # a Messages or Responses stream's: its conversation and the text said, counted whole
                 prompt = await self._tokenize(request, first.tenant)
             planner = exchange.planner
-            plan = await self._plan(request, trace.request_id, prompt, planner, {}, done)
+            plan = await self._plan(request, asked.request_id, prompt, planner, {}, done)
             if failed is not None and plan.decoder is failed:
                 other = planner.alternative("decode", prompt, exclude=[failed])
                 plan = plan if other is None else replace(plan, decoder=other)
@@ -276,8 +284,8 @@ class Gateway:
                 prompt,
                 plan.uncached_tokens,
                 planner,
-                trace.request_id,
-                trace,
+                asked.request_id,
+                asked,
                 done,
                 False,  # the first request's relay reads the usage, and drops it where its client did not ask
                 exchange.deadlines,
@@ -297,18 +305,17 @@ class Gateway:
         """A Messages or Responses stream's continuation as a text completion of ids: its prompt as the
         router renders it (as the engine does) followed by the text said, encoded as one text. Without a local
         tokenizer, None: the chat call continues the text."""
-        tokenizer = self.tokenizer_for(exchange.trace.tenant)
+        tokenizer = self.tokenizer_for(exchange.asked.tenant)
         if not isinstance(tokenizer, LocalTokenizer):
             return None
         return by_ids(chat, await tokenizer.continued(exchange.request, said_text(chat)))
 
     async def _prepare(
-        self, request: ClientRequest, principal: Principal, trace: RequestTrace, planner: Planner
+        self, request: ClientRequest, principal: Principal, done: Completion, planner: Planner
     ) -> Prompt:
         """The prompt's tokens, once the request is known to fit the context window and the key's budget."""
         prompt = await self._read(request, principal, planner)
-        trace.prompt_tokens = prompt.num_tokens
-        trace.tokenize_seconds = prompt.seconds
+        done.read(prompt.num_tokens, prompt.seconds)
         self._metrics.tokenize.observe(prompt.seconds)
         self._check_context_length(request, prompt)
         await principal.limits.take_prompt_tokens(prompt.num_tokens)
@@ -358,16 +365,14 @@ class Gateway:
         prompt.rest.add_done_callback(offer)
 
     @staticmethod
-    def _count_whole_later(
-        prompt: Prompt, whole: asyncio.Future[Prompt | None], done: Completion, trace: RequestTrace
-    ) -> None:
+    def _count_whole_later(prompt: Prompt, whole: asyncio.Future[Prompt | None], done: Completion) -> None:
         """The request of a prompt planned on its first tokens is reported (metrics, log line) with its
         exact count: the engine's, from the answer's usage, or else the whole encoding's once it is done."""
         estimate = prompt.num_tokens
-        trace.prompt_tokens = None  # not known yet
+        done.read(None, prompt.seconds)  # not known yet
         output = done.output
 
-        def settle() -> None:
+        def settle(trace: RequestTrace) -> None:
             tokens = output.prompt_tokens
             if tokens is None and whole.done() and not whole.cancelled() and whole.exception() is None:
                 encoded = whole.result()
@@ -463,7 +468,7 @@ class Gateway:
         concurrent prefill turns the plan direct or to another prefiller, a decoder that cannot load
         the KV computes the prompt itself, and a failed decoder is replaced.
         """
-        request, trace, done, shape = exchange.request, exchange.trace, exchange.done, self._shape
+        request, asked, done, shape = exchange.request, exchange.asked, exchange.done, self._shape
         output = exchange.output
         replacement = DecoderReplacement(exchange, self._metrics)
         prefillers_tried: list[Endpoint] = []
@@ -508,7 +513,7 @@ class Gateway:
                     plan = replace(plan, decoder=await replacement.next(plan.decoder, exc))
         finally:
             if decoding:
-                self._metrics.route_decision(trace.model, trace.arm, plan.path, plan.reason).inc()
+                self._metrics.route_decision(asked.model, asked.arm, plan.path, plan.reason).inc()
 
     async def _stage(
         self, exchange: Exchange, plan: Plan, prefillers_tried: list[Endpoint]

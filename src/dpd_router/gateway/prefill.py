@@ -82,7 +82,7 @@ class PrefillHop:
                 return replace(plan, prefiller=alternative)
         if retries.prefill_failure_policy == "fail" or not self._serves_direct:
             raise PrefillUnavailable(f"The prefill pool could not serve this request ({failure.reason}).")
-        self._metrics.prefill_fallbacks.labels(model_label(exchange.trace.model), failure.reason).inc()
+        self._metrics.prefill_fallbacks.labels(model_label(exchange.asked.model), failure.reason).inc()
         return plan.direct(PREFILL_FAILED)
 
     async def _finished_even_if_left(
@@ -214,4 +214,4 @@ class PrefillHop:
                 if watch is not None:
                     watch.stop()
                 seconds = staging.seconds = time.perf_counter() - started
-                self._metrics.prefill.labels(model_label(exchange.trace.model), outcome).observe(seconds)
+                self._metrics.prefill.labels(model_label(exchange.asked.model), outcome).observe(seconds)

@@ -123,11 +123,28 @@ class Ending:
             self.status = status
 
 
+@dataclass(frozen=True)
+class Asked:
+    """Who asked, and for what: known as the request starts and never changed after. The hops read it (a
+    metric's labels, a continuation's start); the record takes it when the request ends."""
+
+    request_id: str
+    kind: str
+    stream: bool
+    started: float  # a perf_counter reading: when the request reached the router
+    queue_seconds: float = 0.0
+    tenant: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    key_id: str | None = None
+    arm: str = DEFAULT_ARM
+
+
 @dataclass
 class RequestTrace:
-    """The facts of one request: who asked, how it was planned and served, how it ended. Who asked and its
-    prompt are known as it starts; what the hops produced (`Output`, `Staging`), how it ended (`Ending`) and
-    its plans are taken once, when it ends (gateway/completion.py)."""
+    """The facts of one request: who asked, how it was planned and served, how it ended. Written when it ends
+    (gateway/completion.py), from who asked (`Asked`), the prompt as read, what the hops produced (`Output`,
+    `Staging`), how it ended (`Ending`) and its plans; its report may add the prompt's count after that."""
 
     request_id: str
     kind: str
@@ -186,9 +203,24 @@ class RequestTrace:
 
     gaps: list[float] = field(default_factory=list, repr=False)
 
-    def take(self, output: Output, staging: Staging | None = None, ending: Ending | None = None) -> None:
-        """What the decoders (and the prefill hop) produced, and how the request ended, put on the record as
-        the request ends."""
+    def take(
+        self,
+        output: Output,
+        staging: Staging | None = None,
+        ending: Ending | None = None,
+        *,
+        asked: Asked | None = None,
+        prompt: tuple[int | None, float | None] | None = None,
+    ) -> None:
+        """Who asked, the prompt as read (its tokens, None where its count comes later, and the seconds its
+        reading took), what the decoders (and the prefill hop) produced, and how the request ended, put on the
+        record as the request ends."""
+        if asked is not None:
+            self.started, self.queue_seconds = asked.started, asked.queue_seconds
+            self.tenant, self.model, self.adapter = asked.tenant, asked.model, asked.adapter
+            self.key_id, self.arm = asked.key_id, asked.arm
+        if prompt is not None:
+            self.prompt_tokens, self.tokenize_seconds = prompt
         if ending is not None:
             self.status, self.outcome, self.error = ending.status, ending.outcome, ending.error
             self.continuations, self.continued_after = ending.continuations, ending.continued_after
