@@ -44,9 +44,9 @@ REASONS = {
 # After a refusal, how long and how much of what the client still sends is read (and dropped) before
 # the connection closes, so that the refusal is read rather than reset away.
 LINGER_SECONDS = 2.0
-# How early a timer may go off and still count as on time (uvloop's timers go off to the millisecond).
-TIMER_SLACK = 0.001
 LINGER_BYTES = 64 * 1024 * 1024
+# How early a deadline's timer may go off and still count as on time (uvloop's go off to the millisecond).
+TIMER_SLACK = 0.001
 
 
 @dataclass(frozen=True)
