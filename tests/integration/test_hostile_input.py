@@ -761,7 +761,7 @@ async def test_a_kept_alive_connection_has_each_requests_deadlines_from_its_own_
     """The listener keeps one timer per connection, set when the connection opens and moved on request by
     request: a next request whose head arrives in two parts, across the time the first request's timeout
     would have run out, is served; a head left half sent is refused at its own request's timeout."""
-    timeout = 2.0
+    timeout = 3.0
     settings = cluster_settings(
         cluster, tokenizer_dir, threshold=THRESHOLD, client_header_timeout=timeout, client_body_timeout=timeout
     )

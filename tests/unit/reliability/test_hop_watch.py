@@ -172,9 +172,11 @@ def test_a_hang_opens_the_breaker_at_once() -> None:
     assert endpoint.breaker.times_opened == 1
 
 
-def learned_watch(endpoint: Endpoint, engine: Engine, deadlines: HopDeadlines, *, cap: float = 30.0) -> HopWatch | None:
-    """The watch of a prefill of 100 tokens judged by `deadlines` (floor 0.05 s, four times the usual)."""
-    policy = DeadlinePolicy(factor=4.0, floor=0.05, samples=1)
+def learned_watch(
+    endpoint: Endpoint, engine: Engine, deadlines: HopDeadlines, *, cap: float = 30.0, floor: float = 0.05
+) -> HopWatch | None:
+    """The watch of a prefill of 100 tokens judged by `deadlines` (four times the usual, at least `floor`)."""
+    policy = DeadlinePolicy(factor=4.0, floor=floor, samples=1)
     return watch_hop(
         endpoint,
         tokens=100,
@@ -209,7 +211,7 @@ async def test_a_hop_over_before_its_first_look_never_works_its_deadline_out() -
     deadlines = HopDeadlines()
     deadlines.learn("prefill", (100,), 0.05)
     asked: list[bool] = []
-    hop_watch = learned_watch(endpoint, engine, deadlines)
+    hop_watch = learned_watch(endpoint, engine, deadlines, floor=0.5)  # a first look far past the hop's end
     assert hop_watch is not None
     settle = hop_watch._settle
     assert settle is not None
@@ -220,7 +222,7 @@ async def test_a_hop_over_before_its_first_look_never_works_its_deadline_out() -
 
     hop_watch._settle = counted
     await hop(hop_watch, 0.01)
-    await asyncio.sleep(0.1)  # past where the first look would have come
+    await asyncio.sleep(0.6)  # past where the first look would have come
     assert asked == [] and hop_watch.verdict is None
 
 
