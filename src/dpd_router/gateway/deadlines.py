@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -81,18 +81,19 @@ class CostBound:
 
     def expected(self, size: Sequence[int]) -> float | None:
         """The expected seconds of a hop of `size`; None before any hop was learned."""
-        return expected_of(tuple(self._seen), size)
+        return expected_of(self._seen, size)
 
     def seen(self) -> Seen:
         """The hops learned so far, as they stand now (for an estimate made later: `expected_of`)."""
         return tuple(self._seen)
 
 
-# Completed hops: each one's size (every dimension at least 1) and seconds.
-Seen = tuple[tuple[tuple[int, ...], float], ...]
+# A completed hop: its size (every dimension at least 1) and seconds; `Seen`, the hops of a window as they stood.
+Hop = tuple[tuple[int, ...], float]
+Seen = tuple[Hop, ...]
 
 
-def expected_of(seen: Seen, size: Sequence[int]) -> float | None:
+def expected_of(seen: Collection[Hop], size: Sequence[int]) -> float | None:
     """The expected seconds of a hop of `size` from the hops `seen` (CostBound's estimate); None for none."""
     if not seen:
         return None
