@@ -41,6 +41,9 @@ from tests.integration.conftest import openai_client as integration_openai_clien
 THRESHOLD = 256
 ANSWER_TOKENS = 24
 REQUEST_TIMEOUT = 300.0
+# A router's start (its tokenizer loaded and checked) in the test process: 2 s here, and a starved CI machine
+# has stretched the test process's steps by fifty times and more.
+STARTUP_TIMEOUT = 300.0
 
 _REPORT = (
     "the report shows steady growth in every region with costs held flat and new customers arriving faster "
@@ -86,7 +89,7 @@ async def metric_total(base_url: str, name: str, **labels: str) -> float:
     """The sum of every sample called `name` (over the labels not given) on a Prometheus endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    async with local_client(timeout=30.0) as client:
+    async with local_client(timeout=REQUEST_TIMEOUT) as client:
         response = await client.get(f"{base_url}/metrics")
         response.raise_for_status()
     total = 0.0
@@ -254,8 +257,13 @@ def router_for(pair: VllmPair, **settings: Any) -> AbstractAsyncContextManager[s
         # engine's step over a long prompt takes seconds, which a probe waits for: silence here is not a
         # hang, as it would be on a GPU engine (the hang watch is tested on simulated engines).
         "hang_probe_timeout": 0,
+        # The router serves in the test process's event loop, which a starved CI machine has held for tens of
+        # seconds (a client's connect timed out at 30 s): a client's request written after such a hold must
+        # not find its connection's header timeout (10 s) gone meanwhile, as one did (408 on /metrics).
+        "client_header_timeout": REQUEST_TIMEOUT,
+        "client_body_timeout": REQUEST_TIMEOUT,
     }
-    return running_router(**{**defaults, **settings})
+    return running_router(startup_within=STARTUP_TIMEOUT, **{**defaults, **settings})
 
 
 async def ask(base_url: str, kind: str, prompt: str, *, stream: bool, **extra: Any) -> tuple[str, Any]:

@@ -56,5 +56,15 @@ class StallWatch:
             last, since, stack = here, now, ""
 
     def report(self) -> list[str]:
-        longest = sorted(self.stalls, key=lambda stall: -stall.seconds)[:10]
-        return [f"{stall.at}: {stall.seconds:.1f} s on\n{stall.stack}" for stall in longest]
+        """The ten longest holds with their stacks, the longest last, then a line listing them all: a CI log
+        shows a run's last lines."""
+        longest = sorted(self.stalls, key=lambda stall: stall.seconds)[-10:]
+        lines = [f"{stall.at}: {stall.seconds:.1f} s on\n{stall.stack}" for stall in longest]
+        if self.stalls:
+            held = sorted(self.stalls, key=lambda stall: -stall.seconds)
+            total = sum(stall.seconds for stall in held)
+            lines.append(
+                f"held {len(held)} times, {total:.0f} s in all; longest: "
+                + ", ".join(f"{stall.seconds:.1f} s at {stall.at}" for stall in held[:8])
+            )
+        return lines

@@ -117,7 +117,7 @@ async def test_continuous_usage_reaches_the_client_as_the_decoder_wrote_it(
 
 
 async def test_healthcheck_answers_as_health(router: str) -> None:
-    async with local_client(base_url=router, timeout=30) as client:
+    async with local_client(base_url=router, timeout=REQUEST_TIMEOUT) as client:
         health, healthcheck = await client.get("/health"), await client.get("/healthcheck")
     assert healthcheck.status_code == health.status_code == 200
 

@@ -45,14 +45,15 @@ async def cluster(tokenizer_dir: Path) -> AsyncIterator[SimCluster]:
 
 
 @asynccontextmanager
-async def running_router(**settings: Any) -> AsyncIterator[str]:
-    """The router app served by uvicorn on a free 127.0.0.1 port; yields its base URL."""
+async def running_router(*, startup_within: float = 30, **settings: Any) -> AsyncIterator[str]:
+    """The router app served by uvicorn on a free 127.0.0.1 port, started within `startup_within` seconds;
+    yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio turns Nagle off
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = load_settings(host="127.0.0.1", port=port, health_interval=0.5, **settings)
-    async with serving(build_server(config, loop="none", lifespan="on"), sock):
+    async with serving(build_server(config, loop="none", lifespan="on"), sock, within=startup_within):
         yield f"http://127.0.0.1:{port}"
 
 
