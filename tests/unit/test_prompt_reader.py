@@ -23,6 +23,7 @@ from dpd_router.prompt.context_window import check_context_length
 from dpd_router.prompt.tokenizer import (
     _BOUNDARY,
     WINDOW_LEFT_TO_ENGINES,
+    WORDS_INLINE_SHARE,
     LocalTokenizer,
     Prompt,
     PromptReader,
@@ -399,8 +400,9 @@ async def test_a_window_far_above_the_estimate_is_left_to_the_engines_and_a_near
 async def test_a_prompt_below_the_threshold_by_its_bytes_is_encoded_off_the_requests_path(
     local: LocalTokenizer,
 ) -> None:
-    text = text_of(600, 2)
-    assert 2048 < len(text) < 8192 - 64
+    # Past what is encoded on the event loop: twice the inline size, where a chat's words are kept (WordCache).
+    text = text_of(1200, 2)
+    assert WORDS_INLINE_SHARE * 2048 < len(text) < 8192 - 64
     request = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": text}]}))
     settings = load_settings(decode_urls=["http://127.0.0.1:8200"], routing_threshold=8192)
     planner = build_planner(settings, Pool([], settings.decode_urls), RouterMetrics())

@@ -32,10 +32,11 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from dpd_router.prompt.bounds import Bound, longest_token_bytes, prompt_bound, words_in
+from dpd_router.prompt.bounds import BYTE_LEVEL, Bound, longest_token_bytes, prompt_bound, words_in
 from dpd_router.prompt.chat_inputs import client_template, template_inputs
 from dpd_router.prompt.chat_render import PlainChatTemplate
 from dpd_router.prompt.template_sandbox import RenderedTooLarge, TemplateSandbox
+from dpd_router.prompt.word_cache import BOUNDARY, WORD_CACHE_MAX_CHARS, WordCache, cut_apart, encode_apart_of
 from dpd_router.request.client_request import MANY_CONTAINERS, ClientRequest
 from dpd_router.request.errors import InvalidRequest, UpstreamError
 from dpd_router.request.frozen import evolve
@@ -110,6 +111,10 @@ LARGE_REQUEST_BYTES = 1 << 20
 # 256 kB message through the plain template 22 us.
 INLINE_RENDER_CONTAINERS = 64
 INLINE_RENDER_BYTES = 256 * 1024
+# How many more characters of a chat prompt's head are read on the event loop where its words are kept (see
+# WordCache): found, they cost a tenth of encoding them or less; a head of words not seen before is encoded
+# whole at twice the hold of one of `tokenize_inline_max_chars`.
+WORDS_INLINE_SHARE = 2
 # Characters of kept chat pieces looked up (hashed, their ids copied) for the cost of encoding one: measured
 # about 5 ns a character against 300 (a head going on through 75 kB of kept history took 0.4 ms).
 LOOKUP_COST_SHARE = 64
@@ -142,6 +147,7 @@ class LocalTokenizer:
         on_background_skip: Callable[[], None] | None = None,
         count_whole: bool = False,
         piece_cache_chars: int = 8_000_000,
+        word_cache: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         # The template alone renders a plain conversation, where it renders the startup probes exactly.
@@ -164,6 +170,7 @@ class LocalTokenizer:
         # tokens their plan wants. None until a head was read.
         self.chars_per_token: float | None = None
         self._pieces: PieceCache | None = None  # set below, once heads are known to read right without it
+        self._words: WordCache | None = None  # likewise
         # What the tokenizer's shape proves of a text's tokens by its bytes (None: nothing, so every prompt
         # is counted whole), as far as the probe text shows it too.
         self.bound = None if self._backend is None else prompt_bound(self._backend)
@@ -173,6 +180,12 @@ class LocalTokenizer:
         self.reads_heads = self.bound is not None and self.bound.heads and self._heads_agree(_PROBE_TEXT)
         # Whether a prompt holds at least as many tokens as words (PromptReader.at_least).
         self.words_bound = self.bound is not None and self.bound.words and self._words_apart(_PROBE_TEXT)
+        # A text's encoding from its words' kept encodings: where the startup check shows the probe texts
+        # encode so as the tokenizer encodes them (see word_cache.py).
+        if self._encode_batch is not None and self.reads_heads and word_cache and self.bound is not None:
+            words = WordCache(encode_apart_of(self._encode_batch), self._plain_whole)
+            if self.bound.kind == BYTE_LEVEL and cut_apart(self._backend) and self._words_agree(words):
+                self._words = words
         # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
         # messages only. Only where the startup check shows a text encodes as its pieces do.
         if self._backend is not None and self.reads_heads and piece_cache_chars > 0:
@@ -216,6 +229,15 @@ class LocalTokenizer:
                 return False
         return True
 
+    def _words_agree(self, words: WordCache) -> bool:
+        """Whether the probe texts (added tokens among them), their heads and a text of their lines in another
+        order encode from their kept words as the tokenizer encodes them, the second time (found) as the first
+        (encoded apart)."""
+        probe = _PROBE_TEXT + "".join(self._tokenizer.all_special_tokens) + " " + _PROBE_TEXT[::-1]
+        lines = probe.splitlines(keepends=True)
+        texts = [probe, "".join(reversed(lines)), *(probe[: match.start()] for match in _BOUNDARY.finditer(probe))]
+        return all(words.encode(text) == self._plain_whole(text) for text in texts + texts)
+
     def _pieces_agree(self, pieces: PieceCache, text: str) -> bool:
         """Whether `text` (added tokens among ordinary text) encodes as its pieces do, whole and in every
         head PromptReader may cut: no normalizer or pattern reaches across an added token."""
@@ -239,6 +261,8 @@ class LocalTokenizer:
         )
         if self.words_bound:
             parts.append("words bound them from below")
+        if self._words is not None:
+            parts.append("words are kept")
         if self._pieces is not None:
             parts.append("chat pieces are kept")
         return ", ".join(parts)
@@ -262,7 +286,9 @@ class LocalTokenizer:
         started = time.perf_counter()
         rendered = await self._render_apart(request, max_tokens)
         work = self._work_for(request, rendered, max_tokens)
-        lane = self._lane(len(request.raw) if rendered is None else len(rendered))
+        lane = self._lane(
+            len(request.raw) if rendered is None else len(rendered), words=request.template_body is not None
+        )
         if lane is not None:
             abandoned = threading.Event()
             try:
@@ -305,9 +331,12 @@ class LocalTokenizer:
             started=started,
         )
 
-    def _lane(self, size: int) -> ThreadPoolExecutor | None:
-        """The threads that encode a text of `size` characters; None: at once, on the event loop."""
-        if size <= self._inline_max_chars:
+    def _lane(self, size: int, *, words: bool = False) -> ThreadPoolExecutor | None:
+        """The threads that encode a text of `size` characters; None: at once, on the event loop. `words`:
+        a text without the post-processor's tokens, put together from its kept words where they are kept
+        (see WordCache), which costs a fraction as much."""
+        share = WORDS_INLINE_SHARE if words and self._words is not None else 1
+        if size <= self._inline_max_chars * share:
             return None
         return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
 
@@ -322,7 +351,7 @@ class LocalTokenizer:
         start = after.whole_end if after is not None and self._pieces is not None and not special else 0
         # Going on through kept pieces costs their lookup: about a sixtieth of encoding as much text.
         onward_cost = (len(text) - cut) // LOOKUP_COST_SHARE if onward and self._pieces is not None else 0
-        lane = self._lane(max(cut - start, onward_cost))
+        lane = self._lane(max(cut - start, onward_cost), words=not special)
         if lane is None:
             return self._head(text, cut, special, after, onward)
         return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special, after, onward)
@@ -343,6 +372,14 @@ class LocalTokenizer:
         return Head(ids[:known], end, len(ids))
 
     def _plain(self, text: str) -> list[int]:
+        """The text's ids without special tokens or offsets: from its kept words where the word cache is on
+        and the text not too long to hold the GIL for (in a tokenizing thread), else from the Rust core."""
+        words = self._words
+        if words is not None and len(text) <= WORD_CACHE_MAX_CHARS:
+            return words.encode(text)
+        return self._plain_whole(text)
+
+    def _plain_whole(self, text: str) -> list[int]:
         """The text's ids without special tokens or offsets, from the Rust core (which releases the GIL).
         One text a call: a batch call would spread over every core (see BackgroundEncoder)."""
         assert self._encode_batch is not None
@@ -359,7 +396,7 @@ class LocalTokenizer:
 
     async def encode_whole(self, text: str, *, special: bool) -> list[int]:
         """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
-        lane = self._lane(len(text))
+        lane = self._lane(len(text), words=not special)
         if lane is None:
             return self._encode(text, special=special)
         return await asyncio.get_running_loop().run_in_executor(lane, lambda: self._encode(text, special=special))
@@ -371,7 +408,7 @@ class LocalTokenizer:
 
     def encode_at_once(self, text: str, *, special: bool) -> list[int] | None:
         """The ids of `text`, encoded on the event loop if it is small enough to be (None: it is not)."""
-        if self._lane(len(text)) is not None:
+        if self._lane(len(text), words=not special) is not None:
             return None
         return self._encode(text, special=special)
 
@@ -426,8 +463,10 @@ class LocalTokenizer:
             raise PromptTooLong(at_least)
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
-        if self._pieces is not None and not special:
+        if not special and self._pieces is not None:
             return self._pieces.encode(text)
+        if not special and self._words is not None:
+            return self._plain(text)
         if self._encode_batch is None:
             return list(self._tokenizer.encode(text, add_special_tokens=special))
         # The batch call without offsets: the cheapest the Rust core has, and it releases the GIL.
@@ -770,7 +809,7 @@ DENSITY_WEIGHT = 0.1
 # How far back from a wanted cut a boundary is looked for; none there and the text is read whole.
 _BOUNDARY_WINDOW = 4096
 # A space right after a non-space character: a pre-tokenizer splits just before it.
-_BOUNDARY = re.compile(r"(?<=\S) ")
+_BOUNDARY = BOUNDARY
 
 
 class PromptReader:
