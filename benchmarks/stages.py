@@ -102,7 +102,8 @@ STAGE_MAP: dict[str, tuple[str, ...]] = {
         "dpd_router/api/openai.py:_read_body", "dpd_router/api/openai.py:_resolve_model",
     ),
     "tokenize": (
-        "dpd_router/prompt/tokenizer.py", "dpd_router/prompt/template_sandbox.py", "transformers/", "tokenizers/",
+        "dpd_router/prompt/tokenizer.py", "dpd_router/prompt/word_cache.py", "dpd_router/prompt/bounds.py",
+        "dpd_router/prompt/template_sandbox.py", "transformers/", "tokenizers/",
         "jinja2/", "markupsafe/", "<template>",
     ),
     "plan": ("dpd_router/routing/", "dpd_router/pool/"),
