@@ -677,8 +677,8 @@ class Settings(BaseSettings):
         ge=0,
         description="Prompts longer than this many characters are tokenized in a worker thread, so a long "
         "prompt does not hold up the event loop (bodies over 1 MiB in a lane of their own); shorter ones are "
-        "encoded on the event loop, which costs less than the hand-off to a thread. A chat prompt put together "
-        "from the words the router keeps (byte-level BPE tokenizers) is read on the event loop up to twice this.",
+        "encoded on the event loop, which costs less than the hand-off to a thread. A prompt put together from "
+        "the words the router keeps (byte-level BPE tokenizers) is read on the event loop up to twice this.",
         json_schema_extra=_meta("server"),
     )
     tokenizer_threads: int = Field(

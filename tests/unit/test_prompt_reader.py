@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import shutil
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -426,9 +427,11 @@ async def test_a_small_prompt_is_encoded_whole_at_once_rather_than_in_the_backgr
 
 
 def spy_encodings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the texts every LocalTokenizer encodes from now on (heads, whole texts, pieces), in turn."""
+    """The sizes of the texts every LocalTokenizer encodes from now on (heads, whole texts, pieces), in turn:
+    a whole text's, not again its own parts' (a text prompt's words are encoded by `_plain`)."""
     encoded: list[int] = []
     ids_and_offsets, encode, plain = LocalTokenizer._ids_and_offsets, LocalTokenizer._encode, LocalTokenizer._plain
+    within = threading.local()
 
     def spy_head(self: LocalTokenizer, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
         encoded.append(len(text))
@@ -436,10 +439,15 @@ def spy_encodings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def spy_whole(self: LocalTokenizer, text: str, *, special: bool) -> list[int]:
         encoded.append(len(text))
-        return encode(self, text, special=special)
+        within.whole = True
+        try:
+            return encode(self, text, special=special)
+        finally:
+            within.whole = False
 
     def spy_plain(self: LocalTokenizer, text: str) -> list[int]:
-        encoded.append(len(text))
+        if not getattr(within, "whole", False):
+            encoded.append(len(text))
         return plain(self, text)
 
     monkeypatch.setattr(LocalTokenizer, "_ids_and_offsets", spy_head)

@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dpd_router.prompt.tokenizer import LocalTokenizer, read_prompt
-from dpd_router.prompt.word_cache import MOST_ENCODED_APART, WordCache, encode_apart_of
+from dpd_router.prompt.word_cache import BOUNDARY, MOST_ENCODED_APART, WordCache, encode_apart_of
 from dpd_router.request.client_request import parse_request
 from dpd_sim.tokenizer_kit import _WORDS
 from tests.tokenizer_families import build as build_family
@@ -164,3 +164,25 @@ def test_other_families_and_a_pattern_that_looks_behind_keep_no_words(
     local = LocalTokenizer(behind, inline_max_chars=2048, threads=1)
     assert local._words is None
     local.close()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(PIECES), max_size=60).map("".join))
+def test_a_text_prompt_from_its_kept_words_encodes_with_the_post_processors_tokens(
+    kept: LocalTokenizer, text: str
+) -> None:
+    """A text prompt (the post-processor's BOS before it) whole, and each head the reader may cut: its tokens
+    start the whole encoding, and it counts as the head encoded with its BOS does."""
+    assert kept._affixes is not None
+    whole = kept._tokenizer.encode(text, add_special_tokens=True)
+    assert kept._encode(text, special=True) == whole
+    for match in BOUNDARY.finditer(text):
+        head = kept._head(text, match.start(), True)
+        assert list(head.ids) == whole[: len(head.ids)]
+        assert head.count == len(kept._tokenizer.encode(text[: match.start()], add_special_tokens=True))
+        assert head.end == match.start()
+
+
+@pytest.fixture(scope="module")
+def kept(tokenizer_dir: Path) -> LocalTokenizer:
+    return LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)

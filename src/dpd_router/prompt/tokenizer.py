@@ -111,7 +111,7 @@ LARGE_REQUEST_BYTES = 1 << 20
 # 256 kB message through the plain template 22 us.
 INLINE_RENDER_CONTAINERS = 64
 INLINE_RENDER_BYTES = 256 * 1024
-# How many more characters of a chat prompt's head are read on the event loop where its words are kept (see
+# How many more characters of a prompt's head are read on the event loop where its words are kept (see
 # WordCache): found, they cost a tenth of encoding them or less; a head of words not seen before is encoded
 # whole at twice the hold of one of `tokenize_inline_max_chars`.
 WORDS_INLINE_SHARE = 2
@@ -171,6 +171,8 @@ class LocalTokenizer:
         self.chars_per_token: float | None = None
         self._pieces: PieceCache | None = None  # set below, once heads are known to read right without it
         self._words: WordCache | None = None  # likewise
+        # The tokens the post-processor puts before and after a text, where the words are kept (else None).
+        self._affixes: tuple[list[int], list[int]] | None = None
         # What the tokenizer's shape proves of a text's tokens by its bytes (None: nothing, so every prompt
         # is counted whole), as far as the probe text shows it too.
         self.bound = None if self._backend is None else prompt_bound(self._backend)
@@ -186,6 +188,7 @@ class LocalTokenizer:
             words = WordCache(encode_apart_of(self._encode_batch), self._plain_whole)
             if self.bound.kind == BYTE_LEVEL and cut_apart(self._backend) and self._words_agree(words):
                 self._words = words
+                self._affixes = self._special_affixes()
         # The encodings of the text between added tokens, kept: a conversation sent again encodes its new
         # messages only. Only where the startup check shows a text encodes as its pieces do.
         if self._backend is not None and self.reads_heads and piece_cache_chars > 0:
@@ -238,6 +241,26 @@ class LocalTokenizer:
         texts = [probe, "".join(reversed(lines)), *(probe[: match.start()] for match in _BOUNDARY.finditer(probe))]
         return all(words.encode(text) == self._plain_whole(text) for text in texts + texts)
 
+    def _special_affixes(self) -> tuple[list[int], list[int]] | None:
+        """The tokens the post-processor puts before and after a text (a BOS, an EOS), where the probe text,
+        its heads, its lines in another order and an empty text each encode with them as those around its
+        encoding without them; None where one does not (a text prompt is then encoded by the Rust core)."""
+        plain = self._plain_whole(_PROBE_TEXT)
+        whole = self._special_whole(_PROBE_TEXT)
+        starts = [at for at in range(len(whole) - len(plain) + 1) if whole[at : at + len(plain)] == plain]
+        if len(starts) != 1:
+            return None
+        before, after = whole[: starts[0]], whole[starts[0] + len(plain) :]
+        texts = ["", "".join(reversed(_PROBE_TEXT.splitlines(keepends=True)))]
+        texts += [_PROBE_TEXT[: match.start()] for match in _BOUNDARY.finditer(_PROBE_TEXT)]
+        if any(self._special_whole(text) != before + self._plain_whole(text) + after for text in texts):
+            return None
+        return before, after
+
+    def _special_whole(self, text: str) -> list[int]:
+        assert self._encode_batch is not None
+        return list(self._encode_batch([text], add_special_tokens=True)[0].ids)
+
     def _pieces_agree(self, pieces: PieceCache, text: str) -> bool:
         """Whether `text` (added tokens among ordinary text) encodes as its pieces do, whole and in every
         head PromptReader may cut: no normalizer or pattern reaches across an added token."""
@@ -287,7 +310,8 @@ class LocalTokenizer:
         rendered = await self._render_apart(request, max_tokens)
         work = self._work_for(request, rendered, max_tokens)
         lane = self._lane(
-            len(request.raw) if rendered is None else len(rendered), words=request.template_body is not None
+            len(request.raw) if rendered is None else len(rendered),
+            words=self._words_kept(special=request.template_body is None),
         )
         if lane is not None:
             abandoned = threading.Event()
@@ -333,10 +357,8 @@ class LocalTokenizer:
 
     def _lane(self, size: int, *, words: bool = False) -> ThreadPoolExecutor | None:
         """The threads that encode a text of `size` characters; None: at once, on the event loop. `words`:
-        a text without the post-processor's tokens, put together from its kept words where they are kept
-        (see WordCache), which costs a fraction as much."""
-        share = WORDS_INLINE_SHARE if words and self._words is not None else 1
-        if size <= self._inline_max_chars * share:
+        the text is put together from its kept words (see WordCache), which costs a fraction as much."""
+        if size <= self._inline_max_chars * (WORDS_INLINE_SHARE if words else 1):
             return None
         return self._large_executor if size > LARGE_REQUEST_BYTES else self._executor
 
@@ -351,16 +373,26 @@ class LocalTokenizer:
         start = after.whole_end if after is not None and self._pieces is not None and not special else 0
         # Going on through kept pieces costs their lookup: about a sixtieth of encoding as much text.
         onward_cost = (len(text) - cut) // LOOKUP_COST_SHARE if onward and self._pieces is not None else 0
-        lane = self._lane(max(cut - start, onward_cost), words=not special)
+        lane = self._lane(max(cut - start, onward_cost), words=self._words_kept(special=special))
         if lane is None:
             return self._head(text, cut, special, after, onward)
         return await asyncio.get_running_loop().run_in_executor(lane, self._head, text, cut, special, after, onward)
+
+    def _words_kept(self, *, special: bool) -> bool:
+        """Whether a text is put together from its kept words (with the post-processor's tokens: `special`)."""
+        return self._words is not None and (not special or self._affixes is not None)
 
     def _head(self, text: str, cut: int, special: bool, after: Head | None = None, onward: bool = False) -> Head:
         """A head's settled tokens (see PromptReader), the character they end at and its tokens in all.
         Without special tokens, every token of `text[:cut]` (with the piece cache, every piece before its
         last added token from the cache where it was seen before), encoded without offsets. With them, those
-        up to its last boundary before `cut`: a post-processor may end an encoding with its own tokens."""
+        up to its last boundary before `cut` (a post-processor may end an encoding with its own tokens), or,
+        where the words are kept and the post-processor's tokens known, those before the text and every token
+        of `text[:cut]`."""
+        if special and self._affixes is not None:
+            before, after_text = self._affixes
+            ids = before + self._plain(text[:cut])
+            return Head(ids, cut, len(ids) + len(after_text))
         if not special:
             if self._pieces is not None:
                 return self._pieces.head(text, cut, after, onward=onward)
@@ -396,7 +428,7 @@ class LocalTokenizer:
 
     async def encode_whole(self, text: str, *, special: bool) -> list[int]:
         """The ids of `text` (no offsets: about half the work), in the lane its size calls for."""
-        lane = self._lane(len(text), words=not special)
+        lane = self._lane(len(text), words=self._words_kept(special=special))
         if lane is None:
             return self._encode(text, special=special)
         return await asyncio.get_running_loop().run_in_executor(lane, lambda: self._encode(text, special=special))
@@ -408,7 +440,7 @@ class LocalTokenizer:
 
     def encode_at_once(self, text: str, *, special: bool) -> list[int] | None:
         """The ids of `text`, encoded on the event loop if it is small enough to be (None: it is not)."""
-        if self._lane(len(text), words=not special) is not None:
+        if self._lane(len(text), words=self._words_kept(special=special)) is not None:
             return None
         return self._encode(text, special=special)
 
@@ -463,6 +495,9 @@ class LocalTokenizer:
             raise PromptTooLong(at_least)
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
+        if special and self._affixes is not None:
+            before, after = self._affixes
+            return before + self._plain(text) + after
         if not special and self._pieces is not None:
             return self._pieces.encode(text)
         if not special and self._words is not None:
