@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dpd_router.prompt.tokenizer import LocalTokenizer, read_prompt
-from dpd_router.prompt.word_cache import BOUNDARY, MOST_ENCODED_APART, WordCache, encode_apart_of
+from dpd_router.prompt.word_cache import BOUNDARY, MOST_ENCODED_APART, WordCache, _cut_at_every_space, encode_apart_of
 from dpd_router.request.client_request import parse_request
 from dpd_sim.tokenizer_kit import _WORDS
 from tests.tokenizer_families import build as build_family
@@ -186,3 +186,12 @@ def test_a_text_prompt_from_its_kept_words_encodes_with_the_post_processors_toke
 @pytest.fixture(scope="module")
 def kept(tokenizer_dir: Path) -> LocalTokenizer:
     return LocalTokenizer.load(tokenizer_dir, inline_max_chars=2048, threads=1)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet=st.characters(max_codepoint=127), max_size=40))
+def test_an_ascii_text_is_cut_at_every_space_only_where_the_pattern_cuts_it_so(text: str) -> None:
+    """The fast split (at every space) is taken only where each space but one starting the text (a cut before
+    nothing) follows a non-space character, as the pattern's cuts do."""
+    after_space = any(text[at - 1].isspace() for at in range(1, len(text)) if text[at] == " ")
+    assert _cut_at_every_space(text) is not after_space
