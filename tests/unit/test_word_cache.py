@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from dpd_router.prompt.tokenizer import LocalTokenizer, read_prompt
 from dpd_router.prompt.word_cache import BOUNDARY, MOST_ENCODED_APART, WordCache, _cut_at_every_space, encode_apart_of
 from dpd_router.request.client_request import parse_request
-from dpd_sim.tokenizer_kit import _WORDS
+from dpd_sim.tokenizer_kit import _WORDS, SPECIAL_TOKENS
 from tests.tokenizer_families import build as build_family
 
 # Llama 3's pattern (Qwen 2's differs in its digits): a pre-tokenizer of its own, beside the simulator's GPT-2 one.
@@ -34,6 +34,7 @@ PIECES = (
     *"abcXYZ019 .,;'!?-_()\n\t\r\x0b\x0c\x1c\x1f\x85\xa0",
     *("\u2000", "\u3000", "é", "漢", "🙂", "\u2019", "'s", "'S", "  ", "\n\n", " \n", " 123", "4567", "don't"),
     *_WORDS[:50],
+    *SPECIAL_TOKENS,  # added tokens inside a text: the tokenizer splits on them first
 )
 
 
@@ -66,7 +67,7 @@ def test_a_text_from_its_kept_words_encodes_as_the_tokenizer_encodes_it(
     backends: dict[str, Any], pattern: str, texts: list[str]
 ) -> None:
     backend = backends[pattern]
-    words = cache_of(backend, chunks=8)  # a generation of 8: what is kept is dropped as it goes
+    words = cache_of(backend, generation_bytes=2000)  # about a dozen chunks: what is kept is dropped as it goes
     for text in texts + texts:  # the second time, from what was kept
         assert words.encode(text) == whole(backend, text), repr(text)
 

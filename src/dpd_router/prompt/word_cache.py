@@ -9,7 +9,7 @@ its space, and its encoding the chunks' encodings in turn, each as the chunk enc
 
 Text repeats its words: a chunk seen before costs a dictionary lookup, where the tokenizer's Rust core
 spends about a microsecond a word, most of it in its regex pre-tokenizer (a 3 kB chat message: 0.7 ms
-encoded, about 0.05 ms from its kept chunks). The chunks not kept are encoded alone, in one call.
+encoded, about 0.1 ms from its kept chunks). The chunks not kept are encoded alone, in one call.
 LocalTokenizer uses this only where its startup check shows the probe texts encode as the tokenizer
 encodes them; tests/unit/test_word_cache.py holds it to the tokenizer over random texts.
 """
@@ -32,8 +32,13 @@ BOUNDARY = re.compile(r"(?<=\S) ")
 _SPACES_MARKED = bytes(10 if chr(byte).isspace() and byte != 32 else byte for byte in range(256))
 # Chunks longer than this are encoded every time, not kept: one such entry would hold as much as many words.
 KEPT_CHUNK_CHARS = 128
-# Chunks kept in a generation (see _Kept): about 10 MB in all.
-CHUNKS_A_GENERATION = 1 << 15
+# What a generation (see _Kept) holds at most, in bytes as counted in `_Kept.put`: a chunk's characters, its
+# ids (an int object and a tuple slot each) and the entry around them. Two generations of chunks after a
+# text's first and two of first chunks (an eighth as much): about 18 MB at most, however long the chunks
+# (tracemalloc: two generations of words of 3-12 letters and two ids each, 43,000 and 25,000 of them, 14 MB).
+BYTES_A_GENERATION = 8 << 20
+_ENTRY_BYTES = 112  # a dictionary slot, the key's str header, the tuple's header
+_ID_BYTES = 36
 # Texts longer than this are encoded by the Rust core, which releases the GIL: put together from their kept
 # words in a tokenizing thread, they would hold it from the event loop (about 20 ns a character).
 WORD_CACHE_MAX_CHARS = 16 * 1024
@@ -46,10 +51,11 @@ class _Kept:
     """Chunks' ids in two generations: the young one takes what is found or encoded; once full it becomes
     the old one (the one before dropped), whose chunks move back to the young one when found."""
 
-    __slots__ = ("limit", "old", "young")
+    __slots__ = ("limit", "old", "size", "young")
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
+        self.limit = limit  # bytes a generation holds (see BYTES_A_GENERATION)
+        self.size = 0  # of the young generation
         self.young: dict[str, tuple[int, ...]] = {}
         self.old: dict[str, tuple[int, ...]] = {}
 
@@ -62,9 +68,11 @@ class _Kept:
     def put(self, chunk: str, ids: tuple[int, ...]) -> None:
         if len(chunk) > KEPT_CHUNK_CHARS:
             return
-        if len(self.young) >= self.limit:
-            self.old, self.young = self.young, {}
+        size = len(chunk) + _ENTRY_BYTES + _ID_BYTES * len(ids)
+        if self.size + size > self.limit:
+            self.old, self.young, self.size = self.young, {}, 0
         self.young[chunk] = ids
+        self.size += size
 
 
 class WordCache:
@@ -79,14 +87,14 @@ class WordCache:
         encode_apart: Callable[[list[str]], Sequence[Sequence[int]]],
         encode: Callable[[str], list[int]],
         *,
-        chunks: int = CHUNKS_A_GENERATION,
+        generation_bytes: int = BYTES_A_GENERATION,
     ) -> None:
         self._encode_apart = encode_apart
         self._encode = encode
         # The chunks after a text's first, by their text without the space they start with; a text's first
         # chunk (no space before it) apart, by its text.
-        self._spaced = _Kept(chunks)
-        self._first = _Kept(chunks // 8)
+        self._spaced = _Kept(generation_bytes)
+        self._first = _Kept(generation_bytes // 8)
         self.hits = 0
         self.misses = 0
 
