@@ -57,7 +57,7 @@ def whole(backend: Any, text: str) -> list[int]:
 
 
 def cache_of(backend: Any, **options: Any) -> WordCache:
-    return WordCache(encode_apart_of(backend.encode_batch_fast), lambda text: whole(backend, text), **options)
+    return WordCache(encode_apart_of(backend), lambda text: whole(backend, text), **options)
 
 
 @pytest.mark.parametrize("pattern", ["gpt2", "llama3"])
@@ -75,7 +75,7 @@ def test_a_text_from_its_kept_words_encodes_as_the_tokenizer_encodes_it(
 def test_a_text_of_words_seen_before_encodes_only_its_new_ones(backends: dict[str, Any]) -> None:
     backend = backends["gpt2"]
     apart: list[list[str]] = []
-    encode_apart = encode_apart_of(backend.encode_batch_fast)
+    encode_apart = encode_apart_of(backend)
 
     def spy(texts: list[str]) -> list[Any]:
         apart.append(texts)

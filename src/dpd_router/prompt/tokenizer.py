@@ -185,7 +185,7 @@ class LocalTokenizer:
         # A text's encoding from its words' kept encodings: where the startup check shows the probe texts
         # encode so as the tokenizer encodes them (see word_cache.py).
         if self._encode_batch is not None and self.reads_heads and word_cache and self.bound is not None:
-            words = WordCache(encode_apart_of(self._encode_batch), self._plain_whole)
+            words = WordCache(encode_apart_of(self._backend), self._plain_whole)
             if self.bound.kind == BYTE_LEVEL and cut_apart(self._backend) and self._words_agree(words):
                 self._words = words
                 self._affixes = self._special_affixes()
