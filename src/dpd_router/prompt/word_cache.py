@@ -129,32 +129,32 @@ class WordCache:
             head = self._first.from_old(first)
         apart = [" " + part for part in missing]
         if head is None:
-            apart.append(first)
+            apart.append(first)  # last: see _learn
         self.hits += len(rest) + 1 - len(apart)
         self.misses += len(apart)
         if len(apart) > MOST_ENCODED_APART:
             # Some of them kept all the same, so that a run of new texts still fills the cache, at a bounded
             # cost each.
-            self._learn(apart[:MOST_ENCODED_APART], first)
+            self._learn(apart[:MOST_ENCODED_APART], first_last=False)
             return None
-        fresh = self._learn(apart, first)
+        fresh = self._learn(apart, first_last=head is None)
+        by_part = dict(zip(missing, fresh, strict=False))  # the spaced chunks come first, in `missing`'s order
         for index in absent:
             if found[index] is None:
-                found[index] = fresh[" " + rest[index]]
-        return fresh[first] if head is None else head
+                found[index] = by_part[rest[index]]
+        return fresh[-1] if head is None else head
 
-    def _learn(self, chunks: list[str], first: str) -> dict[str, tuple[int, ...]]:
-        """The chunks' encodings, each alone, by chunk (`first`, a text's first chunk, among them or not);
-        kept."""
-        fresh: dict[str, tuple[int, ...]] = {}
+    def _learn(self, chunks: list[str], *, first_last: bool) -> list[tuple[int, ...]]:
+        """The chunks' encodings, each alone, in turn; kept. Each starts with its space (kept without it), but
+        the last where `first_last` says it is a text's first chunk."""
         if not chunks:
-            return fresh
-        for chunk, ids in zip(chunks, self._encode_apart(chunks), strict=True):
-            kept = fresh[chunk] = tuple(ids)
-            if chunk is first:
-                self._first.put(chunk, kept)
+            return []
+        fresh = [tuple(ids) for ids in self._encode_apart(chunks)]
+        for index, (chunk, ids) in enumerate(zip(chunks, fresh, strict=True)):
+            if first_last and index == len(chunks) - 1:
+                self._first.put(chunk, ids)
             else:
-                self._spaced.put(chunk[1:], kept)
+                self._spaced.put(chunk[1:], ids)
         return fresh
 
 
