@@ -18,7 +18,14 @@ from tokenizers import Regex, Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dpd_router.prompt.tokenizer import LocalTokenizer, read_prompt
-from dpd_router.prompt.word_cache import BOUNDARY, MOST_ENCODED_APART, WordCache, _cut_at_every_space, encode_apart_of
+from dpd_router.prompt.word_cache import (
+    _ENTRY_BYTES,
+    BOUNDARY,
+    MOST_ENCODED_APART,
+    WordCache,
+    _cut_at_every_space,
+    encode_apart_of,
+)
 from dpd_router.request.client_request import parse_request
 from dpd_sim.tokenizer_kit import _WORDS, SPECIAL_TOKENS
 from tests.tokenizer_families import build as build_family
@@ -115,6 +122,19 @@ def test_a_long_chunk_is_encoded_each_time_not_kept(backends: dict[str, Any]) ->
     for _ in range(2):
         assert words.encode(text) == whole(backend, text)
     assert words.misses == 3 + 1  # the first word, the long one twice, the last word once
+
+
+def test_what_is_kept_stays_within_two_generations_of_its_bytes(backends: dict[str, Any]) -> None:
+    backend = backends["gpt2"]
+    words = cache_of(backend, generation_bytes=4000)
+    for index in range(300):
+        text = " ".join(f"w{index}x{other}" for other in range(20))  # every word new
+        assert words.encode(text) == whole(backend, text)
+    for kept in (words._spaced, words._first):
+        assert kept.size <= kept.limit
+        # Each entry counts at least its overhead: no more of them than two generations of that hold.
+        assert len(kept.young) + len(kept.old) <= 2 * kept.limit // _ENTRY_BYTES
+    assert len(words._spaced.old) > 0  # the young generation filled and was turned old
 
 
 async def test_the_router_reads_a_chat_prompt_from_its_kept_words_on_the_event_loop(tokenizer_dir: Path) -> None:
