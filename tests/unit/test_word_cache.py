@@ -216,3 +216,20 @@ def test_an_ascii_text_is_cut_at_every_space_only_where_the_pattern_cuts_it_so(t
     nothing) follows a non-space character, as the pattern's cuts do."""
     after_space = any(text[at - 1].isspace() for at in range(1, len(text)) if text[at] == " ")
     assert _cut_at_every_space(text) is not after_space
+
+
+async def test_a_tokenizing_thread_encodes_by_the_rust_core_and_the_event_loop_from_the_kept_words(
+    tokenizer_dir: Path,
+) -> None:
+    """A tokenizing thread leaves the GIL to the event loop while the Rust core encodes: it keeps no words."""
+    local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
+    words = local._words
+    assert words is not None
+    before = words.hits + words.misses
+    text = " ".join(_WORDS[:400])  # past twice the inline size: a tokenizing thread
+    assert await local.encode_whole(text, special=False) == local._tokenizer.encode(text, add_special_tokens=False)
+    assert words.hits + words.misses == before
+    small = " ".join(_WORDS[:10])
+    assert await local.encode_whole(small, special=False) == local._tokenizer.encode(small, add_special_tokens=False)
+    assert words.hits + words.misses > before
+    local.close()

@@ -158,8 +158,14 @@ class LocalTokenizer:
         self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         self._encode_batch = None if self._backend is None else encode_batch_of(self._backend)
         self._inline_max_chars = inline_max_chars
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
-        self._large_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
+        # The tokenizing threads (see _plain): each adds itself as it starts.
+        self._workers: set[int] = set()
+        self._executor = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="tokenize", initializer=self._worker_started
+        )
+        self._large_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tokenize-large", initializer=self._worker_started
+        )
         self._sandbox = sandbox
         # Renders the server's template over a body of very many containers in another process: freeing
         # transformers' copies of them here would hold the event loop (TemplateSandbox.render_body).
@@ -200,7 +206,12 @@ class LocalTokenizer:
         self._background = (
             None
             if self._backend is None
-            else BackgroundEncoder(self._encode, max_chars=background_max_chars, on_skip=on_background_skip)
+            else BackgroundEncoder(
+                self._encode,
+                max_chars=background_max_chars,
+                on_skip=on_background_skip,
+                initializer=self._worker_started,
+            )
         )
 
     def _bound_holds(self, text: str, bound: Bound) -> bool:
@@ -404,12 +415,16 @@ class LocalTokenizer:
         return Head(ids[:known], end, len(ids))
 
     def _plain(self, text: str) -> list[int]:
-        """The text's ids without special tokens or offsets: from its kept words where the word cache is on
-        and the text not too long to hold the GIL for (in a tokenizing thread), else from the Rust core."""
+        """The text's ids without special tokens or offsets: from its kept words where the word cache is on,
+        on the event loop (a tokenizing thread calls the Rust core, which releases the GIL: Python's lookups
+        would hold it from the loop), else from the Rust core."""
         words = self._words
-        if words is not None and len(text) <= WORD_CACHE_MAX_CHARS:
+        if words is not None and len(text) <= WORD_CACHE_MAX_CHARS and threading.get_ident() not in self._workers:
             return words.encode(text)
         return self._plain_whole(text)
+
+    def _worker_started(self) -> None:
+        self._workers.add(threading.get_ident())
 
     def _plain_whole(self, text: str) -> list[int]:
         """The text's ids without special tokens or offsets, from the Rust core (which releases the GIL).
@@ -762,13 +777,18 @@ class BackgroundEncoder:
     """
 
     def __init__(
-        self, encode: Callable[..., list[int]], *, max_chars: int, on_skip: Callable[[], None] | None = None
+        self,
+        encode: Callable[..., list[int]],
+        *,
+        max_chars: int,
+        on_skip: Callable[[], None] | None = None,
+        initializer: Callable[[], None] | None = None,
     ) -> None:
         # LocalTokenizer._encode: the Rust core's call without offsets, through the piece cache for a chat.
         self._encode_text = encode
         self._max_chars = max_chars
         self._on_skip = on_skip
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-rest")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-rest", initializer=initializer)
         self._waiting: list[tuple[str, bool, float, asyncio.Future[Prompt | None]]] = []
         self._chars = 0  # of the texts waiting or being encoded
         self._busy: asyncio.AbstractEventLoop | None = None  # the loop a running batch reports to
