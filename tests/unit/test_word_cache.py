@@ -218,18 +218,21 @@ def test_an_ascii_text_is_cut_at_every_space_only_where_the_pattern_cuts_it_so(t
     assert _cut_at_every_space(text) is not after_space
 
 
-async def test_a_tokenizing_thread_encodes_by_the_rust_core_and_the_event_loop_from_the_kept_words(
+async def test_the_background_encoder_encodes_by_the_rust_core_and_a_tokenizing_thread_from_the_kept_words(
     tokenizer_dir: Path,
 ) -> None:
-    """A tokenizing thread leaves the GIL to the event loop while the Rust core encodes: it keeps no words."""
+    """The background encoder's thread, whole prompts one after another off the request's path, leaves the GIL
+    to the event loop while the Rust core encodes: it keeps no words. A head read in a tokenizing thread, on the
+    request's path, does."""
     local = LocalTokenizer.load(tokenizer_dir, inline_max_chars=100, threads=1)
     words = local._words
     assert words is not None
     before = words.hits + words.misses
     text = " ".join(_WORDS[:400])  # past twice the inline size: a tokenizing thread
-    assert await local.encode_whole(text, special=False) == local._tokenizer.encode(text, add_special_tokens=False)
+    prompt = await local.encode_rest(text, special=False, started=0.0)
+    assert prompt is not None and list(prompt.token_ids) == local._tokenizer.encode(text, add_special_tokens=False)
     assert words.hits + words.misses == before
-    small = " ".join(_WORDS[:10])
-    assert await local.encode_whole(small, special=False) == local._tokenizer.encode(small, add_special_tokens=False)
+    other = " ".join(_WORDS[400:800])  # not one the piece cache kept
+    assert await local.encode_whole(other, special=False) == local._tokenizer.encode(other, add_special_tokens=False)
     assert words.hits + words.misses > before
     local.close()

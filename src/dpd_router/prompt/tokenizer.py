@@ -158,14 +158,10 @@ class LocalTokenizer:
         self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         self._encode_batch = None if self._backend is None else encode_batch_of(self._backend)
         self._inline_max_chars = inline_max_chars
-        # The tokenizing threads (see _plain): each adds itself as it starts.
-        self._workers: set[int] = set()
-        self._executor = ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="tokenize", initializer=self._worker_started
-        )
-        self._large_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tokenize-large", initializer=self._worker_started
-        )
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+        self._large_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
+        # The background encoder's thread (see _plain), which adds itself as it starts.
+        self._background_threads: set[int] = set()
         self._sandbox = sandbox
         # Renders the server's template over a body of very many containers in another process: freeing
         # transformers' copies of them here would hold the event loop (TemplateSandbox.render_body).
@@ -210,7 +206,7 @@ class LocalTokenizer:
                 self._encode,
                 max_chars=background_max_chars,
                 on_skip=on_background_skip,
-                initializer=self._worker_started,
+                initializer=self._background_started,
             )
         )
 
@@ -415,16 +411,22 @@ class LocalTokenizer:
         return Head(ids[:known], end, len(ids))
 
     def _plain(self, text: str) -> list[int]:
-        """The text's ids without special tokens or offsets: from its kept words where the word cache is on,
-        on the event loop (a tokenizing thread calls the Rust core, which releases the GIL: Python's lookups
-        would hold it from the loop), else from the Rust core."""
+        """The text's ids without special tokens or offsets: from its kept words where the word cache is on
+        (at most WORD_CACHE_MAX_CHARS a call: a request's head read in a tokenizing thread holds the GIL for
+        about 0.3 ms at most), except in the background encoder's thread, which encodes whole prompts off the
+        request's path one after another: there the Rust core, which releases the GIL, where the lookups would
+        hold it from the event loop for as long as the interpreter lets a thread run."""
         words = self._words
-        if words is not None and len(text) <= WORD_CACHE_MAX_CHARS and threading.get_ident() not in self._workers:
+        if (
+            words is not None
+            and len(text) <= WORD_CACHE_MAX_CHARS
+            and threading.get_ident() not in self._background_threads
+        ):
             return words.encode(text)
         return self._plain_whole(text)
 
-    def _worker_started(self) -> None:
-        self._workers.add(threading.get_ident())
+    def _background_started(self) -> None:
+        self._background_threads.add(threading.get_ident())
 
     def _plain_whole(self, text: str) -> list[int]:
         """The text's ids without special tokens or offsets, from the Rust core (which releases the GIL).

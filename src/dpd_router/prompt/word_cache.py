@@ -39,8 +39,8 @@ KEPT_CHUNK_CHARS = 128
 BYTES_A_GENERATION = 8 << 20
 _ENTRY_BYTES = 112  # a dictionary slot, the key's str header, the tuple's header
 _ID_BYTES = 36
-# Texts longer than this are encoded by the Rust core: put together from their kept words (about 20 ns a
-# character) they would hold the event loop as long as the tokenizing threads are there to spare it.
+# Texts longer than this are encoded by the Rust core, which releases the GIL: put together from their kept
+# words in a tokenizing thread (about 20 ns a character) they would hold it from the event loop.
 WORD_CACHE_MAX_CHARS = 16 * 1024
 # A text with more chunks not kept than this is encoded whole (as without the cache, for what encoding
 # each alone costs more: about 4 us a call each), and only so many of them are encoded alone and kept.
@@ -79,9 +79,8 @@ class WordCache:
     """Encodings of text chunks kept for the texts that hold them again (see the module's docstring).
 
     `encode_apart` encodes texts without special tokens, each alone (see encode_apart_of); `encode`
-    one text. LocalTokenizer calls it on the event loop only (and at startup on the thread that loads it);
-    were two threads to share it, a dictionary's get and set are each atomic, a value found is right whichever
-    thread kept it, and a lost entry is encoded again."""
+    one text. Used from the event loop and the tokenizing threads alike: a dictionary's get and set are
+    each atomic, a value found is right whichever thread kept it, and a lost entry is encoded again."""
 
     def __init__(
         self,
