@@ -133,7 +133,14 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
             orphan's call, leaving its blocks to their lease) until both calls have ended."""
             return sum((await orphans_seen()).values()) >= 2
 
-        await eventually(both_orphans_ended, within=ORPHANED_PREFILL_GRACE + 30)
+        try:
+            await eventually(both_orphans_ended, within=ORPHANED_PREFILL_GRACE + 30)
+        except AssertionError as exc:
+            # Say how far it got: which orphans ended how, and where the router sent the requests.
+            decisions = await metric_total(router, "dpd_router_route_decisions_total", path="disaggregated")
+            raise AssertionError(
+                f"{exc}; orphaned prefills by outcome: {await orphans_seen()}; disaggregated decisions: {decisions:g}"
+            ) from exc
         await asyncio.sleep(RELEASES_ANSWERED)
         released = await metric_total(router, "dpd_router_kv_released_total", connector="nixl")
         # A call still unanswered after the grace (a starved machine) is cut, and one that failed left the

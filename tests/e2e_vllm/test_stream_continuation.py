@@ -32,7 +32,10 @@ async def test_a_stream_cut_off_its_decoder_continues_with_the_engines_uninterru
         router_for(nixl_pair, decode_urls=links.urls) as router,
     ):
         text, usage = await ask(router, kind, prompt, stream=True, **FULL_LENGTH)
-        assert links.cut.is_set(), f"the stream was cut (requests through the links: {links.requests})"
+        assert links.cut.is_set(), (
+            f"the stream was cut (requests through the links: {links.requests}; their answers: {links.answers}; "
+            f"the client's text: {len(text)} characters, usage {usage})"
+        )
         assert await metric_total(router, "dpd_router_stream_continuations_total", outcome="continued") == 1
         if long:
             assert await metric_total(router, "dpd_router_route_decisions_total", path="disaggregated") == 2

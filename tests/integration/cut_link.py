@@ -27,8 +27,10 @@ class CutLinks:
             self._targets.append((parts.hostname, parts.port))
         self.after = after
         self.cut = asyncio.Event()
-        # The request lines that went through, for a test to say what it saw where no stream was cut.
+        # The request lines that went through, and what became of each answer (whether its call was taken as
+        # streamed, the events counted, its size and start), for a test to say what it saw where no stream was cut.
         self.requests: list[bytes] = []
+        self.answers: list[str] = []
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -101,19 +103,25 @@ class CutLinks:
         engine_writer: asyncio.StreamWriter,
         streamed: list[bool],
     ) -> None:
-        events = 0
-        while data := await reader.read(65536):
-            if streamed[0] and not self.cut.is_set():
-                end = 0
-                while events < self.after and (at := data.find(b"\n\n", end)) >= 0:
-                    events, end = events + 1, at + 2  # an SSE event's end (the headers end in \r\n\r\n)
-                if events >= self.after:
-                    self.cut.set()
-                    # What the client had: the answer up to the `after`-th event's end, then a connection reset.
-                    writer.write(data[:end])
-                    await writer.drain()
-                    writer.transport.abort()
-                    engine_writer.transport.abort()
-                    return
-            writer.write(data)
-            await writer.drain()
+        events = size = 0
+        head = b""
+        try:
+            while data := await reader.read(65536):
+                size += len(data)
+                head = head or bytes(data[:160])
+                if streamed[0] and not self.cut.is_set():
+                    end = 0
+                    while events < self.after and (at := data.find(b"\n\n", end)) >= 0:
+                        events, end = events + 1, at + 2  # an SSE event's end (the headers end in \r\n\r\n)
+                    if events >= self.after:
+                        self.cut.set()
+                        # What the client had: the answer up to the `after`-th event's end, then a connection reset.
+                        writer.write(data[:end])
+                        await writer.drain()
+                        writer.transport.abort()
+                        engine_writer.transport.abort()
+                        return
+                writer.write(data)
+                await writer.drain()
+        finally:
+            self.answers.append(f"streamed={streamed[0]}, {events} events counted, {size} bytes: {head!r}")
