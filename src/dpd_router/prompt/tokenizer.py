@@ -243,9 +243,7 @@ class LocalTokenizer:
         """Whether the probe texts (added tokens among them), their heads and a text of their lines in another
         order encode from their kept words as the tokenizer encodes them, the second time (found) as the first
         (encoded apart)."""
-        probe = _PROBE_TEXT + "".join(self._tokenizer.all_special_tokens) + " " + _PROBE_TEXT[::-1]
-        lines = probe.splitlines(keepends=True)
-        texts = [probe, "".join(reversed(lines)), *(probe[: match.start()] for match in _BOUNDARY.finditer(probe))]
+        texts = _probe_variants(_PROBE_TEXT + "".join(self._tokenizer.all_special_tokens) + " " + _PROBE_TEXT[::-1])
         return all(words.encode(text) == self._plain_whole(text) for text in texts + texts)
 
     def _special_affixes(self) -> tuple[list[int], list[int]] | None:
@@ -253,20 +251,15 @@ class LocalTokenizer:
         its heads, its lines in another order and an empty text each encode with them as those around its
         encoding without them; None where one does not (a text prompt is then encoded by the Rust core)."""
         plain = self._plain_whole(_PROBE_TEXT)
-        whole = self._special_whole(_PROBE_TEXT)
+        whole = self._plain_whole(_PROBE_TEXT, special=True)
         starts = [at for at in range(len(whole) - len(plain) + 1) if whole[at : at + len(plain)] == plain]
         if len(starts) != 1:
             return None
         before, after = whole[: starts[0]], whole[starts[0] + len(plain) :]
-        texts = ["", "".join(reversed(_PROBE_TEXT.splitlines(keepends=True)))]
-        texts += [_PROBE_TEXT[: match.start()] for match in _BOUNDARY.finditer(_PROBE_TEXT)]
-        if any(self._special_whole(text) != before + self._plain_whole(text) + after for text in texts):
+        texts = ["", *_probe_variants(_PROBE_TEXT)]
+        if any(self._plain_whole(text, special=True) != before + self._plain_whole(text) + after for text in texts):
             return None
         return before, after
-
-    def _special_whole(self, text: str) -> list[int]:
-        assert self._encode_batch is not None
-        return list(self._encode_batch([text], add_special_tokens=True)[0].ids)
 
     def _pieces_agree(self, pieces: PieceCache, text: str) -> bool:
         """Whether `text` (added tokens among ordinary text) encodes as its pieces do, whole and in every
@@ -428,11 +421,12 @@ class LocalTokenizer:
     def _background_started(self) -> None:
         self._background_threads.add(threading.get_ident())
 
-    def _plain_whole(self, text: str) -> list[int]:
-        """The text's ids without special tokens or offsets, from the Rust core (which releases the GIL).
-        One text a call: a batch call would spread over every core (see BackgroundEncoder)."""
+    def _plain_whole(self, text: str, *, special: bool = False) -> list[int]:
+        """The text's ids without offsets (`special`: with the post-processor's tokens), from the Rust core's
+        batch call without offsets, the cheapest it has, which releases the GIL. One text a call: a batch of
+        several would spread over every core (see BackgroundEncoder)."""
         assert self._encode_batch is not None
-        return list(self._encode_batch([text], add_special_tokens=False)[0].ids)
+        return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
 
     async def continued(self, request: ClientRequest, said: str) -> list[int]:
         """The ids of a chat-like request's prompt followed by `said` (an answer's text so far), encoded as one
@@ -521,8 +515,7 @@ class LocalTokenizer:
             return self._plain(text)
         if self._encode_batch is None:
             return list(self._tokenizer.encode(text, add_special_tokens=special))
-        # The batch call without offsets: the cheapest the Rust core has, and it releases the GIL.
-        return list(self._encode_batch([text], add_special_tokens=special)[0].ids)
+        return self._plain_whole(text, special=special)
 
     async def _render_in_lane(self, request: ClientRequest) -> str:
         """The tokenizer's template over the request's messages: on the event loop for a body of few messages
@@ -1186,6 +1179,13 @@ _PROBE_TEXT = (
     "def f(x):\n    return x**2  # squared\n\tTabs\tand  \r\n CRLF... (parens) [brackets] {braces}\n"
     "  leading spaces, trailing spaces   \nemoji 🙂🙂 mixed123abc 3.14159 don't we'll I'm\n"
 )
+
+
+def _probe_variants(text: str) -> list[str]:
+    """A probe text, its lines in reverse order and each head a reader may cut of it: what the startup checks
+    of the word cache encode both ways."""
+    heads = [text[: match.start()] for match in _BOUNDARY.finditer(text)]
+    return [text, "".join(reversed(text.splitlines(keepends=True))), *heads]
 
 
 def head_cut(text: str, chars: int) -> int:
