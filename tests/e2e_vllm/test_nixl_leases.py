@@ -29,7 +29,6 @@ from tests.integration.conftest import local_client, settled
 from tests.integration.slow_link import SlowLink
 
 LEASE_SECONDS = 30  # vLLM's kv_lease_duration default
-ANSWER_HELD = 2.0  # seconds the slow link holds a prefill's answer
 RELEASES_ANSWERED = 2.0  # seconds for the releases the router sent to be answered (a refusal, at once)
 EXPIRED = re.compile(r"Releasing expired KV blocks for request (\S+)")
 UNRECOGNIZED = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+)")
@@ -90,16 +89,19 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
         )
 
     # Item 5: clients that leave once the prefiller has staged their KV, before the router read its answer.
-    # The link holds the answer long enough for the client's leaving to reach the router first on a machine
-    # the engines starve (a step of the test process can take fifty times as long there): held 0.2 s, the
-    # router once read the answer first and sent the decode call, which the client's leaving then cut.
+    # The link holds the answer until the router has counted the client's leaving: held for a fixed time
+    # instead, on a machine the engines starve (a step of the test process, whose loop runs the router and the
+    # link, can take fifty times as long there) the router read the answer first and sent the decode call,
+    # which the leaving then cut, or the answer (each piece held in turn) came after the orphan's grace.
     async with (
-        SlowLink(prefill.url, hold=ANSWER_HELD) as link,
+        SlowLink(prefill.url, hold=0.0) as link,
         router_for(nixl_pair, prefill_urls=[link.url]) as router,
         local_client(timeout=REQUEST_TIMEOUT) as client,
     ):
         for stream in (False, True):
             link.answering.clear()
+            held = link.until = asyncio.Event()
+            left_before = await metric_total(router, "dpd_router_client_disconnects_total")
             request = asyncio.create_task(
                 client.post(f"{router}/v1/chat/completions", json=chat(long_text(), stream=stream))
             )
@@ -117,6 +119,15 @@ async def test_no_prefilled_block_waits_for_its_lease(nixl_pair: VllmPair) -> No
                 )
             request.cancel()
             await asyncio.gather(request, return_exceptions=True)
+
+            async def left(before: float = left_before) -> bool:
+                """The router counted the client's leaving (while its prefill's answer is held)."""
+                return await metric_total(router, "dpd_router_client_disconnects_total") > before
+
+            try:
+                await eventually(left, within=REQUEST_TIMEOUT)
+            finally:
+                held.set()  # the prefill's answer reaches the router: the orphan's to release
 
         # Each left KV for nobody, which the router releases once the held answer arrives. The lease
         # check below is the proof that nothing waited for its lease; the count is reported.

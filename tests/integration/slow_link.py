@@ -14,7 +14,9 @@ class SlowLink:
     router's view of the engine's health does not depend on the hold.
 
     `answering` is set when an engine's answer to a completion call reached the relay (and is being
-    held): the moment the engine has finished the call while the router has not read it yet.
+    held): the moment the engine has finished the call while the router has not read it yet. `until`, where a
+    test sets it, holds such answers until the event is set instead of for `hold` seconds: the test says when
+    the router may read them (once it has seen what must come first), however slowly its loop runs.
     """
 
     def __init__(self, target: str, *, hold: float) -> None:
@@ -22,6 +24,7 @@ class SlowLink:
         assert parts.hostname is not None and parts.port is not None
         self._target = (parts.hostname, parts.port)
         self.hold = hold
+        self.until: asyncio.Event | None = None
         self.answering = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -93,7 +96,7 @@ class SlowLink:
                 completion_asked.clear()
                 self.answering.set()
             if holding[0]:
-                await asyncio.sleep(self.hold)
+                await (self.until.wait() if self.until is not None else asyncio.sleep(self.hold))
             writer.write(chunk)
             try:
                 await writer.drain()
