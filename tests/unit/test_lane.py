@@ -1,5 +1,6 @@
 """The completions lane's own parts: request ids, the answer's head as Starlette wrote it, the client's
-departure, the log writer that keeps stderr off the event loop, and the collector's settings while serving."""
+departure, its head and body read from raw ASGI, the log writer that keeps stderr off the event loop, and the
+collector's settings while serving."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ import time
 import weakref
 from typing import Any
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from dpd_router.api.answers import raw_headers
 from dpd_router.api.departure import ON_LOST, Departure
-from dpd_router.api.openai import RequestIds
+from dpd_router.api.openai import LaneHeaders, LaneRequest, RequestIds, read_body
 from dpd_router.app import YOUNG_COLLECTION_AFTER, frozen_heap
 from dpd_router.record.logs import JsonFormatter, LineWriter
+from dpd_router.request.errors import PayloadTooLarge
 
 
 def test_a_request_keeps_its_clients_id_and_gets_a_unique_one_otherwise() -> None:
@@ -128,3 +135,65 @@ def test_while_the_router_serves_its_startup_heap_is_frozen_and_young_collection
 class _Cyclic:
     def __init__(self) -> None:
         self.me = self
+
+
+@given(
+    raw=st.lists(
+        st.tuples(st.sampled_from(["x-request-id", "authorization", "x-api-key", "x-session", "accept"]), st.text()),
+        max_size=8,
+    ),
+    asked=st.sampled_from(["x-request-id", "Authorization", "X-API-KEY", "x-session", "content-length"]),
+)
+def test_the_lanes_headers_read_as_starlettes(raw: list[tuple[str, str]], asked: str) -> None:
+    encoded = [
+        (name.encode("latin-1"), value.encode("utf-8").decode("latin-1").encode("latin-1")) for name, value in raw
+    ]
+    lane, starlette = LaneHeaders(encoded), Headers(raw=encoded)
+    assert lane.get(asked) == starlette.get(asked)
+    assert lane.get(asked, "none") == starlette.get(asked, "none")
+    assert (asked in lane) == (asked in starlette)
+    assert lane.getlist(asked) == starlette.getlist(asked)
+
+
+def received(*messages: dict[str, Any]) -> Any:
+    """An ASGI receive that hands out `messages` in turn."""
+    queue = list(messages)
+
+    async def receive() -> dict[str, Any]:
+        return queue.pop(0)
+
+    return receive
+
+
+def lane_request(receive: Any, **headers: str) -> LaneRequest:
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    return LaneRequest(scope, receive)
+
+
+def test_a_body_is_read_whole_from_one_message_or_many_and_refused_past_its_limit() -> None:
+    one = lane_request(received({"type": "http.request", "body": b'{"a":1}'}))
+    assert asyncio.run(read_body(one, 100)) == b'{"a":1}'
+    parts = [{"type": "http.request", "body": part, "more_body": True} for part in (b"ab", b"", b"cd")]
+    many = lane_request(received(*parts, {"type": "http.request", "body": b"e"}))
+    assert asyncio.run(read_body(many, 100)) == b"abcde"
+    for request in (
+        lane_request(received({"type": "http.request", "body": b"x" * 101})),
+        lane_request(received(*parts, {"type": "http.request", "body": b"x" * 100})),
+        lane_request(received(), **{"content-length": "101"}),  # refused before anything is read
+    ):
+        with pytest.raises(PayloadTooLarge):
+            asyncio.run(read_body(request, 100))
+
+
+def test_a_client_that_leaves_before_its_body_ends_is_told_apart() -> None:
+    for messages in (
+        [{"type": "http.disconnect"}],
+        [{"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.disconnect"}],
+    ):
+        with pytest.raises(ClientDisconnect):
+            asyncio.run(read_body(lane_request(received(*messages)), 100))

@@ -13,10 +13,11 @@ import itertools
 import secrets
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -163,7 +164,7 @@ class OpenAIApi:
         work: app.CompletionsLane). A client that leaves before its answer is complete cancels this task
         (Departure): the gateway stops both hops, and nothing is sent to nobody."""
         arrived = time.perf_counter()
-        request = Request(scope, receive)
+        request = LaneRequest(scope, receive)
         departure: Departure | None = None
         try:
             made = await self._answer(request, kind, arrived, scope, receive)
@@ -316,16 +317,60 @@ def error_response(
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused past `limit` bytes before more is read."""
+    """The request's body, refused past `limit` bytes before more is read (the client's `Content-Length` is
+    believed first); ClientDisconnect when the client leaves before its end.
+
+    Read from the ASGI messages themselves, as Starlette's `Request.stream` reads them (without its
+    generator and the flags that let the body be read again: it is read once)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
+    receive = request.receive
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):  # all in one message, mostly
+        body: bytes = message.get("body", b"")
         if len(body) > limit:
             raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-    return bytes(body)
+        return body
+    parts = bytearray()
+    while True:
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        parts += message.get("body", b"")
+        if len(parts) > limit:
+            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+        if not message.get("more_body", False):
+            return bytes(parts)
+        message = await receive()
+
+
+class LaneHeaders(Headers):
+    """A request's headers as Starlette's `Headers` reads them, where a name's (first) value is found in a
+    table made once, not by a scan of every header, decoding each, per lookup: the lane looks up a handful
+    per request (its id, its key, its length, a session), some of them absent."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(raw=raw)
+        self._first = {name: value for name, value in reversed(raw)}  # the first of a repeated name wins
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._first.get(key.lower().encode("latin-1"))
+        return default if value is None else value.decode("latin-1")
+
+    def __contains__(self, key: Any) -> bool:
+        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
+
+
+class LaneRequest(Request):
+    """A completion request's head as the lane reads it: Starlette's Request, with LaneHeaders."""
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        super().__init__(scope, receive)
+        self._lane_headers = LaneHeaders(scope["headers"])
+
+    @property
+    def headers(self) -> Headers:
+        return self._lane_headers
 
 
 def _listing(request: Request) -> tuple[int, str, str | None]:
