@@ -11,7 +11,8 @@ threads while they are on a CPU. Each sample goes to one stage: that of its inne
 libraries every stage calls) count for their caller, and a sample none of whose frames is named is "other".
 A stage's share is that of the samples, each thread's weighed by the CPU time the kernel counted for it in
 the window (attribute() says why); its CPU per request is its share times the CPU per request. The floor
-serves (a) and (b) in the same rounds.
+serves (a) and (b) in the same rounds, timed and sampled the same way: its stages beside the router's say which
+of the router's stages hold what it pays over the floor.
 
     python -m benchmarks.stages [--rounds 2] [--seconds 4] [--smoke] [--raw DIR]
 """
@@ -119,7 +120,8 @@ STAGE_MAP: dict[str, tuple[str, ...]] = {
         "dpd_router/record/", "dpd_router/gateway/completion.py", "dpd_router/routing/adaptive.py",
         "prometheus_client/", "opentelemetry/",
     ),
-    "handler's own steps": ("dpd_router/",),  # gateway/handler.py, api/openai.py's _serve, and the rest
+    # gateway/handler.py, api/openai.py's _serve, and the rest; the floor's app (its orjson calls count here).
+    "handler's own steps": ("dpd_router/", "benchmarks/floor_proxy.py"),
     "background (probes, scrapes)": (
         "dpd_router/pool/health.py", "dpd_router/pool/scrape.py", "dpd_router/pool/discovery.py",
         "dpd_router/startup/", "dpd_router/routing/kv_sources/",
@@ -287,12 +289,16 @@ class Profiler:
     # of no stage), but a paused thread waiting on a lock is often taken for a busy one (--blocking).
     blocking: bool = False
 
-    async def during(self, name: str, seconds: int, run: Awaitable[dict[str, Any]]) -> tuple[dict[str, Any], Spied]:
-        """`run`'s result (a wrk run of `seconds`), and the router's stacks sampled meanwhile."""
+    async def during(
+        self, name: str, seconds: int, run: Awaitable[dict[str, Any]], *, pid: int | None = None
+    ) -> tuple[dict[str, Any], Spied]:
+        """`run`'s result (a wrk run of `seconds`), and the stacks of the router (or of process `pid`) sampled
+        meanwhile."""
+        pid = self.pid if pid is None else pid
         raw = self.directory / f"{name}.txt"
-        before = thread_cpu(self.pid)
+        before = thread_cpu(pid)
         spy = await asyncio.create_subprocess_exec(
-            self.binary, "record", "--pid", str(self.pid), "--duration", str(seconds), "--rate", str(self.rate),
+            self.binary, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", str(self.rate),
             "--format", "raw", "--nolineno", "--threads", *([] if self.blocking else ["--nonblocking"]),
             "--output", str(raw),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -306,7 +312,7 @@ class Profiler:
                 " (see /proc/sys/kernel/yama/ptrace_scope)."
             )
         counted = re.search(r"Samples: (\d+) Errors: (\d+)", output)
-        after = thread_cpu(self.pid)
+        after = thread_cpu(pid)
         cpu = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
         spied = Spied(read_stacks(raw), int(counted[2]) if counted else None, cpu)
         if not self.keep:
@@ -329,7 +335,8 @@ async def bring_up() -> dict[str, Service]:
     )
     router.argv = [sys.executable, "-c", TRACEABLE, *router.argv[1:]]
     floor_port = stack.free_port()
-    floor = Service("floor", [sys.executable, "-m", "benchmarks.floor_proxy", str(floor_port), decoder.url], floor_port)
+    floor_argv = [sys.executable, "-c", TRACEABLE, "-m", "benchmarks.floor_proxy", str(floor_port), decoder.url]
+    floor = Service("floor", floor_argv, floor_port)
     services = {"prefiller": prefiller, "decoder": decoder, "router": router, "floor": floor}
     try:
         await asyncio.gather(router.start(), floor.start())
@@ -355,6 +362,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     profiler = Profiler(pyspy, router.pid, args.rate, args.raw or scratch, args.raw is not None, args.blocking)
     stacks: dict[str, Counter[tuple[str, ...]]] = {load.key: Counter() for load in loads}
     cpu: dict[str, dict[str, float]] = {load.key: {} for load in loads}  # by thread, in the py-spy windows
+    floor_stacks: dict[str, Counter[tuple[str, ...]]] = {load.key: Counter() for load in loads if load.floor}
+    floor_cpu: dict[str, dict[str, float]] = {key: {} for key in floor_stacks}
     runs: list[dict[str, Any]] = []
 
     def drive(service: Service, load: Load, seconds: int, *, count: bool = True) -> Awaitable[dict[str, Any]]:
@@ -384,11 +393,19 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(_run("dpd-router, py-spy", load, round_, summary, args) | extra)
                 if load.floor:
                     runs.append(_run("floor", load, round_, await drive(floor, load, args.seconds), args))
+                    run = drive(floor, load, args.seconds)
+                    summary, spied = await profiler.during(f"{name}-floor", args.seconds, run, pid=floor.pid)
+                    floor_stacks[load.key].update(spied.stacks)
+                    for tid, seconds in spied.cpu.items():
+                        floor_cpu[load.key][tid] = floor_cpu[load.key].get(tid, 0.0) + seconds
+                    runs.append(_run("floor, py-spy", load, round_, summary, args) | {"pyspy_dropped": spied.dropped})
     finally:
         await asyncio.gather(*(service.stop() for service in services.values()))
         shutil.rmtree(scratch, ignore_errors=True)
     profiles = {key: attribute(counted, cpu[key], args.rate) for key, counted in stacks.items()}
-    return {"loads": [vars(load) | {"label": load.label} for load in loads], "runs": runs, "profiles": profiles}
+    floor_profiles = {key: attribute(counted, floor_cpu[key], args.rate) for key, counted in floor_stacks.items()}
+    loads_seen = [vars(load) | {"label": load.label} for load in loads]
+    return {"loads": loads_seen, "runs": runs, "profiles": profiles, "floor_profiles": floor_profiles}
 
 
 def _run(setup: str, load: Load, round_: int, summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -408,16 +425,28 @@ def median(runs: list[dict[str, Any]], setup: str, load: str, key: str = "cpu_ms
     return statistics.median(present) if present else None
 
 
+def columns(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The table's columns: (column key, setup, load key): each load on the router, the floor beside it."""
+    found = []
+    for load in results["loads"]:
+        found.append((load["key"], "dpd-router", load["key"]))
+        if load["key"] in results.get("floor_profiles", {}):
+            found.append((f"{load['key']}-floor", "floor", load["key"]))
+    return found
+
+
 def table(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row a stage: per load, its share of the router's CPU time and its CPU ms per request."""
+    """One row a stage: per column (a load on the router, or on the floor), the stage's share of the
+    process's CPU time and its CPU ms per request."""
     rows = []
     for stage in STAGES:
         row: dict[str, Any] = {"stage": stage}
-        for load in results["loads"]:
-            shares = results["profiles"][load["key"]]["shares"]
+        for column, setup, load in columns(results):
+            profiles = results["profiles"] if setup == "dpd-router" else results["floor_profiles"]
+            shares = profiles[load]["shares"]
             share = None if shares is None else shares[stage]
-            total = median(results["runs"], "dpd-router", load["key"])
-            row[load["key"]] = {"share": share, "cpu_ms": None if share is None or total is None else share * total}
+            total = median(results["runs"], setup, load)
+            row[column] = {"share": share, "cpu_ms": None if share is None or total is None else share * total}
         rows.append(row)
     return rows
 
@@ -431,15 +460,17 @@ def write(results: dict[str, Any], out: Path) -> str:
     lines = [
         f"# Scenario 2c: per-stage cost ({results['env']['when']}, {results['env']['commit']})",
         "",
-        "Router CPU ms per request by stage, and the stage's share of the router's CPU time: py-spy's samples of "
-        f"the router's threads on a CPU ({args['rate']} a second, {mode}), each thread's weighed by its CPU time "
+        "CPU ms per request by stage, and the stage's share of the process's CPU time: py-spy's samples of "
+        f"its threads on a CPU ({args['rate']} a second, {mode}), each thread's weighed by its CPU time "
         "in the window. Two instant engines (a prefiller and a decoder), one dpd-router "
-        f"process (static threshold {THRESHOLD} tokens), the Python floor (benchmarks/floor_proxy.py) on the "
-        f"decoder; wrk, one thread; {args['rounds']} rounds of {args['seconds']} s a load and setup. CPU per request: "
+        f"process (static threshold {THRESHOLD} tokens), the Python floor (benchmarks/floor_proxy.py: uvicorn, "
+        "orjson, the router's engine pool) on the decoder, sampled the same way for the loads it serves (its "
+        "app and orjson count as handler's steps); "
+        f"wrk, one thread; {args['rounds']} rounds of {args['seconds']} s a load and setup. CPU per request: "
         "the median over rounds of windows without py-spy; samples pooled over the rounds' py-spy windows. "
         f"Machine: {results['env']['machine']}, shared by wrk, the engines and the router.",
         "",
-        report.table(["stage", *(load["label"] for load in loads)], _stage_rows(results)),
+        report.table(["stage", *_column_labels(results)], _stage_rows(results)),
         "",
         report.table(DETAIL, _detail_rows(results)),
         "",
@@ -456,15 +487,19 @@ def write(results: dict[str, Any], out: Path) -> str:
     return text
 
 
+def _column_labels(results: dict[str, Any]) -> list[str]:
+    labels = {load["key"]: load["label"] for load in results["loads"]}
+    return [labels[load] if setup == "dpd-router" else f"({load}) on the floor" for _, setup, load in columns(results)]
+
+
 def _stage_rows(results: dict[str, Any]) -> list[list[str]]:
-    loads, runs = results["loads"], results["runs"]
+    runs, shown = results["runs"], columns(results)
 
     def cell(value: dict[str, Any]) -> str:
         return "-" if value["share"] is None else f"{report.num(value['cpu_ms'], 3)} ({value['share'] * 100:.0f}%)"
 
-    rows = [[row["stage"], *(cell(row[load["key"]]) for load in loads)] for row in results["table"]]
-    rows.append(["**router, total**", *(report.num(median(runs, "dpd-router", load["key"]), 3) for load in loads)])
-    rows.append(["**Python floor**", *(report.num(median(runs, "floor", load["key"]), 3) for load in loads)])
+    rows = [[row["stage"], *(cell(row[column]) for column, _, _ in shown)] for row in results["table"]]
+    rows.append(["**total**", *(report.num(median(runs, setup, load), 3) for _, setup, load in shown)])
     return rows
 
 
@@ -474,22 +509,24 @@ def _detail_rows(results: dict[str, Any]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for load in results["loads"]:
         key, profile = load["key"], results["profiles"][load["key"]]
-        for setup in ("dpd-router", "dpd-router, py-spy", "floor"):
+        for setup in ("dpd-router", "dpd-router, py-spy", "floor", "floor, py-spy"):
             mine = [r for r in results["runs"] if r["setup"] == setup and r["load"] == key]
             if not mine:
                 continue
             row = [load["label"], setup, report.num(median(mine, setup, key, "req_per_s"), 0)]
             row += [report.ms(median(mine, setup, key, "p50"), 2), report.num(median(mine, setup, key), 3)]
             row.append(sum(r["summary"]["errors"] for r in mine))
-            if setup != "dpd-router, py-spy":
+            if not setup.endswith("py-spy"):
                 rows.append([*row, "-", "-", "-"])
                 continue
+            if setup == "floor, py-spy":
+                profile = results["floor_profiles"][key]
             dropped = sum(r["pyspy_dropped"] or 0 for r in mine)
             sampled = sum(t["sampled_s"] for t in profile["threads"].values())
             spent = sum(t["cpu_s"] for t in profile["threads"].values())
             decisions: Counter[str] = Counter()
             for run in mine:
-                decisions.update(run["decisions"])
+                decisions.update(run.get("decisions", {}))
             row += [f"{profile['samples']} (+{dropped} dropped)", f"{sampled / spent:.2f}" if spent else "-"]
             rows.append([*row, ", ".join(f"{name} {count}" for name, count in decisions.most_common())])
     return rows

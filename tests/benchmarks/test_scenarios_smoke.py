@@ -174,21 +174,26 @@ def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp
     assert all(run["summary"]["requests"] > 0 and run["summary"]["errors"] == 0 for run in results["runs"])
     assert {(run["setup"], run["load"]) for run in results["runs"]} == {
         *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcde"),
-        ("floor", "a"),
-        ("floor", "b"),
+        *((setup, load) for setup in ("floor", "floor, py-spy") for load in "ab"),
     }
-    for load in "abcde":
-        profile = results["profiles"][load]
+    profiles = [(load, results["profiles"][load]) for load in "abcde"]
+    profiles += [(f"{load}-floor", results["floor_profiles"][load]) for load in "ab"]
+    for column, profile in profiles:
         assert profile["samples"] > 0
         assert set(profile["stages"]) == set(STAGES) and sum(profile["stages"].values()) == profile["samples"]
         assert sum(profile["shares"].values()) == pytest.approx(1.0)
-        assert sum(row[load]["share"] for row in results["table"]) == pytest.approx(1.0)
+        assert sum(row[column]["share"] for row in results["table"]) == pytest.approx(1.0)
+    # The floor does nothing of the router's own: no sample of it is the router's tokenizing, planning or finish.
+    for load in "ab":
+        floor = results["floor_profiles"][load]["stages"]
+        assert floor["tokenize"] == floor["plan"] == floor["finish"] == 0 and floor["listener & ASGI"] > 0
+    for load in "abcde":
         decisions = {
             key for run in results["runs"] if run["load"] == load and "decisions" in run for key in run["decisions"]
         }
         assert decisions == ({"direct/below_threshold"} if load in "abe" else {"disaggregated/long_prompt"})
     text = (tmp_path / "results.md").read_text()
-    assert "**Python floor**" in text and "Top 10 leaf functions" in text
+    assert "(a) on the floor" in text and "**total**" in text and "Top 10 leaf functions" in text
 
 
 def test_arms_runs_both_arms_through_one_router_and_advise_names_them(tmp_path: Path) -> None:
