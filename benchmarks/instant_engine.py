@@ -2,11 +2,13 @@
 
 What a router in front of it adds is all that is left to measure: its HTTP, parsing, tokenizing and
 relaying. A chat completion answers eight tokens, whole or as an SSE stream (with a usage chunk; a
-stream has `--stream-tokens` chunks); a prefill call (NIXL's `do_remote_decode`) answers one token with
-`kv_transfer_params`, so a router's two hops can run against it; asked for `return_token_ids`, with the
-prompt's ids as vLLM sends them (as many as a body of its size holds at four bytes a token: a count, not
-an encoding, so the answer is the size a real one is). `/v1/models` names the model with its context
-window, `/metrics` is empty, every other GET answers `{}`.
+stream has `--stream-tokens` chunks, sent at once, or one a step of `instant_gap_ms` where the body names
+that field: a decoder's pace, every stream's next chunk at the same step's start, as a batching engine
+sends them); a prefill call (NIXL's `do_remote_decode`) answers one token with `kv_transfer_params`, so a
+router's two hops can run against it; asked for `return_token_ids`, with the prompt's ids as vLLM sends
+them (as many as a body of its size holds at four bytes a token: a count, not an encoding, so the answer
+is the size a real one is). `/v1/models` names the model with its context window, `/metrics` is empty,
+every other GET answers `{}`.
 
     python -m benchmarks.instant_engine PORT [MODEL] [--stream-tokens N]
 """
@@ -14,6 +16,8 @@ window, `/metrics` is empty, every other GET answers `{}`.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import re
 from typing import Any
 
 import orjson
@@ -21,6 +25,8 @@ import uvicorn
 
 OUTPUT_TOKENS = 8
 CONTEXT_WINDOW = 131_072
+# A stream's pace, named by the request (a field only this engine reads; a router passes it on).
+_GAP = re.compile(rb'"instant_gap_ms":\s*(\d+(?:\.\d+)?)')
 
 
 def answers(model: str) -> tuple[bytes, bytes, bytes, bytes, bytes]:
@@ -103,9 +109,18 @@ def build(model: str, stream_tokens: int = OUTPUT_TOKENS) -> Any:
             await send({"type": "http.response.body", "body": answer})
             return
         if b'"stream":true' in body or b'"stream": true' in body:
+            paced = _GAP.search(body)
+            gap = float(paced[1]) / 1000 if paced else 0.0
             await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+            loop = asyncio.get_running_loop()
+            # The steps start at multiples of the gap: every stream's next chunk goes out together, as a batch's
+            # do. Each wait runs to its step's start (a timer that fired early does not move the next one).
+            step = (loop.time() // gap + 1) * gap if gap else 0.0
             for _ in range(stream_tokens):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if gap:
+                    await asyncio.sleep(max(step - loop.time(), 0.0))
+                    step += gap
             await send({"type": "http.response.body", "body": end})
             return
         await send({"type": "http.response.start", "status": 200, "headers": json_headers})

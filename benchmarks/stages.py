@@ -55,11 +55,16 @@ class Load:
     tokens: int
     stream: bool
     concurrency: int
-    floor: bool  # the floor serves it too
+    floor: bool  # the floor (and vllm-router, where it is installed) serves it too
+    # Milliseconds between a stream's chunks (the instant engine's `instant_gap_ms`): each reaches the router
+    # alone, as a real decoder's do, where without a gap they arrive together and are read a few at a time.
+    gap_ms: float = 0.0
 
     @property
     def label(self) -> str:
         kind = "streamed 32 tokens" if self.stream else "whole"
+        if self.gap_ms:
+            kind += f" {self.gap_ms:g} ms apart"
         hops = ", two hops" if self.tokens >= THRESHOLD else ""
         return f"({self.key}) {kind}, {self.tokens:,}-token prompt{hops}, c={self.concurrency}"
 
@@ -71,6 +76,8 @@ class Load:
         body["max_tokens"] = 32 if self.stream else 8
         if self.stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
+        if self.gap_ms:
+            body["instant_gap_ms"] = self.gap_ms
         return orjson.dumps(body)
 
 
@@ -82,6 +89,8 @@ LOADS = (
     # Below the threshold, but its bytes (about 3,000) do not show it: its tokens are counted, as far as
     # its bound needs (most of it).
     Load("e", 640, stream=False, concurrency=64, floor=False),
+    # (b) as a decoder paces it: every chunk read and relayed alone.
+    Load("f", 64, stream=True, concurrency=64, floor=True, gap_ms=10.0),
 )
 
 # Stage -> the frames it owns: a module path as py-spy prints it (a file, or a package with its "/"),
@@ -323,8 +332,9 @@ class Profiler:
 ENGINE = (sys.executable, "-m", "benchmarks.instant_engine")
 
 
-async def bring_up() -> dict[str, Service]:
-    """The two engines, then the router over both and the floor over the decoder."""
+async def bring_up(vllm_router: Path | None) -> dict[str, Service]:
+    """The two engines, then the router over both, the floor over the decoder, and vllm-router (plain, over the
+    decoder) where its binary is given."""
     prefiller, decoder = (
         Service(name, [*ENGINE, str(port := stack.free_port()), MODEL, "--stream-tokens", "32"], port, "/v1/models")
         for name in ("prefiller", "decoder")
@@ -338,8 +348,12 @@ async def bring_up() -> dict[str, Service]:
     floor_argv = [sys.executable, "-c", TRACEABLE, "-m", "benchmarks.floor_proxy", str(floor_port), decoder.url]
     floor = Service("floor", floor_argv, floor_port)
     services = {"prefiller": prefiller, "decoder": decoder, "router": router, "floor": floor}
+    if vllm_router is not None:
+        peer = stack.vllm_router(workers=[decoder.url])
+        peer.argv[0] = str(vllm_router)
+        services["vllm-router"] = peer
     try:
-        await asyncio.gather(router.start(), floor.start())
+        await asyncio.gather(*(services[name].start() for name in services if name not in ("prefiller", "decoder")))
     except BaseException:
         await asyncio.gather(*(service.stop() for service in services.values()))
         raise
@@ -355,8 +369,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="stages-"))
     loads = [*LOADS[:3], replace(LOADS[3], tokens=args.long_tokens), *LOADS[4:]]
     scripts = {load.key: capacity.wrk_script(load.body(factory), scratch / load.key) for load in loads}
-    services = await bring_up()
-    router, floor = services["router"], services["floor"]
+    services = await bring_up(args.vllm_router)
+    router, floor, peer = services["router"], services["floor"], services.get("vllm-router")
     if args.raw is not None:
         args.raw.mkdir(parents=True, exist_ok=True)
     profiler = Profiler(pyspy, router.pid, args.rate, args.raw or scratch, args.raw is not None, args.blocking)
@@ -377,6 +391,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await drive(router, load, 1, count=False)
             if load.floor:
                 await drive(floor, load, 1, count=False)
+                if peer is not None:
+                    await drive(peer, load, 1, count=False)
         for round_ in range(args.rounds):
             for load in loads:
                 # The CPU per request from a window of its own: py-spy's reads slow the router a little.
@@ -399,6 +415,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for tid, seconds in spied.cpu.items():
                         floor_cpu[load.key][tid] = floor_cpu[load.key].get(tid, 0.0) + seconds
                     runs.append(_run("floor, py-spy", load, round_, summary, args) | {"pyspy_dropped": spied.dropped})
+                    if peer is not None:
+                        runs.append(_run("vllm-router", load, round_, await drive(peer, load, args.seconds), args))
     finally:
         await asyncio.gather(*(service.stop() for service in services.values()))
         shutil.rmtree(scratch, ignore_errors=True)
@@ -500,6 +518,9 @@ def _stage_rows(results: dict[str, Any]) -> list[list[str]]:
 
     rows = [[row["stage"], *(cell(row[column]) for column, _, _ in shown)] for row in results["table"]]
     rows.append(["**total**", *(report.num(median(runs, setup, load), 3) for _, setup, load in shown)])
+    if any(run["setup"] == "vllm-router" for run in runs):
+        peer = [median(runs, "vllm-router", load) if setup == "dpd-router" else None for _, setup, load in shown]
+        rows.append(["**vllm-router (plain), total**", *("" if cpu is None else report.num(cpu, 3) for cpu in peer)])
     return rows
 
 
@@ -509,7 +530,7 @@ def _detail_rows(results: dict[str, Any]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for load in results["loads"]:
         key, profile = load["key"], results["profiles"][load["key"]]
-        for setup in ("dpd-router", "dpd-router, py-spy", "floor", "floor, py-spy"):
+        for setup in ("dpd-router", "dpd-router, py-spy", "floor", "floor, py-spy", "vllm-router"):
             mine = [r for r in results["runs"] if r["setup"] == setup and r["load"] == key]
             if not mine:
                 continue
@@ -545,6 +566,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=32768, help="load (d)'s prompt")
     parser.add_argument("--out", type=Path, default=report.RESULTS / NAME)
     parser.add_argument("--raw", type=Path, help="keep py-spy's raw stacks here, a file a load and round")
+    parser.add_argument(
+        "--vllm-router",
+        type=Path,
+        default=stack.vllm_router_binary() if stack.vllm_router_binary().exists() else None,
+        help="vllm-router's binary (pip install vllm-router in a venv of its own): its CPU per request on the loads "
+        "the floor serves, beside the router's (default: benchmarks/.venvs/vllm-router's, where installed)",
+    )
     parser.add_argument(
         "--blocking",
         action="store_true",

@@ -166,32 +166,36 @@ def test_capacity_drives_every_setup_with_wrk_and_counts_router_cpu(tmp_path: Pa
 def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp_path: Path) -> None:
     from benchmarks.stages import STAGES, find_py_spy
 
+    from benchmarks import stack
+
     required_tool("wrk", package="wrk", purpose="the per-stage benchmark's smoke test")
     if find_py_spy() is None:  # the test extra installs it
         pytest.fail("the per-stage benchmark needs py-spy: pip install -e '.[test]'")
     results = run_scenario("stages", tmp_path, timeout=180)
 
     assert all(run["summary"]["requests"] > 0 and run["summary"]["errors"] == 0 for run in results["runs"])
+    # vllm-router serves the floor's loads too where it is installed (benchmarks/.venvs/vllm-router).
+    peer = stack.vllm_router_binary().exists()
     assert {(run["setup"], run["load"]) for run in results["runs"]} == {
-        *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcde"),
-        *((setup, load) for setup in ("floor", "floor, py-spy") for load in "ab"),
+        *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcdef"),
+        *((setup, load) for setup in ("floor", "floor, py-spy", *(["vllm-router"] if peer else [])) for load in "abf"),
     }
-    profiles = [(load, results["profiles"][load]) for load in "abcde"]
-    profiles += [(f"{load}-floor", results["floor_profiles"][load]) for load in "ab"]
+    profiles = [(load, results["profiles"][load]) for load in "abcdef"]
+    profiles += [(f"{load}-floor", results["floor_profiles"][load]) for load in "abf"]
     for column, profile in profiles:
         assert profile["samples"] > 0
         assert set(profile["stages"]) == set(STAGES) and sum(profile["stages"].values()) == profile["samples"]
         assert sum(profile["shares"].values()) == pytest.approx(1.0)
         assert sum(row[column]["share"] for row in results["table"]) == pytest.approx(1.0)
     # The floor does nothing of the router's own: no sample of it is the router's tokenizing, planning or finish.
-    for load in "ab":
+    for load in "abf":
         floor = results["floor_profiles"][load]["stages"]
         assert floor["tokenize"] == floor["plan"] == floor["finish"] == 0 and floor["listener & ASGI"] > 0
-    for load in "abcde":
+    for load in "abcdef":
         decisions = {
             key for run in results["runs"] if run["load"] == load and "decisions" in run for key in run["decisions"]
         }
-        assert decisions == ({"direct/below_threshold"} if load in "abe" else {"disaggregated/long_prompt"})
+        assert decisions == ({"direct/below_threshold"} if load in "abef" else {"disaggregated/long_prompt"})
     text = (tmp_path / "results.md").read_text()
     assert "(a) on the floor" in text and "**total**" in text and "Top 10 leaf functions" in text
 
