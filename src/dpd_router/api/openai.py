@@ -354,11 +354,11 @@ class LaneHeaders(Headers):
         self._first = {name: value for name, value in reversed(raw)}  # the first of a repeated name wins
 
     def get(self, key: str, default: Any = None) -> Any:
-        value = self._first.get(key.lower().encode("latin-1"))
+        value = self._first.get(key.lower().encode("latin-1", "replace"))  # a name no header can have: none
         return default if value is None else value.decode("latin-1")
 
     def __contains__(self, key: Any) -> bool:
-        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
+        return isinstance(key, str) and key.lower().encode("latin-1", "replace") in self._first
 
 
 class LaneRequest(Request):
