@@ -11,10 +11,11 @@ threads while they are on a CPU. Each sample goes to one stage: that of its inne
 libraries every stage calls) count for their caller, and a sample none of whose frames is named is "other".
 A stage's share is that of the samples, each thread's weighed by the CPU time the kernel counted for it in
 the window (attribute() says why); its CPU per request is its share times the CPU per request. The floor
-serves (a) and (b) in the same rounds, timed and sampled the same way: its stages beside the router's say which
-of the router's stages hold what it pays over the floor.
+serves (a), (b) and (f) in the same rounds, timed and sampled the same way: its stages beside the router's say
+which of the router's stages hold what it pays over the floor. vllm-router (plain), where its binary is given,
+serves them too, timed only.
 
-    python -m benchmarks.stages [--rounds 2] [--seconds 4] [--smoke] [--raw DIR]
+    python -m benchmarks.stages [--rounds 2] [--seconds 4] [--smoke] [--raw DIR] [--vllm-router PATH]
 """
 
 from __future__ import annotations
