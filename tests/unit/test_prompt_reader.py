@@ -22,7 +22,6 @@ from dpd_router.config import load_settings
 from dpd_router.pool.pool import Pool
 from dpd_router.prompt.context_window import check_context_length
 from dpd_router.prompt.tokenizer import (
-    _BOUNDARY,
     WINDOW_LEFT_TO_ENGINES,
     WORDS_INLINE_SHARE,
     LocalTokenizer,
@@ -33,6 +32,7 @@ from dpd_router.prompt.tokenizer import (
     read_prompt,
     utf8_size,
 )
+from dpd_router.prompt.word_cache import BOUNDARY
 from dpd_router.record.metrics import RouterMetrics
 from dpd_router.request.client_request import parse_request
 from dpd_router.request.errors import InvalidRequest
@@ -664,7 +664,7 @@ def test_a_cached_prefix_running_past_the_known_tokens_leaves_the_plan_unsettled
 def test_a_head_is_cut_at_the_last_boundary_the_pattern_finds(text: str, data: st.DataObject) -> None:
     """head_cut searches back from the cut; the boundary pattern, scanned forward, says where cuts may be."""
     chars = data.draw(st.integers(-1, len(text) + 1))
-    boundaries = [match.start() for match in _BOUNDARY.finditer(text, 0, max(chars + 1, 0))]
+    boundaries = [match.start() for match in BOUNDARY.finditer(text, 0, max(chars + 1, 0))]
     assert head_cut(text, chars) == (boundaries[-1] if boundaries else 0)
 
 

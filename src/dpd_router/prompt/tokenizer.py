@@ -213,7 +213,7 @@ class LocalTokenizer:
     def _bound_holds(self, text: str, bound: Bound) -> bool:
         """Whether `text`, and every part of it up to a boundary, encodes in no more tokens than its bound."""
         for special in (False, True):
-            for end in [match.start() for match in _BOUNDARY.finditer(text)] + [len(text)]:
+            for end in [match.start() for match in BOUNDARY.finditer(text)] + [len(text)]:
                 whole, _ = self._ids_and_offsets(text[:end], special)
                 if len(whole) > bound.at_most(utf8_size(text[:end]), special=special):
                     return False
@@ -224,7 +224,7 @@ class LocalTokenizer:
         keeps of each) start as the whole text's encoding does."""
         for special in (False, True):
             whole, _ = self._ids_and_offsets(text, special)
-            for match in _BOUNDARY.finditer(text):
+            for match in BOUNDARY.finditer(text):
                 known = self._head(text, match.start(), special).ids
                 if known != whole[: len(known)]:
                     return False
@@ -267,7 +267,7 @@ class LocalTokenizer:
         whole, _ = self._ids_and_offsets(text, False)
         if pieces.encode(text) != whole:
             return False
-        for match in _BOUNDARY.finditer(text):
+        for match in BOUNDARY.finditer(text):
             known = list(pieces.head(text, match.start()).ids)
             if known != whole[: len(known)]:
                 return False
@@ -858,8 +858,6 @@ _CHARS_PER_TOKEN_GUESS = 4.0
 DENSITY_WEIGHT = 0.1
 # How far back from a wanted cut a boundary is looked for; none there and the text is read whole.
 _BOUNDARY_WINDOW = 4096
-# A space right after a non-space character: a pre-tokenizer splits just before it.
-_BOUNDARY = BOUNDARY
 
 
 class PromptReader:
@@ -1184,13 +1182,13 @@ _PROBE_TEXT = (
 def _probe_variants(text: str) -> list[str]:
     """A probe text, its lines in reverse order and each head a reader may cut of it: what the startup checks
     of the word cache encode both ways."""
-    heads = [text[: match.start()] for match in _BOUNDARY.finditer(text)]
+    heads = [text[: match.start()] for match in BOUNDARY.finditer(text)]
     return [text, "".join(reversed(text.splitlines(keepends=True))), *heads]
 
 
 def head_cut(text: str, chars: int) -> int:
     """The last place at or before `chars` where `text` may be cut for a head (a space right after a
-    non-space character, as `_BOUNDARY` matches), looked for a little way back; 0 when there is none.
+    non-space character, as `BOUNDARY` matches), looked for a little way back; 0 when there is none.
     Searched from the end: the last boundary is usually a word back, where a scan of the window would
     cross thousands of characters."""
     start = max(0, chars - _BOUNDARY_WINDOW)
