@@ -165,8 +165,9 @@ def parse_wrk(output: str) -> dict[str, Any]:
     }
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user and system) of a process and its live descendants: a supervisor's workers count."""
+def tree_cpu_split(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process and its live descendants (a supervisor's workers count), in user code and in
+    the kernel."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -176,16 +177,18 @@ def tree_cpu_seconds(pid: int) -> float:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry.name))
-    total, todo = 0.0, [pid]
+    user = system = 0.0
+    todo = [pid]
     while todo:
         current = todo.pop()
-        total += stack.cpu_seconds(current) or 0.0
+        user_s, system_s = stack.cpu_split(current) or (0.0, 0.0)
+        user, system = user + user_s, system + system_s
         todo.extend(children.get(current, ()))
-    return total
+    return user, system
 
 
 async def run_wrk(wrk: str, url: str, script: Path, cell: Cell, seconds: int, pid: int | None) -> dict[str, Any]:
-    before = tree_cpu_seconds(pid) if pid else None
+    before = tree_cpu_split(pid) if pid else (0.0, 0.0)
     process = await asyncio.create_subprocess_exec(
         wrk, "-t1", f"-c{cell.concurrency}", f"-d{seconds}s", "--latency", "--timeout", "30s", "-s", str(script),
         url + "/v1/chat/completions",
@@ -194,8 +197,13 @@ async def run_wrk(wrk: str, url: str, script: Path, cell: Cell, seconds: int, pi
     output = (await process.communicate())[0].decode(errors="replace")
     summary = parse_wrk(output)
     if pid:
-        spent = tree_cpu_seconds(pid) - (before or 0.0)
-        summary["cpu_ms_per_request"] = spent * 1000 / summary["requests"] if summary["requests"] else None
+        after = tree_cpu_split(pid)
+        user, system = after[0] - before[0], after[1] - before[1]
+        done = summary["requests"]
+        summary["cpu_ms_per_request"] = (user + system) * 1000 / done if done else None
+        # The same time told apart: the process's own code (the interpreter) and the kernel's (its syscalls).
+        summary["cpu_user_ms_per_request"] = user * 1000 / done if done else None
+        summary["cpu_system_ms_per_request"] = system * 1000 / done if done else None
     if not summary["requests"]:
         summary["wrk_output"] = output[-800:]
     return summary

@@ -61,11 +61,18 @@ def rss_bytes(pid: int) -> int | None:
 
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time a process has used."""
+    split = cpu_split(pid)
+    return None if split is None else sum(split)
+
+
+def cpu_split(pid: int) -> tuple[float, float] | None:
+    """The CPU time a process has used, in its own code and libraries (user) and in the kernel's (system)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 # Flags whose value is a port the process binds besides the one it serves on: chosen again too.

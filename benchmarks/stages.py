@@ -12,7 +12,10 @@ libraries every stage calls) count for their caller, and a sample none of whose 
 A stage's share is that of the samples, each thread's weighed by the CPU time the kernel counted for it in
 the window (attribute() says why); its CPU per request is its share times the CPU per request. The floor
 serves (a), (b) and (f) in the same rounds, timed and sampled the same way: its stages beside the router's say
-which of the router's stages hold what it pays over the floor. vllm-router (plain), where its binary is given,
+which of the router's stages hold what it pays over the floor. Every timed run's CPU is told apart in the
+process's own code (user) and the kernel's. The floor serves those loads once more slowed: spinning, on each
+request, the Python the router's own code took over the floor's in that round, so its kernel time says what
+a process that slow pays for the same reads and writes. vllm-router (plain), where its binary is given,
 serves them too, timed only.
 
     python -m benchmarks.stages [--rounds 2] [--seconds 4] [--smoke] [--raw DIR] [--vllm-router PATH]
@@ -36,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from benchmarks import capacity, report, stack
@@ -416,6 +420,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for tid, seconds in spied.cpu.items():
                         floor_cpu[load.key][tid] = floor_cpu[load.key].get(tid, 0.0) + seconds
                     runs.append(_run("floor, py-spy", load, round_, summary, args) | {"pyspy_dropped": spied.dropped})
+                    # The floor at the router's rate: as much Python spun a request as the router's own code
+                    # took over the floor's in this round, so its kernel time is that of as slow a process.
+                    burn = _router_excess_us(runs, load.key, round_)
+                    await _slow(floor, burn)
+                    summary = await drive(floor, load, args.seconds)
+                    await _slow(floor, 0)
+                    runs.append(_run("floor, slowed", load, round_, summary, args) | {"burn_us": burn})
                     if peer is not None:
                         runs.append(_run("vllm-router", load, round_, await drive(peer, load, args.seconds), args))
     finally:
@@ -425,6 +436,23 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     floor_profiles = {key: attribute(counted, floor_cpu[key], args.rate) for key, counted in floor_stacks.items()}
     loads_seen = [vars(load) | {"label": load.label} for load in loads]
     return {"loads": loads_seen, "runs": runs, "profiles": profiles, "floor_profiles": floor_profiles}
+
+
+def _router_excess_us(runs: list[dict[str, Any]], load: str, round_: int) -> int:
+    """Microseconds of its own code (user CPU) the router took a request over the floor's, in a round's windows
+    without py-spy."""
+
+    def user(setup: str) -> float:
+        (run,) = (r for r in runs if r["setup"] == setup and r["load"] == load and r["round"] == round_)
+        return float(run["summary"].get("cpu_user_ms_per_request") or 0.0)
+
+    return max(round((user("dpd-router") - user("floor")) * 1000), 0)
+
+
+async def _slow(floor: Service, burn_us: int) -> None:
+    """Have the floor spin `burn_us` microseconds of Python on each request (0: none)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        (await client.get(floor.url + "/", params={"burn_us": burn_us})).raise_for_status()
 
 
 def _run(setup: str, load: Load, round_: int, summary: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -470,7 +498,11 @@ def table(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-DETAIL = ("load", "setup", "req/s", "p50 ms", "CPU ms/req", "errors", "samples", "sampled ÷ CPU time", "decisions")
+USER_KERNEL = ("user", "system")  # the CPU time's parts in a run's summary (cpu_user_ms_per_request, ...)
+DETAIL = (
+    "load", "setup", "req/s", "p50 ms", "CPU ms/req", "user", "kernel", "errors", "samples", "sampled ÷ CPU time",
+    "decisions (slowed: Python spun a request)",
+)  # fmt: skip
 
 
 def write(results: dict[str, Any], out: Path) -> str:
@@ -519,6 +551,18 @@ def _stage_rows(results: dict[str, Any]) -> list[list[str]]:
 
     rows = [[row["stage"], *(cell(row[column]) for column, _, _ in shown)] for row in results["table"]]
     rows.append(["**total**", *(report.num(median(runs, setup, load), 3) for _, setup, load in shown)])
+    kernel = "cpu_system_ms_per_request"
+    in_kernel = (report.num(median(runs, setup, load, kernel), 3) for _, setup, load in shown)
+    rows.append(["of it, in the kernel", *in_kernel])
+    if any(run["setup"] == "floor, slowed" for run in runs):
+        # The floor spinning the router's own extra time a request: what as slow a process pays in the kernel.
+        slow = "floor, slowed"
+        slowed = [
+            (median(runs, slow, load), median(runs, slow, load, kernel)) if setup == "floor" else None
+            for _, setup, load in shown
+        ]
+        cells = ["" if cpu is None else f"{report.num(cpu[0], 3)} ({report.num(cpu[1], 3)} kernel)" for cpu in slowed]
+        rows.append(["**floor slowed to the router's rate**, total", *cells])
     if any(run["setup"] == "vllm-router" for run in runs):
         peer = [median(runs, "vllm-router", load) if setup == "dpd-router" else None for _, setup, load in shown]
         rows.append(["**vllm-router (plain), total**", *("" if cpu is None else report.num(cpu, 3) for cpu in peer)])
@@ -531,15 +575,17 @@ def _detail_rows(results: dict[str, Any]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for load in results["loads"]:
         key, profile = load["key"], results["profiles"][load["key"]]
-        for setup in ("dpd-router", "dpd-router, py-spy", "floor", "floor, py-spy", "vllm-router"):
+        for setup in ("dpd-router", "dpd-router, py-spy", "floor", "floor, py-spy", "floor, slowed", "vllm-router"):
             mine = [r for r in results["runs"] if r["setup"] == setup and r["load"] == key]
             if not mine:
                 continue
             row = [load["label"], setup, report.num(median(mine, setup, key, "req_per_s"), 0)]
             row += [report.ms(median(mine, setup, key, "p50"), 2), report.num(median(mine, setup, key), 3)]
+            row += [report.num(median(mine, setup, key, f"cpu_{part}_ms_per_request"), 3) for part in USER_KERNEL]
             row.append(sum(r["summary"]["errors"] for r in mine))
             if not setup.endswith("py-spy"):
-                rows.append([*row, "-", "-", "-"])
+                spun = [r["burn_us"] for r in mine if "burn_us" in r]
+                rows.append([*row, "-", "-", ", ".join(f"{us} us" for us in spun) or "-"])
                 continue
             if setup == "floor, py-spy":
                 profile = results["floor_profiles"][key]

@@ -178,8 +178,19 @@ def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp
     peer = stack.vllm_router_binary().exists()
     assert {(run["setup"], run["load"]) for run in results["runs"]} == {
         *((setup, load) for setup in ("dpd-router", "dpd-router, py-spy") for load in "abcdef"),
-        *((setup, load) for setup in ("floor", "floor, py-spy", *(["vllm-router"] if peer else [])) for load in "abf"),
+        *(
+            (setup, load)
+            for setup in ("floor", "floor, py-spy", "floor, slowed", *(["vllm-router"] if peer else []))
+            for load in "abf"
+        ),
     }
+    for run in results["runs"]:  # every timed run's CPU, told apart in the process's own code and the kernel's
+        summary = run["summary"]
+        if summary.get("cpu_ms_per_request") is not None:
+            parts = summary["cpu_user_ms_per_request"] + summary["cpu_system_ms_per_request"]
+            assert parts == pytest.approx(summary["cpu_ms_per_request"])
+    # The slowed floor spins what the router's own code took over the floor's in its round (the router's more).
+    assert all(run["burn_us"] > 0 for run in results["runs"] if run["setup"] == "floor, slowed")
     profiles = [(load, results["profiles"][load]) for load in "abcdef"]
     profiles += [(f"{load}-floor", results["floor_profiles"][load]) for load in "abf"]
     for column, profile in profiles:
@@ -198,6 +209,7 @@ def test_stages_puts_every_sample_of_each_load_in_one_stage_beside_the_floor(tmp
         assert decisions == ({"direct/below_threshold"} if load in "abef" else {"disaggregated/long_prompt"})
     text = (tmp_path / "results.md").read_text()
     assert "(a) on the floor" in text and "**total**" in text and "Top 10 leaf functions" in text
+    assert "of it, in the kernel" in text and "floor slowed to the router's rate" in text
 
 
 def test_arms_runs_both_arms_through_one_router_and_advise_names_them(tmp_path: Path) -> None:
