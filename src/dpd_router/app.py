@@ -194,6 +194,9 @@ def build_server(settings: Settings, *, loop: str = "uvloop", **config: Any) -> 
             proxy_headers=False,
             log_level="warning",
             access_log=False,
+            # Not uvicorn's logging configuration: applying it closes every handler in the process, the
+            # router's own log writer (record/logs.py) among them; configure_logging routes uvicorn's lines.
+            log_config=None,
             timeout_keep_alive=settings.client_keepalive_timeout,
             **config,
         )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +21,7 @@ from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from dpd_router.app import build_server
 from dpd_router.config import load_settings
 from dpd_sim.cluster import SimCluster
+from dpd_sim.ports import free_port
 
 MODEL = "sim-model"
 
@@ -55,6 +58,38 @@ async def running_router(*, startup_within: float = 30, **settings: Any) -> Asyn
     config = load_settings(host="127.0.0.1", port=port, health_interval=0.5, **settings)
     async with serving(build_server(config, loop="none", lifespan="on"), sock, within=startup_within):
         yield f"http://127.0.0.1:{port}"
+
+
+@asynccontextmanager
+async def router_process(log: Path, *args: str, env: dict[str, str] | None = None) -> AsyncIterator[str]:
+    """`dpd-router serve` with `args` in a process of its own on a free 127.0.0.1 port, its output into `log`
+    (and `env` added to its environment); yields its base URL once it is ready, and stops it after."""
+    port = free_port()
+    with log.open("wb") as output:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dpd_router.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args,
+            stdout=output, stderr=output, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        async with local_client() as http, asyncio.timeout(60):
+            while True:
+                assert process.returncode is None, f"the router exited before it was ready: see {log}"
+                try:
+                    if (await http.get(f"{base_url}/ready")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+        yield base_url
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
 
 
 @asynccontextmanager

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-import httpx
-
 from dpd_sim.cluster import SimCluster
-from dpd_sim.ports import free_port
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, router_process
 from tests.integration.test_routing import ask, document, prefiller_of
 
 THRESHOLD = 256
@@ -25,41 +20,16 @@ QUESTIONS = ("What is the first word?", "Summarise it.", "How many words are the
 
 
 @asynccontextmanager
-async def router_process(cluster: SimCluster, tokenizer_dir: Path, log: Path, hash_seed: int) -> AsyncIterator[str]:
+async def replica(cluster: SimCluster, tokenizer_dir: Path, log: Path, hash_seed: int) -> AsyncIterator[str]:
     """`dpd-router serve` in its own process (its own PYTHONHASHSEED); yields its base URL once ready."""
-    port = free_port()
-    args = ["--host", "127.0.0.1", "--port", str(port), "--tokenizer", str(tokenizer_dir)]
-    args += ["--routing-threshold", str(THRESHOLD), "--threshold-mode", "static", "--prefill-strategy", "prefixaware"]
-    args += ["--model", MODEL, "--log-level", "warning"]
+    args = ["--tokenizer", str(tokenizer_dir), "--routing-threshold", str(THRESHOLD), "--threshold-mode", "static"]
+    args += ["--prefill-strategy", "prefixaware", "--model", MODEL, "--log-level", "warning"]
     for url in cluster.prefill_urls:
         args += ["--prefill", url]
     for url in cluster.decode_urls:
         args += ["--decode", url]
-    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed)}
-    with log.open("wb") as output:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dpd_router.cli", "serve", *args, stdout=output, stderr=output, env=env
-        )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient() as http, asyncio.timeout(60):
-            while True:
-                assert process.returncode is None, f"the router exited before it was ready: see {log}"
-                try:
-                    if (await http.get(f"{base_url}/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
+    async with router_process(log, *args, env={"PYTHONHASHSEED": str(hash_seed)}) as base_url:
         yield base_url
-    finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 15)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 async def test_two_router_processes_prefill_each_prefix_on_one_prefiller(tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -68,7 +38,7 @@ async def test_two_router_processes_prefill_each_prefix_on_one_prefiller(tokeniz
             SimCluster(in_process=True, prefill=3, decode=2, tokenizer=tokenizer_dir, model=MODEL)
         )
         routers = [
-            await stack.enter_async_context(router_process(cluster, tokenizer_dir, tmp_path / f"router-{i}.log", seed))
+            await stack.enter_async_context(replica(cluster, tokenizer_dir, tmp_path / f"router-{i}.log", seed))
             for i, seed in enumerate((1, 2))
         ]
         rng = random.Random(22)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import io
-import logging
-import time
 import weakref
 from typing import Any
 
@@ -23,7 +20,6 @@ from dpd_router.api.answers import raw_headers
 from dpd_router.api.departure import ON_LOST, Departure
 from dpd_router.api.openai import LaneHeaders, LaneRequest, RequestIds, read_body
 from dpd_router.app import YOUNG_COLLECTION_AFTER, frozen_heap
-from dpd_router.record.logs import JsonFormatter, LineWriter
 from dpd_router.request.errors import PayloadTooLarge
 
 
@@ -92,32 +88,6 @@ async def test_without_the_listener_a_disconnect_message_cancels_the_request() -
         return False
 
     assert await asyncio.wait_for(serving(), 5) is True
-
-
-def test_log_lines_are_written_in_order_a_warning_at_once_and_the_rest_on_close() -> None:
-    stream = io.StringIO()
-    writer = LineWriter(stream, interval=60)  # no timed write within the test
-    writer.setFormatter(JsonFormatter())
-    logger = logging.getLogger("dpd_router.test_lane")
-    logger.handlers[:] = [writer]
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    try:
-        logger.info("first")
-        logger.info("second")
-        assert stream.getvalue() == "", "an info line waits for the writer"
-        logger.warning("third")
-        for _ in range(500):
-            if "third" in stream.getvalue():
-                break
-            time.sleep(0.01)
-        lines = stream.getvalue().splitlines()
-        assert [line.split('"msg":"')[1].split('"')[0] for line in lines] == ["first", "second", "third"]
-        logger.info("fourth")
-    finally:
-        writer.close()
-        logger.handlers[:] = []
-    assert stream.getvalue().splitlines()[-1].count("fourth") == 1, "closing writes what is left"
 
 
 def test_while_the_router_serves_its_startup_heap_is_frozen_and_young_collections_wait_longer() -> None:

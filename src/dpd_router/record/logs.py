@@ -52,13 +52,20 @@ class LineWriter(logging.Handler):
     the pipe behind it is full) on every request. Here the loop only appends the line; the writer thread
     writes what has gathered every `interval` seconds, at once for a warning or worse (so nothing that
     explains a failure waits), and when the handler is flushed or closed (logging's exit hook does both).
+
+    Closed (at exit, or by a `logging.config` call that closes every handler it finds while loggers keep
+    this one), it writes each line as it is logged: no line waits for a writer that is gone. While stderr
+    does not keep up, at most `pending` lines wait; those past it are dropped, and counted in a line of
+    their own once the writer is through, so a stalled log pipe costs lines, never unbounded memory.
     """
 
-    def __init__(self, stream: TextIO, *, interval: float = 0.05, most: int = 1024) -> None:
+    def __init__(self, stream: TextIO, *, interval: float = 0.05, most: int = 1024, pending: int = 50_000) -> None:
         super().__init__()
         self._stream = stream
         self._interval = interval
         self._most = most
+        self._pending = pending
+        self._dropped = 0
         self._lines: list[str] = []
         self._wake = threading.Event()
         self._closed = False
@@ -71,7 +78,14 @@ class LineWriter(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        self._lines.append(line)  # under the handler's lock (Handler.handle)
+        # Under the handler's lock (Handler.handle), as the writer takes the lines.
+        if self._closed:
+            self._write([line])
+            return
+        if len(self._lines) >= self._pending:
+            self._dropped += 1
+            return
+        self._lines.append(line)
         if record.levelno >= logging.WARNING or len(self._lines) >= self._most:
             self._wake.set()
 
@@ -86,13 +100,30 @@ class LineWriter(logging.Handler):
         # writer, never a thread that logs.
         with self.lock:  # type: ignore[union-attr]  # Handler.createLock made it
             lines, self._lines = self._lines, []
-        if not lines:
-            return
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            lines.append(self._dropped_line(dropped))
+        if lines:
+            self._write(lines)
+
+    def _write(self, lines: list[str]) -> None:
         try:
             self._stream.write("\n".join(lines) + "\n")
             self._stream.flush()
         except (OSError, ValueError):
             pass  # stderr closed or gone: nowhere to write, and nothing to raise into
+
+    def _dropped_line(self, dropped: int) -> str:
+        notice = logging.makeLogRecord(
+            {
+                "name": "dpd_router.logs",
+                "levelno": logging.WARNING,
+                "levelname": "WARNING",
+                "msg": "%d log lines dropped: stderr did not keep up (%d lines may wait)",
+                "args": (dropped, self._pending),
+            }
+        )
+        return self.format(notice)
 
     def close(self) -> None:
         self._closed = True
@@ -115,3 +146,8 @@ def configure_logging(level: str, fmt: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # uvicorn's own lines (a malformed request, a server error) in the same format, through the same writer;
+    # their level is the server's (build_server leaves uvicorn's logging configuration out).
+    listener = logging.getLogger("uvicorn")
+    listener.handlers[:] = [handler]
+    listener.propagate = False
